@@ -1,0 +1,55 @@
+"""One rank-zero logger for the whole package.
+
+Messages go to the terminal and to ``<output_dir>/train.log`` on the main process only; other
+ranks log warnings and errors so that a failure on any rank is still seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import datasets
+import transformers
+from tqdm.auto import tqdm
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATEFMT = "%H:%M:%S"
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes through tqdm so that log lines do not tear the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The package logger for a module (``recipes.<module>``)."""
+    return logging.getLogger(name)
+
+
+def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
+    """Route ``recipes.*`` logs to the terminal (and a file) and quiet libraries on other ranks."""
+    root = logging.getLogger("recipes")
+    root.handlers.clear()
+    root.propagate = False
+    root.setLevel(logging.INFO if is_main_process else logging.WARNING)
+    console = _TqdmHandler()
+    console.setFormatter(logging.Formatter(FORMAT, DATEFMT))
+    root.addHandler(console)
+    if log_file is not None and is_main_process:
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
+        root.addHandler(file_handler)
+    if is_main_process:
+        transformers.utils.logging.set_verbosity_warning()
+        datasets.utils.logging.set_verbosity_warning()
+    else:
+        transformers.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()

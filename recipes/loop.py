@@ -1,0 +1,328 @@
+"""The one training loop: every recipe runs through :func:`train`.
+
+Everything that depends on the hardware (device placement, mixed precision, distributed data
+parallelism, gradient accumulation, gathering for metrics) goes through ``accelerate``; the task
+object only builds data, turns a batch into a loss and evaluates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, broadcast_object_list, set_seed
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from recipes import device
+from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, validate
+from recipes.log import get_logger, setup_logging
+from recipes.optim import build_optimizer
+from recipes.tracking import MetricsLogger, tracker_init_kwargs
+
+log = get_logger(__name__)
+
+
+def _agree_on_output_dir(proposed: str) -> Path:
+    """All ranks take rank 0's run folder (each rank's Hydra resolved its own timestamp)."""
+    chosen = broadcast_object_list([proposed])[0]
+    own = Path(proposed)
+    if chosen != proposed and own.is_dir() and not any(own.iterdir()):
+        own.rmdir()  # the empty folder Hydra made for this rank's own timestamp
+    return Path(chosen)
+
+
+def _claim_output_dir(output_dir: Path) -> None:
+    """Refuse to write into a folder that already holds a run: its results must survive."""
+    for marker in ("metrics.jsonl", "final", "config.yaml"):
+        if (output_dir / marker).exists():
+            raise ConfigError(
+                f"output_dir={output_dir} already holds a run ({marker}); nothing was changed. "
+                "Pick a new folder with output_dir=... (or remove that one)."
+            )
+
+
+def _mixed_precision(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if PartialState().device.type == "cpu":
+        return "no"
+    return device.default_mixed_precision()
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; a missing or unreachable model fails with the key to fix."""
+    try:
+        return AutoTokenizer.from_pretrained(
+            cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({_first_line(err)}). "
+            "Give a local save_pretrained folder, or a hub name while online."
+        ) from None
+
+
+def load_model(cfg: ModelConfig, auto_class: Any) -> torch.nn.Module:
+    """The pretrained model with the task's head (new heads are initialised by transformers)."""
+    attn = cfg.attn_implementation
+    if attn == "auto":
+        attn = device.default_attn_implementation()
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        try:
+            return auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
+        except ValueError as err:
+            if cfg.attn_implementation != "auto" or "attn" not in str(err).lower():
+                raise
+            log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
+            return auto_class.from_pretrained(
+                cfg.name_or_path, attn_implementation="eager", **kwargs
+            )
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load the model ({_first_line(err)})."
+        ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@dataclass
+class _Window:
+    """Running sums between two log steps (kept on the device: no host sync per step)."""
+
+    loss: torch.Tensor
+    counts: torch.Tensor  # micro-batches, samples, tokens
+    start: float
+
+    @classmethod
+    def fresh(cls, where: torch.device) -> _Window:
+        return cls(torch.zeros((), device=where), torch.zeros(3, device=where), time.perf_counter())
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run the recipe described by the composed config ``cfg``; returns the final eval metrics."""
+    settings: Settings = validate(cfg)
+    task = hydra.utils.instantiate(cfg.task)  # checks its own settings before any heavy work
+    t: TrainerConfig = settings.trainer
+
+    accelerator = Accelerator(
+        mixed_precision=_mixed_precision(t.mixed_precision),
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        log_with=settings.logger.trackers or None,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    try:
+        return _run(cfg, settings, task, accelerator)
+    finally:
+        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
+        accelerator.end_training()
+
+
+def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerator) -> dict:
+    t = settings.trainer
+    output_dir = _agree_on_output_dir(str(cfg.output_dir))
+    if accelerator.is_main_process:
+        _claim_output_dir(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    accelerator.wait_for_everyone()
+    setup_logging(accelerator.is_main_process, output_dir / "train.log")
+    log.info("run folder: %s", output_dir)
+    log.info(
+        "device %s, %d process(es), mixed precision %s, distributed %s",
+        accelerator.device,
+        accelerator.num_processes,
+        accelerator.mixed_precision,
+        accelerator.distributed_type,
+    )
+    if t.tf32:
+        device.enable_tf32()
+    set_seed(t.seed)
+
+    tokenizer = load_tokenizer(settings.model)
+    with accelerator.main_process_first():
+        data = task.build_data(settings.data, tokenizer)
+    model = load_model(settings.model, task.auto_model_class)
+
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
+    train_loader = DataLoader(
+        data.train,
+        batch_size=t.per_device_train_batch_size,
+        shuffle=True,
+        collate_fn=collator,
+        num_workers=t.dataloader_num_workers,
+    )
+    eval_loader = DataLoader(
+        data.eval,
+        batch_size=t.per_device_eval_batch_size,
+        collate_fn=collator,
+        num_workers=t.dataloader_num_workers,
+    )
+    optimizer = build_optimizer(hydra.utils.instantiate(cfg.optimizer), model)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
+    steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)
+    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_epochs * steps_per_epoch)
+    scheduler = hydra.utils.instantiate(cfg.scheduler)(
+        optimizer=optimizer,
+        num_training_steps=total_steps,
+        num_processes=accelerator.num_processes,
+    )
+    scheduler = accelerator.prepare(scheduler)
+
+    global_batch = (
+        t.per_device_train_batch_size * accelerator.num_processes * t.gradient_accumulation_steps
+    )
+    log.info(
+        "%d training features, global batch %d (%d per device x %d processes x %d "
+        "accumulation), %d steps per epoch, %d optimizer steps",
+        len(data.train),
+        global_batch,
+        t.per_device_train_batch_size,
+        accelerator.num_processes,
+        t.gradient_accumulation_steps,
+        steps_per_epoch,
+        total_steps,
+    )
+
+    metrics_logger = MetricsLogger(accelerator, output_dir)
+    run_name = "-".join(output_dir.parts[-2:])
+    accelerator.init_trackers(
+        settings.logger.wandb.project,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        init_kwargs=tracker_init_kwargs(settings.logger, run_name, output_dir),
+    )
+
+    def evaluate(step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        scores = task.evaluate(model, eval_loader, accelerator, output_dir)
+        scores = {f"eval/{k}": v for k, v in scores.items()}
+        scores["eval/runtime_s"] = time.perf_counter() - started
+        metrics_logger.log(scores, step)
+        log.info("eval at step %d: %s", step, _fmt(scores))
+        return scores
+
+    step, epoch, last_eval_step = 0, 0, -1
+    final: dict[str, float] = {}
+    window = _Window.fresh(accelerator.device)
+    grad_norm: torch.Tensor | None = None
+    progress = tqdm(
+        total=total_steps,
+        desc="train",
+        dynamic_ncols=True,
+        disable=not (accelerator.is_local_main_process and t.progress_bar),
+    )
+    model.train()
+    while step < total_steps:
+        train_loader.set_epoch(epoch)
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                loss = task.loss(model, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.max_grad_norm is not None:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            window.loss += loss.detach().float()
+            mask = batch["attention_mask"]
+            window.counts += torch.stack(
+                [
+                    torch.ones_like(window.loss),
+                    torch.tensor(mask.shape[0], device=mask.device, dtype=torch.float),
+                    mask.sum().float(),
+                ]
+            )
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            progress.update(1)
+            if step % t.log_every_n_steps == 0 or step == total_steps:
+                logged = _window_metrics(
+                    accelerator, window, scheduler, grad_norm, epoch, step / steps_per_epoch
+                )
+                metrics_logger.log(logged, step)
+                progress.set_postfix(
+                    loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
+                )
+                window = _Window.fresh(accelerator.device)
+            if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
+                final, last_eval_step = evaluate(step), step
+                window.start = time.perf_counter()  # throughput excludes evaluation time
+            if step >= total_steps:
+                break
+        epoch += 1
+    progress.close()
+
+    if t.eval_at_end and last_eval_step != step:
+        final = evaluate(step)
+    if t.save_final_model:
+        _save_final(accelerator, model, tokenizer, output_dir / "final")
+    metrics_logger.close()
+    log.info("done: %d steps; %s", step, _fmt(final) if final else "no evaluation")
+    return final
+
+
+def _window_metrics(
+    accelerator: Accelerator,
+    window: _Window,
+    scheduler: Any,
+    grad_norm: torch.Tensor | None,
+    epoch: int,
+    epoch_float: float,
+) -> dict:
+    """Loss, lr and throughput since the last log step, summed over all processes."""
+    elapsed = max(time.perf_counter() - window.start, 1e-9)
+    totals = accelerator.reduce(torch.cat([window.loss[None], window.counts]), reduction="sum")
+    loss, micro, samples, tokens = totals.tolist()
+    metrics = {
+        "train/loss": loss / max(micro, 1.0),
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/epoch": epoch_float,
+        "train/samples_per_second": samples / elapsed,
+        "train/tokens_per_second": tokens / elapsed,
+    }
+    if grad_norm is not None:
+        metrics["train/grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def _save_final(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    folder: Path,
+) -> None:
+    """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(
+        folder,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=state_dict,
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(folder)
+        log.info("saved model and tokenizer to %s", folder)
+    accelerator.wait_for_everyone()
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(
+        f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))
+    )

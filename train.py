@@ -1,0 +1,39 @@
+"""Fine-tune a Hugging Face model with a recipe composed by Hydra from ``conf/``.
+
+    python train.py recipe=bert_squad                      # one device (MUSA, CUDA or CPU)
+    python train.py recipe=bert_squad debug=smoke          # bundled tiny model and data, offline
+    python train.py recipe=bert_squad_v2 model=bert_base_uncased trainer.num_epochs=3
+    accelerate launch --config_file conf/accelerate/multi_musa.yaml train.py recipe=bert_squad
+
+Any key can be overridden (``data.path=./squad model.name_or_path=./checkpoint``); ``--cfg job``
+prints the composed config without running it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from recipes.config import ConfigError, register_resolvers
+from recipes.data import DataError
+
+register_resolvers()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point; returns the final F1 / main metric (for sweeps)."""
+    from recipes.loop import train  # imported late: `--help` and `--cfg` stay fast
+
+    try:
+        metrics = train(cfg)
+    except (ConfigError, DataError) as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+    return next((v for k, v in metrics.items() if k.endswith("/f1")), None)
+
+
+if __name__ == "__main__":
+    main()
