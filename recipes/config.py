@@ -197,6 +197,24 @@ def validate(cfg: DictConfig) -> Settings:
     return settings
 
 
+def instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(cfg[key])`` with errors that name the config group.
+
+    Hydra wraps whatever the target raised; a :class:`ConfigError` from a component's own
+    checks is passed through as it is, anything else is reported against ``key``.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(cfg[key], **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        cause = err.__cause__ or err
+        raise ConfigError(f"{key}: cannot build {cfg[key].get('_target_')}: {cause}") from None
+
+
 def _asset(relative: str) -> str:
     path = ASSETS / relative
     if not path.exists():

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, broadcast_object_list, set_seed
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from recipes import device
-from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, validate
+from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
 from recipes.log import get_logger, setup_logging
 from recipes.optim import build_optimizer
 from recipes.tracking import MetricsLogger, tracker_init_kwargs
@@ -114,7 +113,7 @@ class _Window:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run the recipe described by the composed config ``cfg``; returns the final eval metrics."""
     settings: Settings = validate(cfg)
-    task = hydra.utils.instantiate(cfg.task)  # checks its own settings before any heavy work
+    task = instantiate(cfg, "task")  # checks its own settings before any heavy work
     t: TrainerConfig = settings.trainer
 
     accelerator = Accelerator(
@@ -170,13 +169,13 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
         collate_fn=collator,
         num_workers=t.dataloader_num_workers,
     )
-    optimizer = build_optimizer(hydra.utils.instantiate(cfg.optimizer), model)
+    optimizer = build_optimizer(instantiate(cfg, "optimizer"), model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
     steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)
     total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_epochs * steps_per_epoch)
-    scheduler = hydra.utils.instantiate(cfg.scheduler)(
+    scheduler = instantiate(cfg, "scheduler")(
         optimizer=optimizer,
         num_training_steps=total_steps,
         num_processes=accelerator.num_processes,

@@ -1,0 +1,56 @@
+"""Shared test setup: offline hubs, the real-data folder beside the checkout, run helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing may come from a hub during tests: tiny models and data are bundled or generated.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_EVALUATE_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = os.environ.get("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` (real SQuAD, text, GLUE); the test is skipped where it is absent."""
+    if not (SHARED_DATA / "squad").is_dir():
+        pytest.skip("../shared/data is not present on this machine")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One feature cache for the session's runs (features are reused across tests)."""
+    return tmp_path_factory.mktemp("feature-cache")
+
+
+def run_train(
+    *overrides: str,
+    cwd: Path = ROOT,
+    check: bool = True,
+    env: dict | None = None,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    """``python train.py <overrides>`` in a subprocess, as a user runs it."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc

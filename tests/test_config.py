@@ -1,0 +1,104 @@
+"""Every recipe composes; bad settings fail at once with the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from recipes.config import ASSETS, ConfigError, instantiate, register_resolvers, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
+
+register_resolvers()
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=["output_dir=/tmp/unused", *overrides])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("debug", [None, "smoke"])
+def test_every_recipe_composes_and_validates(recipe, debug):
+    cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
+    settings = validate(cfg)
+    task = instantiate(cfg, "task")
+    assert settings.trainer.per_device_train_batch_size > 0
+    if debug == "smoke":
+        assert Path(settings.model.name_or_path) == ASSETS / "tiny-bert"
+        assert Path(settings.data.path).is_relative_to(ASSETS)
+    assert task.version_2_with_negative == recipe.endswith("_v2")
+
+
+def test_bert_squad_is_the_reference_run():
+    cfg = _compose("recipe=bert_squad")
+    assert cfg.model.name_or_path == "bert-large-uncased"
+    assert cfg.trainer.per_device_train_batch_size == 24
+    assert cfg.optimizer.lr == 3e-5
+    assert (cfg.task.max_seq_length, cfg.task.doc_stride) == (384, 128)
+    assert cfg.scheduler.name == "cosine"
+    assert cfg.trainer.num_epochs == 2
+
+
+def test_unknown_recipe_lists_the_choices():
+    with pytest.raises(MissingConfigException) as err:
+        _compose("recipe=bert_sqad")
+    for recipe in RECIPES:
+        assert recipe in str(err.value)
+
+
+def test_misspelt_override_is_refused():
+    with pytest.raises(ConfigCompositionException, match="num_epoch"):
+        _compose("trainer.num_epoch=3")
+
+
+def test_command_line_overrides_reach_the_run():
+    cfg = _compose(
+        "recipe=bert_squad",
+        "model.name_or_path=bert-base-uncased",
+        "data.path=squad",
+        "trainer.num_epochs=50",
+    )
+    assert validate(cfg).trainer.num_epochs == 50
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.per_device_train_batch_size=0", "trainer.per_device_train_batch_size=0"),
+        ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+        ("model.name_or_path=./no/such/model", "model.name_or_path=./no/such/model"),
+        ("data.path=./no/such/squad", "data.path=./no/such/squad"),
+        ("data.train_file=/no/such/train.json", "data.train_file"),
+        ("logger.wandb.mode=sometimes", "logger.wandb.mode"),
+    ],
+)
+def test_bad_settings_name_the_key(override, message):
+    cfg = _compose("recipe=bert_squad", override)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_misspelt_key_inside_a_yaml_file_is_refused():
+    cfg = _compose("recipe=bert_squad")
+    OmegaConf.set_struct(cfg, False)
+    cfg.trainer.eval_every_n_step = 100  # as if written in a recipe file
+    with pytest.raises(ConfigError, match="eval_every_n_step"):
+        validate(cfg)
+
+
+def test_wrong_type_is_refused():
+    cfg = _compose("recipe=bert_squad", "trainer.num_epochs=two")
+    with pytest.raises(ConfigError, match=r"trainer\.num_epochs"):
+        validate(cfg)
+
+
+def test_doc_stride_must_be_below_max_seq_length():
+    cfg = _compose("recipe=bert_squad", "task.doc_stride=384")
+    with pytest.raises(ConfigError, match=r"task\.doc_stride=384"):
+        instantiate(cfg, "task")

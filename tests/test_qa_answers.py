@@ -1,0 +1,139 @@
+"""The streamed, vectorised answer extraction equals the straightforward algorithm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from qa_reference import reference_answers
+
+from recipes.config import ASSETS, DataConfig
+from recipes.tasks.qa import QuestionAnswering
+from recipes.tasks.qa_answers import AnswerCollector, top_candidates
+
+
+def _streamed(data, start_logits, end_logits, batch_size, n_best, max_len, v2, threshold):
+    """Run the project's path: padded batches -> top_candidates -> AnswerCollector."""
+    collector = AnswerCollector(data.eval_windows, n_best, max_len)
+    order = np.arange(len(start_logits))
+    for first in range(0, len(order), batch_size):
+        idx = order[first : first + batch_size]
+        width = max(len(start_logits[i]) for i in idx) + 5  # extra padding must not matter
+        start = torch.full((len(idx), width), 7.0)  # padding logits are high on purpose
+        end = torch.full((len(idx), width), 7.0)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            n = len(start_logits[i])
+            start[row, :n], end[row, :n] = (
+                torch.from_numpy(start_logits[i]),
+                torch.from_numpy(end_logits[i]),
+            )
+            mask[row, :n] = 1
+        cands = top_candidates(start, end, mask, n_best)
+        collector.add({k: v.numpy() for k, v in cands.items()}, idx)
+    return collector.answers(data.eval_examples, v2, threshold)
+
+
+def _random_logits(windows, seed):
+    rng = np.random.default_rng(seed)
+    lengths = [len(o) for o in windows["offset_mapping"]]
+    return (
+        [rng.normal(size=n).astype(np.float32) for n in lengths],
+        [rng.normal(size=n).astype(np.float32) for n in lengths],
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ASSETS / "tiny-bert")
+
+
+def _data(tokenizer, tmp_path_factory, version, **task_kwargs):
+    task = QuestionAnswering(
+        max_seq_length=96,
+        doc_stride=32,
+        max_query_length=32,
+        version_2_with_negative=version == 2,
+        **task_kwargs,
+    )
+    cfg = DataConfig(
+        path=str(ASSETS / "squad" / f"v{version}"), cache_dir=str(tmp_path_factory.mktemp("cache"))
+    )
+    return task, task.build_data(cfg, tokenizer)
+
+
+@pytest.mark.parametrize("n_best,max_len,batch_size", [(20, 30, 16), (5, 8, 7)])
+def test_v1_matches_reference(tokenizer, tmp_path_factory, n_best, max_len, batch_size):
+    _, data = _data(tokenizer, tmp_path_factory, 1)
+    windows = data.eval_windows
+    assert len(windows) > len(data.eval_examples)  # several windows per question are exercised
+    start, end = _random_logits(windows, seed=n_best)
+    expected, _ = reference_answers(data.eval_examples, windows, start, end, n_best, max_len)
+    got, nbest, _ = _streamed(data, start, end, batch_size, n_best, max_len, False, 0.0)
+    assert got == expected
+    assert all(len(v) <= n_best for v in nbest.values())
+    first = next(iter(nbest.values()))
+    assert abs(sum(c["probability"] for c in first) - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.5, -1.0])
+def test_v2_matches_reference(tokenizer, tmp_path_factory, threshold):
+    _, data = _data(tokenizer, tmp_path_factory, 2)
+    windows = data.eval_windows
+    start, end = _random_logits(windows, seed=3)
+    for i, example_index in enumerate(windows["example_index"]):
+        if example_index % 3 == 0:  # make "no answer" win for some questions
+            start[i][0] += 3.0
+            end[i][0] += 3.0
+    expected, expected_odds = reference_answers(
+        data.eval_examples,
+        windows,
+        start,
+        end,
+        version_2_with_negative=True,
+        null_score_diff_threshold=threshold,
+    )
+    got, _, odds = _streamed(data, start, end, 16, 20, 30, True, threshold)
+    assert got == expected
+    assert odds.keys() == expected_odds.keys()
+    assert all(abs(odds[k] - expected_odds[k]) < 1e-5 for k in odds)
+    assert 0 < sum(1 for v in got.values() if v == "") < len(got)  # both kinds of answers occur
+
+
+def test_true_answers_are_extracted(tokenizer, tmp_path_factory):
+    """Logits that peak on the gold span give the gold answer text (through all windows)."""
+    _, data = _data(tokenizer, tmp_path_factory, 1)
+    windows, examples = data.eval_windows, data.eval_examples
+    start, end = _random_logits(windows, seed=0)
+    for i, window in enumerate(windows):
+        example = examples[window["example_index"]]
+        s_char = example["answers"]["answer_start"][0]
+        e_char = s_char + len(example["answers"]["text"][0])
+        offsets = window["offset_mapping"]
+        tokens = [k for k, (a, b) in enumerate(offsets) if a >= 0 and a < e_char and b > s_char]
+        if tokens and offsets[tokens[0]][0] <= s_char and offsets[tokens[-1]][1] >= e_char:
+            start[i][tokens[0]] += 20
+            end[i][tokens[-1]] += 20
+    got, _, _ = _streamed(data, start, end, 32, 20, 30, False, 0.0)
+    exact = sum(got[ex["id"]] == ex["answers"]["text"][0] for ex in examples)
+    assert exact / len(examples) > 0.95
+
+
+@pytest.mark.shared_data
+def test_full_dev_part1_matches_reference(tokenizer, shared_data, tmp_path):
+    """All 4,961 questions of the real dev file, windows of the reference settings."""
+    task = QuestionAnswering(max_seq_length=384, doc_stride=128)
+    cfg = DataConfig(
+        path=str(shared_data / "squad"),
+        eval_file=str(shared_data / "squad" / "dev-v1.1-part1.json"),
+        train_file=str(ASSETS / "squad" / "v1" / "train.json"),
+        cache_dir=str(tmp_path),
+    )
+    data = task.build_data(cfg, tokenizer)
+    assert len(data.eval_examples) == 4961
+    start, end = _random_logits(data.eval_windows, seed=11)
+    expected, _ = reference_answers(data.eval_examples, data.eval_windows, start, end)
+    got, _, _ = _streamed(data, start, end, 64, 20, 30, False, 0.0)
+    assert got == expected
