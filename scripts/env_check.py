@@ -1,0 +1,19 @@
+"""Print the environment report; see ``recipes/env.py``.
+
+python scripts/env_check.py
+python scripts/env_check.py --json
+python scripts/env_check.py --write-accelerate-config conf/accelerate/local.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run from a checkout without `pip install -e .`: put the repository root on the import path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from recipes.env import main
+
+if __name__ == "__main__":
+    sys.exit(main())
