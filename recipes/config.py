@@ -40,6 +40,7 @@ class TrainerConfig:
     seed: int = 42
     log_every_n_steps: int = 10
     eval_every_n_steps: int = 0
+    eval_at_start: bool = False
     eval_at_end: bool = True
     save_final_model: bool = True
     pad_to_multiple_of: int | None = 8

@@ -224,6 +224,9 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
         dynamic_ncols=True,
         disable=not (accelerator.is_local_main_process and t.progress_bar),
     )
+    if t.eval_at_start:
+        evaluate(0)
+        window.start = time.perf_counter()
     model.train()
     while step < total_steps:
         train_loader.set_epoch(epoch)

@@ -1,0 +1,69 @@
+"""Bad input as a new user types it: one clear line, a non-zero exit, nothing on disk lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_train
+
+from recipes.config import ASSETS
+
+SMOKE = ("recipe=bert_squad", "debug=smoke", "logger=none", "trainer.progress_bar=false")
+
+
+def _fails(*overrides: str, tmp_path) -> str:
+    proc = run_train(*SMOKE, f"output_dir={tmp_path / 'run'}", *overrides, check=False)
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        (
+            "model.name_or_path=./no/such/checkpoint",
+            "model.name_or_path=./no/such/checkpoint: no such folder",
+        ),
+        ("data.path=./no/such/squad", "data.path=./no/such/squad: no such file or folder"),
+        ("task.doc_stride=300", "task.doc_stride=300 must be smaller than task.max_seq_length=256"),
+        (
+            "trainer.per_device_train_batch_size=0",
+            "trainer.per_device_train_batch_size=0: must be at least 1",
+        ),
+    ],
+)
+def test_bad_setting_gives_one_line(tmp_path, override, expected):
+    stderr = _fails(override, tmp_path=tmp_path)
+    assert f"error: {expected}" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_unknown_recipe_and_misspelt_key(tmp_path):
+    stderr = _fails("recipe=bert_sqad", tmp_path=tmp_path)
+    assert "bert_squad" in stderr and "bert_squad_v2" in stderr
+    stderr = _fails("trainer.num_epoch=3", tmp_path=tmp_path)
+    assert "num_epoch" in stderr
+
+
+def test_malformed_squad_file_names_the_question(tmp_path):
+    raw = json.loads((ASSETS / "squad" / "v1" / "train.json").read_text())
+    qa = raw["data"][0]["paragraphs"][0]["qas"][0]
+    qa["answers"][0]["answer_start"] += 7
+    bad = tmp_path / "train-v1.1.json"
+    bad.write_text(json.dumps(raw))
+    stderr = _fails(
+        f"data.train_file={bad}", f"data.cache_dir={tmp_path / 'cache'}", tmp_path=tmp_path
+    )
+    assert f"id {qa['id']}: answers.answer_start[0]" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_finished_run_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    stderr = _fails(tmp_path=tmp_path)
+    assert "already holds a run" in stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
