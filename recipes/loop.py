@@ -41,7 +41,8 @@ def _agree_on_output_dir(proposed: str) -> Path:
 
 def _claim_output_dir(output_dir: Path) -> None:
     """Refuse to write into a folder that already holds a run: its results must survive."""
-    for marker in ("metrics.jsonl", "final", "config.yaml"):
+    # config.yaml alone is what a run that failed before training leaves: that folder is reusable.
+    for marker in ("metrics.jsonl", "final"):
         if (output_dir / marker).exists():
             raise ConfigError(
                 f"output_dir={output_dir} already holds a run ({marker}); nothing was changed. "
