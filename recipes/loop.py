@@ -228,6 +228,7 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
     if t.eval_at_start:
         evaluate(0)
         window.start = time.perf_counter()
+    train_seconds, train_samples = 0.0, 0.0
     model.train()
     while step < total_steps:
         train_loader.set_epoch(epoch)
@@ -254,17 +255,25 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
             step += 1
             progress.update(1)
             if step % t.log_every_n_steps == 0 or step == total_steps:
+                elapsed = max(time.perf_counter() - window.start, 1e-9)
                 logged = _window_metrics(
-                    accelerator, window, scheduler, grad_norm, epoch, step / steps_per_epoch
+                    accelerator, window, elapsed, scheduler, grad_norm, step / steps_per_epoch
                 )
+                train_seconds += elapsed
+                train_samples += logged["train/samples_per_second"] * elapsed
+                if step == total_steps:
+                    logged["train/runtime_s"] = train_seconds
+                    logged["train/s_per_step"] = train_seconds / step
+                    logged["train/samples_per_second_run"] = train_samples / train_seconds
                 metrics_logger.log(logged, step)
                 progress.set_postfix(
                     loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
                 )
                 window = _Window.fresh(accelerator.device)
             if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
+                eval_started = time.perf_counter()
                 final, last_eval_step = evaluate(step), step
-                window.start = time.perf_counter()  # throughput excludes evaluation time
+                window.start += time.perf_counter() - eval_started  # throughput excludes eval
             if step >= total_steps:
                 break
         epoch += 1
@@ -275,26 +284,32 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
     if t.save_final_model:
         _save_final(accelerator, model, tokenizer, output_dir / "final")
     metrics_logger.close()
-    log.info("done: %d steps; %s", step, _fmt(final) if final else "no evaluation")
+    log.info(
+        "done: %d steps in %.1f s of training (%.3f s/step); %s",
+        step,
+        train_seconds,
+        train_seconds / max(step, 1),
+        _fmt(final) if final else "no evaluation",
+    )
     return final
 
 
 def _window_metrics(
     accelerator: Accelerator,
     window: _Window,
+    elapsed: float,
     scheduler: Any,
     grad_norm: torch.Tensor | None,
-    epoch: int,
-    epoch_float: float,
+    epoch: float,
 ) -> dict:
-    """Loss, lr and throughput since the last log step, summed over all processes."""
-    elapsed = max(time.perf_counter() - window.start, 1e-9)
+    """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed over
+    all processes."""
     totals = accelerator.reduce(torch.cat([window.loss[None], window.counts]), reduction="sum")
     loss, micro, samples, tokens = totals.tolist()
     metrics = {
         "train/loss": loss / max(micro, 1.0),
         "train/lr": scheduler.get_last_lr()[0],
-        "train/epoch": epoch_float,
+        "train/epoch": epoch,
         "train/samples_per_second": samples / elapsed,
         "train/tokens_per_second": tokens / elapsed,
     }
