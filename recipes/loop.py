@@ -81,7 +81,7 @@ def load_model(cfg: ModelConfig, auto_class: Any) -> torch.nn.Module:
         try:
             return auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
         except ValueError as err:
-            if cfg.attn_implementation != "auto" or "attn" not in str(err).lower():
+            if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
                 raise
             log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
             return auto_class.from_pretrained(
