@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, broadcast_object_list, set_seed
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    broadcast_object_list,
+    parse_flag_from_env,
+    set_seed,
+)
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -53,7 +58,9 @@ def _claim_output_dir(output_dir: Path) -> None:
 def _mixed_precision(requested: str) -> str:
     if requested != "auto":
         return requested
-    if PartialState().device.type == "cpu":
+    # Decided before the Accelerator exists: creating accelerate's state here would fix the
+    # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):
         return "no"
     return device.default_mixed_precision()
 

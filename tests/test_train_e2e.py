@@ -142,3 +142,55 @@ def test_wandb_offline_run_is_written(tmp_path, cache_dir):
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
     assert list(offline[0].glob("*.wandb"))
+
+
+def test_two_processes_agree_with_one(tmp_path, cache_dir):
+    """Two gloo processes: one run folder, one log, and the evaluation of the untrained model
+    scores exactly what one process scores (no duplicated or dropped windows)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    common = (
+        "recipe=bert_squad",
+        "debug=smoke",
+        "logger=none",
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "data.max_eval_examples=61",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+        "trainer.progress_bar=false",
+    )
+    single = tmp_path / "single"
+    run_train(*common, f"output_dir={single}")
+    double = tmp_path / "double"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "conf/accelerate/cpu.yaml"),
+            "--multi_gpu",
+            "--main_process_port",
+            "29533",
+            str(ROOT / "train.py"),
+            *common,
+            f"output_dir={double}",
+        ],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _metrics(single), _metrics(double)
+    assert [m["step"] for m in two] == [0, 1, 2]  # written once, by the main process
+    assert two[0]["eval/f1"] == pytest.approx(one[0]["eval/f1"], abs=1e-9)
+    assert two[0]["eval/exact_match"] == pytest.approx(one[0]["eval/exact_match"], abs=1e-9)
+    assert "32 per device x 2 processes" in (double / "train.log").read_text()
