@@ -44,15 +44,16 @@ def _agree_on_output_dir(proposed: str) -> Path:
     return Path(chosen)
 
 
-def _claim_output_dir(output_dir: Path) -> None:
-    """Refuse to write into a folder that already holds a run: its results must survive."""
+def _existing_run(output_dir: Path) -> str | None:
+    """Why ``output_dir`` must not be written to (it holds a run whose results must survive)."""
     # config.yaml alone is what a run that failed before training leaves: that folder is reusable.
     for marker in ("metrics.jsonl", "final"):
         if (output_dir / marker).exists():
-            raise ConfigError(
+            return (
                 f"output_dir={output_dir} already holds a run ({marker}); nothing was changed. "
                 "Pick a new folder with output_dir=... (or remove that one)."
             )
+    return None
 
 
 def _mixed_precision(requested: str) -> str:
@@ -140,8 +141,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerator) -> dict:
     t = settings.trainer
     output_dir = _agree_on_output_dir(str(cfg.output_dir))
+    # Rank 0 looks and every rank learns the verdict, so that all of them stop together.
+    refusal = broadcast_object_list(
+        [_existing_run(output_dir) if accelerator.is_main_process else None]
+    )[0]
+    if refusal:
+        raise ConfigError(refusal)
     if accelerator.is_main_process:
-        _claim_output_dir(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     accelerator.wait_for_everyone()
