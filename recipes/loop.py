@@ -108,15 +108,20 @@ def _first_line(err: BaseException) -> str:
 
 @dataclass
 class _Window:
-    """Running sums between two log steps (kept on the device: no host sync per step)."""
+    """Running sums between two log steps.
 
-    loss: torch.Tensor
-    counts: torch.Tensor  # micro-batches, samples, tokens
+    Loss and token count stay on the device (no host sync per step); micro-batch and sample
+    counts are known on the host.
+    """
+
+    loss_and_tokens: torch.Tensor
+    micro_batches: int
+    samples: int
     start: float
 
     @classmethod
     def fresh(cls, where: torch.device) -> _Window:
-        return cls(torch.zeros((), device=where), torch.zeros(3, device=where), time.perf_counter())
+        return cls(torch.zeros(2, device=where), 0, 0, time.perf_counter())
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -254,15 +259,10 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            window.loss += loss.detach().float()
             mask = batch["attention_mask"]
-            window.counts += torch.stack(
-                [
-                    torch.ones_like(window.loss),
-                    torch.tensor(mask.shape[0], device=mask.device, dtype=torch.float),
-                    mask.sum().float(),
-                ]
-            )
+            window.loss_and_tokens += torch.stack([loss.detach().float(), mask.sum().float()])
+            window.micro_batches += 1
+            window.samples += mask.shape[0]
             if not accelerator.sync_gradients:
                 continue
             step += 1
@@ -317,8 +317,13 @@ def _window_metrics(
 ) -> dict:
     """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed over
     all processes."""
-    totals = accelerator.reduce(torch.cat([window.loss[None], window.counts]), reduction="sum")
-    loss, micro, samples, tokens = totals.tolist()
+    counts = torch.tensor(
+        [window.micro_batches, window.samples],
+        dtype=torch.float,
+        device=window.loss_and_tokens.device,
+    )
+    totals = accelerator.reduce(torch.cat([window.loss_and_tokens, counts]), reduction="sum")
+    loss, tokens, micro, samples = totals.tolist()
     metrics = {
         "train/loss": loss / max(micro, 1.0),
         "train/lr": scheduler.get_last_lr()[0],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,32 @@ def run_train(
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_cpu_launch(
+    script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "conf/accelerate/cpu.yaml"),
+        "--multi_gpu",
+        "--main_process_port",
+        str(port),
+        str(script),
+        *args,
+    ]
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
+from conftest import run_cpu_launch
 
 from recipes import device, env
 
@@ -229,12 +228,6 @@ def test_no_backend_names_outside_device_module() -> None:
     assert not offenders, f"backend names belong in recipes/device.py only: {offenders}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 @on_cpu
 def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> None:
@@ -250,21 +243,7 @@ def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> No
         "Path(f'rank{a.process_index}.txt').write_text(' '.join(map(str, fields)))\n",
         encoding="utf-8",
     )
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "conf/accelerate/cpu.yaml"),
-        "--multi_gpu",
-        "--main_process_port",
-        str(_free_port()),
-        str(script),
-    ]
-    env_vars = {**os.environ, "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(
-        command, cwd=tmp_path, env=env_vars, capture_output=True, text=True, timeout=180
-    )
+    result = run_cpu_launch(script, cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     probes = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
     assert probes == [["0", "2", "MULTI_CPU", "gloo"], ["1", "2", "MULTI_CPU", "gloo"]]

@@ -147,11 +147,7 @@ def test_wandb_offline_run_is_written(tmp_path, cache_dir):
 def test_two_processes_agree_with_one(tmp_path, cache_dir):
     """Two gloo processes: one run folder, one log, and the evaluation of the untrained model
     scores exactly what one process scores (no duplicated or dropped windows)."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import ROOT, run_cpu_launch
 
     common = (
         "recipe=bert_squad",
@@ -168,26 +164,7 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     single = tmp_path / "single"
     run_train(*common, f"output_dir={single}")
     double = tmp_path / "double"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(ROOT / "conf/accelerate/cpu.yaml"),
-            "--multi_gpu",
-            "--main_process_port",
-            "29533",
-            str(ROOT / "train.py"),
-            *common,
-            f"output_dir={double}",
-        ],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    proc = run_cpu_launch(ROOT / "train.py", *common, f"output_dir={double}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _metrics(single), _metrics(double)
     assert [m["step"] for m in two] == [0, 1, 2]  # written once, by the main process
