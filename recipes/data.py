@@ -2,19 +2,24 @@
 
 ``data.path`` may be a hub data set name, a folder of files, one file, or a ``save_to_disk``
 folder; ``data.train_file`` / ``data.eval_file`` name files directly. Reading a file is done by
-``datasets`` (JSON, JSON lines, parquet, CSV) unless the task supplies a reader for a format of its
-own (the official nested SQuAD JSON). Features built from the splits are cached on disk, keyed by
-the content of the data, the tokenizer and the feature settings.
+``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader for
+a format of its own (the official nested SQuAD JSON). When the source has no evaluation split, a
+seeded fraction of the training examples is held out (``data.eval_fraction``) and the log says so.
+Features built from the splits are cached on disk, keyed by the content of the data, the tokenizer
+and the feature settings.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 from datasets import Dataset, DatasetDict
@@ -28,7 +33,14 @@ SPLIT_PREFIXES = {
     "train": ("train",),
     "eval": ("dev", "validation", "valid", "val", "eval"),
 }
-EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+EXTENSIONS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".txt": "text",
+}
 
 # A reader for a task-specific file format: returns None when the file is not in that format.
 Reader = Callable[[Path], "Dataset | None"]
@@ -36,6 +48,20 @@ Reader = Callable[[Path], "Dataset | None"]
 
 class DataError(ValueError):
     """The data cannot be used as given; the message names the file, example and field."""
+
+
+class MissingSplit(DataError):
+    """The source has no split for this role (evaluation data may then be held out)."""
+
+
+@dataclass
+class Split:
+    """One split's examples, a fingerprint of exactly what they are (for caching), and where
+    they came from (for messages)."""
+
+    examples: Dataset
+    fingerprint: str
+    source: str
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -60,33 +86,57 @@ def _find_file(folder: Path, role: str) -> Path | None:
     return candidates[0] if candidates else None
 
 
-def _read_file(path: Path, reader: Reader | None) -> Dataset:
-    if reader is not None:
-        dataset = reader(path)
+def _unnamed_files(folder: Path) -> list[Path]:
+    """All data files of ``folder`` when none is named after a split (one document per file,
+    say): they are the training data together. Empty when the folder mixes file types."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in EXTENSIONS)
+    named = any(p.name.lower().startswith(SPLIT_PREFIXES["eval"]) for p in files)
+    if named or len({p.suffix for p in files}) != 1:
+        return []
+    return files
+
+
+def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Dataset:
+    if reader is not None and len(paths) == 1:
+        dataset = reader(paths[0])
         if dataset is not None:
             return dataset
-    builder = EXTENSIONS.get(path.suffix)
+    suffix = paths[0].suffix
+    builder = EXTENSIONS.get(suffix)
+    where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} ({len(paths)} files)"
     if builder is None:
         raise DataError(
-            f"{path}: unknown file type {path.suffix!r}; use JSON, JSON lines, parquet or CSV."
+            f"{where}: unknown file type {suffix!r}; use JSON, JSON lines, parquet, CSV, TSV or "
+            ".txt."
         )
+    options: dict = {}
+    if suffix == ".tsv":
+        # GLUE's TSV files hold unbalanced quotes in their sentences and some start with a
+        # byte-order mark: read them verbatim.
+        options = {"sep": "\t", "quoting": csv.QUOTE_NONE, "encoding": "utf-8-sig"}
+    elif builder == "text":
+        options = {"sample_by": cfg.sample_by, "keep_linebreaks": True}
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(
+            builder, data_files=[str(p) for p in paths], split="train", **options
+        )
     except Exception as err:  # datasets raises many types for unreadable files
-        raise DataError(f"{path}: could not be read as {builder}: {err}") from None
+        raise DataError(f"{where}: could not be read as {builder}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_saved(path: Path, split: str, role: str) -> Dataset:
     saved = datasets.load_from_disk(str(path))
     if isinstance(saved, Dataset):
         if role == "eval":
-            raise DataError(
-                f"data.path={path} is a single saved split; give the evaluation data with "
-                "data.eval_file=..."
-            )
+            raise MissingSplit(f"data.path={path} is a single saved split")
         return saved
     if split not in saved:
-        raise DataError(
+        raise (MissingSplit if role == "eval" else DataError)(
             f"data.path={path} has no split {split!r} (it has {', '.join(saved)}); "
             f"set data.{role}_split."
         )
@@ -102,45 +152,88 @@ def _load_hub(cfg: DataConfig, split: str, role: str) -> Dataset:
     try:
         return datasets.load_dataset(cfg.path, cfg.name, split=split)
     except Exception as err:
+        if role == "eval" and "split" in str(err).lower():
+            raise MissingSplit(f"data.path={cfg.path} has no split {split!r}") from None
         raise DataError(
             f"data.path={cfg.path} (split {split!r}, data.{role}_split) could not be loaded from "
             f"the hub: {err}"
         ) from None
 
 
-def load_split(
-    cfg: DataConfig, role: str, reader: Reader | None = None
-) -> tuple[Dataset, str, str]:
-    """Load the ``train`` or ``eval`` split described by ``cfg``.
+def load_split(cfg: DataConfig, role: str, reader: Reader | None = None) -> Split:
+    """Load the ``train`` or ``eval`` split described by ``cfg``, as the source has it.
 
-    Returns:
-        The examples, a fingerprint of their source (content hash for files) for caching, and a
-        description of the source for messages.
+    Raises:
+        MissingSplit: the source has no data for ``role``.
+        DataError: the data is there but unusable.
     """
     split = cfg.train_split if role == "train" else cfg.eval_split
     explicit = cfg.train_file if role == "train" else cfg.eval_file
     path = Path(explicit or cfg.path).expanduser()
     if explicit is None and path.is_file() and role == "eval":
-        raise DataError(
-            f"data.path={path} is a single file, used for training; give the evaluation data "
-            "with data.eval_file=..."
-        )
+        raise MissingSplit(f"data.path={path} is a single file, used for training")
     if _is_saved_dataset(path):
         dataset = _load_saved(path, split, role)
-        return dataset, dataset._fingerprint, f"{path} [{split}]"
+        return Split(dataset, dataset._fingerprint, f"{path} [{split}]")
     if path.is_dir():
         found = _find_file(path, role)
-        if found is None:
-            raise DataError(
+        files = [found] if found else (_unnamed_files(path) if role == "train" else [])
+        if not files:
+            raise (MissingSplit if role == "eval" else DataError)(
                 f"data.path={path}: no {role} file (looked for {'/'.join(SPLIT_PREFIXES[role])}*"
                 f"{'/'.join(EXTENSIONS)}); name it with data.{role}_file=..."
             )
-        path = found
-    if path.is_file():
-        log.info("%s data: %s", role, path)
-        return _read_file(path, reader), _file_digest(path), str(path)
-    dataset = _load_hub(cfg, split, role)
-    return dataset, dataset._fingerprint, f"{cfg.path} [{split}]"
+    elif path.is_file():
+        files = [path]
+    else:
+        dataset = _load_hub(cfg, split, role)
+        return Split(dataset, dataset._fingerprint, f"{cfg.path} [{split}]")
+    log.info("%s data: %s", role, files[0] if len(files) == 1 else f"{len(files)} files in {path}")
+    digest = cache_key(files=[_file_digest(p) for p in files], sample_by=cfg.sample_by)
+    source = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} files)"
+    return Split(_read_files(files, cfg, reader), digest, source)
+
+
+def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Split]:
+    """The ``train`` and ``eval`` splits, with ``data.max_*_examples`` applied.
+
+    Without an evaluation split in the source, ``data.eval_fraction`` of the training examples
+    (chosen with ``data.split_seed``) are held out for evaluation and the log reports it.
+    """
+    train = load_split(cfg, "train", reader)
+    try:
+        held = load_split(cfg, "eval", reader)
+    except MissingSplit as err:
+        if not cfg.eval_fraction:
+            raise DataError(
+                f"{err}, and data.eval_fraction=0. Give evaluation data with "
+                "data.eval_file=... (or data.eval_split=...), or hold out part of the "
+                "training data with data.eval_fraction=0.05."
+            ) from None
+        parts = train.examples.train_test_split(
+            test_size=cfg.eval_fraction, seed=cfg.split_seed, shuffle=True
+        )
+        tag = f"held out {cfg.eval_fraction} seed {cfg.split_seed}"
+        log.info(
+            "%s; holding out %d of its %d examples for evaluation (data.eval_fraction=%s, "
+            "data.split_seed=%d)",
+            err,
+            len(parts["test"]),
+            len(train.examples),
+            cfg.eval_fraction,
+            cfg.split_seed,
+        )
+        held = Split(parts["test"], f"{train.fingerprint} {tag} test", f"{train.source} ({tag})")
+        train = Split(parts["train"], f"{train.fingerprint} {tag} train", f"{train.source} ({tag})")
+    splits = {"train": train, "eval": held}
+    for role, limit in (("train", cfg.max_train_examples), ("eval", cfg.max_eval_examples)):
+        split = splits[role]
+        if len(split.examples) == 0:
+            raise DataError(f"{role} data {split.source}: holds no examples.")
+        if limit is not None and limit < len(split.examples):
+            split.examples = split.examples.select(range(limit))
+            split.fingerprint = f"{split.fingerprint} first {limit}"
+    return splits
 
 
 def _file_digest(path: Path) -> str:
@@ -161,6 +254,16 @@ def cache_key(**parts: object) -> str:
     """A short stable hash of everything that determines a processed data set."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What about a tokenizer decides the features it makes (its whole definition when fast)."""
+    definition = (
+        tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else sorted(tokenizer.get_vocab())
+    )
+    return cache_key(
+        definition=definition, cls=type(tokenizer).__name__, side=tokenizer.padding_side
+    )
 
 
 def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset | DatasetDict:

@@ -30,6 +30,7 @@ from recipes import device
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
 from recipes.log import get_logger, setup_logging
 from recipes.optim import build_optimizer
+from recipes.tasks.base import Task
 from recipes.tracking import MetricsLogger, tracker_init_kwargs
 
 log = get_logger(__name__)
@@ -67,38 +68,74 @@ def _mixed_precision(requested: str) -> str:
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a missing or unreachable model fails with the key to fix."""
+    """The model's tokenizer; a missing or unreachable model fails with the key to fix.
+
+    A tokenizer without a padding token (GPT-2, Llama) pads with its end-of-text token, as is
+    usual for these models; the attention mask keeps padding out of the loss.
+    """
     try:
-        return AutoTokenizer.from_pretrained(
-            cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.name_or_path,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+            **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}),
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({_first_line(err)}). "
             "Give a local save_pretrained folder, or a hub name while online."
         ) from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
-def load_model(cfg: ModelConfig, auto_class: Any) -> torch.nn.Module:
-    """The pretrained model with the task's head (new heads are initialised by transformers)."""
+def load_model(cfg: ModelConfig, auto_class: Any, **task_kwargs: Any) -> torch.nn.Module:
+    """The pretrained model with the task's head (new heads are initialised by transformers).
+
+    ``task_kwargs`` are what the task learnt from its data (``num_labels``, say). A GGUF file
+    (``model.gguf_file``) is dequantised on load and rebuilt as a plain model, so training and
+    the saved folder are those of an ordinary Hugging Face model.
+    """
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = device.default_attn_implementation()
-    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **task_kwargs}
+    if cfg.ignore_mismatched_sizes:
+        kwargs["ignore_mismatched_sizes"] = True
+    if cfg.gguf_file:
+        kwargs["gguf_file"] = cfg.gguf_file
     try:
         try:
-            return auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
+            model = auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
         except ValueError as err:
             if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
                 raise
             log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
-            return auto_class.from_pretrained(
+            model = auto_class.from_pretrained(
                 cfg.name_or_path, attn_implementation="eager", **kwargs
             )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load the model ({_first_line(err)})."
         ) from None
+    if cfg.gguf_file:
+        model = _plain_copy(model, auto_class)
+    if model.config.pad_token_id is None and model.config.eos_token_id is not None:
+        eos = model.config.eos_token_id
+        model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return model
+
+
+def _plain_copy(model: torch.nn.Module, auto_class: Any) -> torch.nn.Module:
+    """The same weights in a model built from its config without the GGUF quantisation record
+    (transformers refuses to ``save_pretrained`` a model loaded from GGUF)."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = auto_class.from_config(config, attn_implementation=config._attn_implementation)
+    plain.load_state_dict(model.state_dict())
+    return plain.to(next(model.parameters()).dtype)
 
 
 def _first_line(err: BaseException) -> str:
@@ -143,7 +180,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         accelerator.end_training()
 
 
-def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerator) -> dict:
+def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerator) -> dict:
     t = settings.trainer
     output_dir = _agree_on_output_dir(str(cfg.output_dir))
     # Rank 0 looks and every rank learns the verdict, so that all of them stop together.
@@ -172,20 +209,20 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
     tokenizer = load_tokenizer(settings.model)
     with accelerator.main_process_first():
         data = task.build_data(settings.data, tokenizer)
-    model = load_model(settings.model, task.auto_model_class)
+    model = load_model(settings.model, task.auto_model_class, **task.model_kwargs())
 
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
+    padding = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
     train_loader = DataLoader(
         data.train,
         batch_size=t.per_device_train_batch_size,
         shuffle=True,
-        collate_fn=collator,
+        collate_fn=data.train_collator or padding,
         num_workers=t.dataloader_num_workers,
     )
     eval_loader = DataLoader(
         data.eval,
         batch_size=t.per_device_eval_batch_size,
-        collate_fn=collator,
+        collate_fn=data.eval_collator or padding,
         num_workers=t.dataloader_num_workers,
     )
     optimizer = build_optimizer(instantiate(cfg, "optimizer"), model)
@@ -259,10 +296,13 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            mask = batch["attention_mask"]
-            window.loss_and_tokens += torch.stack([loss.detach().float(), mask.sum().float()])
+            mask = batch.get("attention_mask")
+            tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+            window.loss_and_tokens += torch.stack(
+                [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
+            )
             window.micro_batches += 1
-            window.samples += mask.shape[0]
+            window.samples += batch["input_ids"].shape[0]
             if not accelerator.sync_gradients:
                 continue
             step += 1
@@ -294,6 +334,9 @@ def _run(cfg: DictConfig, settings: Settings, task: Any, accelerator: Accelerato
 
     if t.eval_at_end and last_eval_step != step:
         final = evaluate(step)
+    extra = task.after_training(model, tokenizer, accelerator, output_dir)
+    if extra:
+        metrics_logger.log(extra, step)
     if t.save_final_model:
         _save_final(accelerator, model, tokenizer, output_dir / "final")
     metrics_logger.close()

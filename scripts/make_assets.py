@@ -6,20 +6,37 @@ The project's default / smoke runs must work offline on a fresh machine, so it s
 * ``squad/v1/{train,dev}.json`` and ``squad/v2/{train,dev}.json``: small slices of real SQuAD
   data (CC BY-SA 4.0, Rajpurkar et al.) in the official nested SQuAD JSON format. Whole
   articles are kept and no text is changed; every ``answer_start`` is checked against its text.
-* ``tiny-bert/``: a tiny randomly initialised ``BertForQuestionAnswering`` (2 layers, hidden
-  128) with an uncased WordPiece tokenizer trained on the SQuAD contexts and questions.
+* ``text/tinyshakespeare.txt``: the first 10,000 lines of tiny-shakespeare (public domain),
+  unchanged, for causal language modelling (the project holds out its own eval split).
+* ``glue/qnli-squad/{train,dev}.tsv``: QNLI-style question / sentence pairs (GLUE's QNLI TSV
+  layout) built from ``squad/v1/{train,dev}.json``: the sentence holding the answer
+  (``entailment``) and one other sentence of the same paragraph (``not_entailment``).
+* ``tiny-bert/``: a tiny randomly initialised BERT (2 layers, hidden 128) with an uncased
+  WordPiece tokenizer trained on the SQuAD contexts and questions. Its checkpoint holds the
+  ``BertForQuestionAnswering`` weights plus masked-LM, pooler and 2-label classifier heads, so it
+  loads as ``BertForQuestionAnswering``, ``BertForMaskedLM`` and
+  ``BertForSequenceClassification`` with nothing newly initialised.
+* ``tiny-gpt2/`` and ``tiny-llama/``: tiny randomly initialised ``GPT2LMHeadModel`` and
+  ``LlamaForCausalLM`` (2 layers, hidden 128, tied embeddings) sharing a GPT-2 style byte-level
+  BPE tokenizer (vocab 2,000, ``<|endoftext|>`` = 0) trained on the tiny-shakespeare slice.
 
-Everything is deterministic: article selection uses a fixed seed, the tokenizer is trained on a
-fixed, ordered corpus, and the model weights are drawn from a ``torch.Generator`` seeded with 0
-in sorted parameter-name order (so the weights do not depend on the transformers version's own
-initialisation code). ``config.json`` and ``tokenizer_config.json`` are written by hand so that
-they load on transformers 4.40+ as well as 5.x.
+Everything is deterministic: article selection and the QNLI negatives use fixed seeds, the
+tokenizers are trained on fixed, ordered corpora (twice, to check that both runs agree) and saved
+with a canonical token order, and the model weights are drawn from a ``torch.Generator`` in sorted
+parameter-name order (seed 0 for each model, seed 1 for tiny-bert's extra heads, so the QA weights
+are unchanged), so they do not depend on the transformers version's own initialisation code.
+``config.json`` and ``tokenizer_config.json`` are written by hand so that they load on
+transformers 4.40+ as well as 5.x.
 
 Usage (from the repository root)::
 
     python scripts/make_assets.py [--shared-data ../shared/data] [--out recipes/assets]
+                                  [--only PART ...] [--skip-model]
 
-The sources are the files in ``../shared/data/squad/`` (see ``recipes/assets/README.md``).
+``--only`` takes ``squad``, ``text``, ``glue``, ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama``
+(default: all); ``glue`` reads the bundled ``squad/v1`` slices and the tiny-gpt2 / tiny-llama
+tokenizer the bundled text slice. The sources are the files in ``../shared/data/squad/`` and
+``../shared/data/text/`` (see ``recipes/assets/README.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -55,6 +73,34 @@ VOCAB_SIZE = 7500
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MODEL_MAX_LENGTH = 512
 INITIALIZER_RANGE = 0.02
+
+# Extra BERT heads (masked-LM, pooler + sequence classification) live in tiny-bert's checkpoint
+# next to the QA head; they are drawn from their own generator so the QA weights stay as they were.
+HEAD_SEED = 1
+NUM_LABELS = 2
+
+# Plain-text slice for causal language modelling.
+SHAKESPEARE = "tinyshakespeare.txt"
+SHAKESPEARE_LINES = 10_000
+
+# QNLI-style sentence-pair set derived from the bundled SQuAD v1 slice.
+QNLI_SPLITS = {"train": "v1/train.json", "dev": "v1/dev.json"}
+QNLI_MIN_SENTENCE_CHARS = 20
+# A sentence ends after ".", "?" or "!" followed by whitespace and an upper-case letter, except
+# after an initial ("George M. Cohan", "U.S. Army") or a few common abbreviations ("Rev.").
+SENTENCE_BOUNDARY = re.compile(
+    r"(?<=[.?!])(?<!\b[A-Z]\.)(?<!\b(?:Mr|Dr|Fr|St|Jr|Mt|vs)\.)(?<!\b(?:Mrs|Rev)\.)(?<!\bv\.)"
+    r"\s+(?=[A-Z])"
+)
+# Characters that would break a TSV line or a line-based reader: tab and every line break that
+# str.splitlines() knows.
+TSV_UNSAFE = {ord(c): " " for c in "\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+# Byte-level BPE tokenizer and tiny causal LMs (GPT-2 and Llama) trained/initialised on it.
+BPE_VOCAB_SIZE = 2000
+BPE_MIN_FREQUENCY = 2
+ENDOFTEXT = "<|endoftext|>"
+CAUSAL_MAX_LENGTH = 256
 
 JsonDict = dict[str, Any]
 
@@ -169,6 +215,149 @@ def make_squad(src: Path, out: Path) -> None:
         write_squad(path, version, articles)
         print(f"squad/{name}: {split_stats(articles)}; {path.stat().st_size:,} bytes")
         print(f"    articles: {', '.join(a['title'] for a in articles)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Plain text (tiny-shakespeare)
+# --------------------------------------------------------------------------------------------
+
+
+def make_text(src: Path, out: Path) -> Path:
+    """Copy the first ``SHAKESPEARE_LINES`` lines of tiny-shakespeare to ``out/text``, unchanged.
+
+    The bytes are copied as they are (line ends included); returns the written path.
+    """
+    data = (src / SHAKESPEARE).read_bytes()
+    lines = data.splitlines(keepends=True)
+    if len(lines) < SHAKESPEARE_LINES or any(not line.endswith(b"\n") for line in lines[:-1]):
+        raise RuntimeError(f"{src / SHAKESPEARE}: expected at least {SHAKESPEARE_LINES} lines")
+    path = out / "text" / SHAKESPEARE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(lines[:SHAKESPEARE_LINES]))
+    text = path.read_text(encoding="utf-8")  # must be valid UTF-8
+    print(
+        f"text/{SHAKESPEARE}: first {SHAKESPEARE_LINES:,} of {len(lines):,} lines, "
+        f"{len(text):,} characters; {path.stat().st_size:,} bytes"
+    )
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# QNLI-style sentence pairs from the SQuAD v1 slice
+# --------------------------------------------------------------------------------------------
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` character spans of the sentences of ``text``.
+
+    A deliberately simple, deterministic splitter (``SENTENCE_BOUNDARY``): a sentence ends after
+    ``.``, ``?`` or ``!`` followed by whitespace and an upper-case ASCII letter, unless the period
+    ends a one-letter initial or one of a few abbreviations (Mr., Mrs., Dr., Fr., Rev., St.,
+    Jr., Mt., v., vs.). Spans exclude surrounding whitespace; empty spans are dropped.
+    """
+    bounds = [0]
+    for m in SENTENCE_BOUNDARY.finditer(text):
+        bounds += [m.start(), m.end()]
+    bounds.append(len(text))
+    spans = []
+    for start, end in zip(bounds[::2], bounds[1::2], strict=True):
+        chunk = text[start:end]
+        lead = len(chunk) - len(chunk.lstrip())
+        start, end = start + lead, start + len(chunk.rstrip())
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+def tsv_field(text: str) -> str:
+    """``text`` with tabs and line breaks replaced by spaces, stripped."""
+    return text.translate(TSV_UNSAFE).strip()
+
+
+def qnli_rows(
+    articles: list[JsonDict], rng: random.Random
+) -> tuple[list[list[str]], dict[str, int]]:
+    """QNLI-style ``[question, sentence, label]`` rows for the questions of ``articles``.
+
+    For each question the *positive* sentence is the one of its paragraph that holds the whole
+    first gold answer (label ``entailment``); questions whose answer crosses a sentence boundary
+    of the simple splitter, or whose answer sentence is shorter than ``QNLI_MIN_SENTENCE_CHARS``,
+    are skipped. The *negative* (label ``not_entailment``) is drawn with ``rng`` from the other
+    sentences of the same paragraph that are at least ``QNLI_MIN_SENTENCE_CHARS`` long and overlap
+    no gold answer at all; a question with no such sentence gets only its positive row. The rows
+    are then shuffled with ``rng``. Returns the rows and some counts.
+    """
+    rows: list[list[str]] = []
+    stats = dict.fromkeys(("questions", "answer_split", "short_sentence", "no_negative"), 0)
+    for context, qa in iter_qas(articles):
+        stats["questions"] += 1
+        spans = sentence_spans(context)
+        answers = [(a["answer_start"], a["answer_start"] + len(a["text"])) for a in qa["answers"]]
+        first_start, first_end = answers[0]
+        holding = [(s, e) for s, e in spans if s <= first_start and first_end <= e]
+        if not holding:
+            stats["answer_split"] += 1
+            continue
+        question = tsv_field(qa["question"])
+        positive = tsv_field(context[slice(*holding[0])])
+        if len(positive) < QNLI_MIN_SENTENCE_CHARS:
+            stats["short_sentence"] += 1
+            continue
+        rows.append([question, positive, "entailment"])
+        negatives = []
+        for s, e in spans:
+            sentence = tsv_field(context[s:e])
+            overlaps = any(s < a_end and a_start < e for a_start, a_end in answers)
+            if not overlaps and len(sentence) >= QNLI_MIN_SENTENCE_CHARS:
+                negatives.append(sentence)
+        if negatives:
+            rows.append([question, rng.choice(negatives), "not_entailment"])
+        else:
+            stats["no_negative"] += 1
+    rng.shuffle(rows)
+    return rows, stats
+
+
+def write_tsv(path: Path, header: list[str], rows: list[list[str]]) -> None:
+    """Write a tab-separated file with no quoting (UTF-8, no BOM, ``\\n`` line ends).
+
+    Checks that no field holds a tab or line break and that ``csv`` with ``QUOTE_NONE`` reads the
+    file back unchanged.
+    """
+    import csv
+    import io
+
+    for row in [header, *rows]:
+        if any(f != tsv_field(f) or not f for f in row):
+            raise ValueError(f"{path.name}: field not TSV-safe: {row!r}")
+    text = "".join("\t".join(row) + "\n" for row in [header, *rows])
+    back = list(csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE))
+    if back != [header, *rows]:
+        raise RuntimeError(f"{path.name}: csv.QUOTE_NONE does not read the rows back")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode("utf-8"))
+
+
+def make_qnli(out: Path) -> None:
+    """Write ``out/glue/qnli-squad/{train,dev}.tsv`` from the bundled SQuAD v1 slices.
+
+    GLUE's QNLI layout: header ``index question sentence label`` (tab-separated), labels
+    ``entailment`` / ``not_entailment``.
+    """
+    for split, name in QNLI_SPLITS.items():
+        articles = load_squad(out / "squad" / name)["data"]
+        rows, stats = qnli_rows(articles, random.Random(SEED))
+        path = out / "glue" / "qnli-squad" / f"{split}.tsv"
+        header = ["index", "question", "sentence", "label"]
+        write_tsv(path, header, [[str(i), *row] for i, row in enumerate(rows)])
+        positives = sum(row[2] == "entailment" for row in rows)
+        print(
+            f"glue/qnli-squad/{split}.tsv: {len(rows):,} pairs ({positives:,} entailment, "
+            f"{len(rows) - positives:,} not_entailment) from {stats['questions']:,} questions "
+            f"of squad/{name} (skipped: {stats['answer_split']} answer across a sentence "
+            f"boundary, {stats['short_sentence']} answer sentence < {QNLI_MIN_SENTENCE_CHARS} "
+            f"chars; {stats['no_negative']} without a negative); {path.stat().st_size:,} bytes"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,8 +547,74 @@ def init_weights(model: Any, seed: int) -> None:
         params["bert.embeddings.word_embeddings.weight"][0].zero_()
 
 
-def make_model(folder: Path, vocab_size: int) -> int:
-    """Build, initialise and save the tiny ``BertForQuestionAnswering``; return #parameters."""
+def draw_params(params: dict[str, Any], seed: int, norm_weights: set[str]) -> None:
+    """Initialise ``params`` in place, independently of the transformers version.
+
+    Parameters are visited in sorted name order and drawn from one ``torch.Generator`` seeded
+    with ``seed``: the weights named in ``norm_weights`` (LayerNorm / RMSNorm scales) 1, biases
+    0, every other weight N(0, INITIALIZER_RANGE).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if name in norm_weights:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.normal(0.0, INITIALIZER_RANGE, p.shape, generator=gen))
+
+
+def norm_weight_names(model: Any) -> set[str]:
+    """Names of the scale parameters of ``model``'s LayerNorm and RMSNorm modules."""
+    import torch
+
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+    }
+
+
+def bert_head_weights(config: Any, base: set[str]) -> dict[str, Any]:
+    """Masked-LM and sequence-classification heads for the tiny BERT, not in ``base``.
+
+    The heads are whatever parameters ``BertForMaskedLM`` and ``BertForSequenceClassification``
+    (``NUM_LABELS`` labels) hold beyond the parameter names in ``base``: the MLM transform
+    (dense + LayerNorm) and output bias ``cls.predictions.bias`` (the decoder weight is tied to
+    the word embeddings, its bias to ``cls.predictions.bias``), the pooler and the classifier.
+    They are drawn by :func:`draw_params` from a generator seeded with ``HEAD_SEED``.
+    """
+    import copy
+
+    from transformers import BertForMaskedLM, BertForSequenceClassification
+
+    cls_config = copy.deepcopy(config)
+    cls_config.num_labels = NUM_LABELS
+    heads: dict[str, Any] = {}
+    norms: set[str] = set()
+    for model in (BertForMaskedLM(config), BertForSequenceClassification(cls_config)):
+        params = dict(model.named_parameters())
+        heads.update({k: v for k, v in params.items() if k not in base})
+        norms |= norm_weight_names(model)
+    prefixes = ("bert.pooler.", "classifier.", "cls.predictions.")
+    if not heads or not all(k.startswith(prefixes) for k in heads):
+        raise RuntimeError(f"unexpected head parameters: {sorted(heads)}")
+    draw_params(heads, HEAD_SEED, norms)
+    return {k: v.detach().contiguous().clone() for k, v in heads.items()}
+
+
+def make_model(folder: Path, vocab_size: int) -> tuple[int, int]:
+    """Build, initialise and save the tiny BERT; return #parameters (QA model, extra heads).
+
+    The checkpoint holds ``BertForQuestionAnswering`` (drawn with seed ``SEED``) plus the extra
+    heads of :func:`bert_head_weights`, so the same folder loads as ``BertForQuestionAnswering``,
+    ``BertForMaskedLM`` and ``BertForSequenceClassification`` without newly initialised weights
+    (the other heads' tensors are then unexpected keys, which transformers ignores).
+    """
     import torch
     from safetensors.torch import save_file
     from transformers import BertConfig, BertForQuestionAnswering
@@ -374,6 +629,189 @@ def make_model(folder: Path, vocab_size: int) -> int:
     expected = {n for n, _ in model.named_parameters()}
     if set(state) != expected:
         raise RuntimeError(f"state dict keys differ from parameters: {set(state) ^ expected}")
+    heads = bert_head_weights(config, set(state))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({**state, **heads}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_json(folder / "config.json", config_dict)
+    return sum(v.numel() for v in state.values()), sum(v.numel() for v in heads.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Byte-level BPE tokenizer and tiny causal LMs
+# --------------------------------------------------------------------------------------------
+
+
+def train_bpe(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """Train a GPT-2 style byte-level BPE on ``text``; return ``(vocab, merges)``.
+
+    The vocabulary comes back in a canonical order that does not rely on the trainer's own ids:
+    ``ENDOFTEXT`` (id 0), the 256 byte symbols in code-point order, then the product of each merge
+    in merge order (the merges themselves are ranked by the trainer: highest pair count first,
+    ties broken by the trainer's fixed pair order).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=BPE_MIN_FREQUENCY,
+        special_tokens=[ENDOFTEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = [ENDOFTEXT, *alphabet, *(a + b for a, b in merges)]
+    if len(set(vocab)) != len(vocab) or set(vocab) != set(model["vocab"]):
+        raise RuntimeError("BPE vocabulary is not specials + byte alphabet + merge products")
+    return vocab, merges
+
+
+def make_bpe_tokenizer(text_path: Path, folders: list[Path]) -> int:
+    """Train the byte-level BPE tokenizer on ``text_path`` and save it into each of ``folders``.
+
+    Writes ``tokenizer.json`` (the fast tokenizer), ``vocab.json`` + ``merges.txt`` (for the slow
+    ``GPT2Tokenizer`` of transformers 4.x), ``tokenizer_config.json`` and
+    ``special_tokens_map.json``; GPT-2 conventions: no normaliser, no prefix space, no BOS added,
+    ``ENDOFTEXT`` as bos/eos/unk and no pad token. Trains twice and checks that both runs agree.
+    Returns the vocabulary size.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    text = text_path.read_text(encoding="utf-8")
+    vocab, merges = train_bpe(text)
+    if train_bpe(text) != (vocab, merges):
+        raise RuntimeError("BPE training is not deterministic on this machine")
+    ids = {t: i for i, t in enumerate(vocab)}
+
+    tok = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(ENDOFTEXT, special=True, normalized=False)])
+    if tok.get_vocab_size() != len(vocab) or tok.token_to_id(ENDOFTEXT) != 0:
+        raise RuntimeError("tokenizer vocabulary does not match the trained one")
+    sample = text[:2000]
+    if tok.decode(tok.encode(sample).ids) != sample:
+        raise RuntimeError("byte-level BPE does not round-trip the training text")
+
+    special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+    # Only fields both transformers 4.40+ and 5.x understand; "GPT2Tokenizer" resolves to the
+    # fast tokenizer on both. No cleanup of spaces, so decode(encode(text)) == text.
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "errors": "replace",
+        "model_max_length": CAUSAL_MAX_LENGTH,
+        "padding_side": "right",
+        "truncation_side": "right",
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        **special,
+    }
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save(str(folder / "tokenizer.json"), pretty=False)
+        (folder / "vocab.json").write_text(
+            json.dumps(ids, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8"
+        )
+        (folder / "merges.txt").write_text(
+            "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+        )
+        write_json(folder / "tokenizer_config.json", config)
+        write_json(folder / "special_tokens_map.json", special)
+    return len(vocab)
+
+
+def gpt2_config(vocab_size: int) -> JsonDict:
+    """``config.json`` of the tiny GPT-2 (fields transformers 4.40+ and 5.x both read)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": CAUSAL_MAX_LENGTH,
+        "n_embd": 128,
+        "n_layer": 2,
+        "n_head": 2,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": INITIALIZER_RANGE,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "use_cache": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+
+
+def llama_config(vocab_size: int) -> JsonDict:
+    """``config.json`` of the tiny Llama (fields transformers 4.40+ and 5.x both read).
+
+    The RoPE base is given as ``rope_theta`` + ``rope_scaling: null`` (4.x); 5.x turns these into
+    its ``rope_parameters``.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": CAUSAL_MAX_LENGTH,
+        "initializer_range": INITIALIZER_RANGE,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+
+
+def make_causal_lm(folder: Path, config_dict: JsonDict) -> int:
+    """Build, initialise and save a tiny causal LM described by ``config_dict``; return #params.
+
+    Weights come from :func:`draw_params` with seed ``SEED``. Only real parameters are saved:
+    the LM head is tied to the input embeddings and is not stored a second time.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        config_dict["model_type"], **{k: v for k, v in config_dict.items() if k != "model_type"}
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config)
+    if type(model).__name__ != config_dict["architectures"][0]:
+        raise RuntimeError(f"built {type(model).__name__}, not {config_dict['architectures']}")
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError("LM head is not tied to the input embeddings")
+    params = dict(model.named_parameters())
+    draw_params(params, SEED, norm_weight_names(model))
+    state = {k: v.detach().contiguous().clone() for k, v in params.items()}
+    if any(k.startswith("lm_head.") for k in state):
+        raise RuntimeError("tied LM head would be saved twice")
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_json(folder / "config.json", config_dict)
@@ -395,6 +833,10 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+PARTS = ("squad", "text", "glue", "tiny-bert", "tiny-gpt2", "tiny-llama")
+MODEL_PARTS = ("tiny-bert", "tiny-gpt2", "tiny-llama")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -402,28 +844,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shared-data",
         type=Path,
         default=REPO_ROOT.parent / "shared" / "data",
-        help="folder holding squad/{train-v1.1-subset,dev-v1.1-part1,dev-v2.0-sample}.json",
+        help="folder holding squad/{train-v1.1-subset,dev-v1.1-part1,dev-v2.0-sample}.json "
+        "and text/tinyshakespeare.txt",
     )
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "recipes" / "assets", help="assets folder"
     )
-    parser.add_argument("--skip-model", action="store_true", help="only write the SQuAD slices")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=PARTS,
+        metavar="PART",
+        help=f"regenerate only these parts ({', '.join(PARTS)}); default: all. 'glue' reads the "
+        "bundled squad/v1 slices and the tiny-gpt2/tiny-llama tokenizer the bundled text slice",
+    )
+    parser.add_argument(
+        "--skip-model",
+        action="store_true",
+        help="only write the data files (SQuAD slices, text slice, QNLI pairs)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate all assets and print a summary with file hashes."""
+    """Regenerate the assets (all of them by default) and print a summary with file hashes."""
     args = parse_args(argv)
-    src = args.shared_data / "squad"
-    if not src.is_dir():
-        print(f"error: {src} not found (pass --shared-data)", file=sys.stderr)
-        return 2
-    make_squad(src, args.out)
-    if not args.skip_model:
+    parts = [p for p in PARTS if p in (args.only or PARTS)]
+    if args.skip_model:
+        parts = [p for p in parts if p not in MODEL_PARTS]
+    needs = {"squad": "squad", "tiny-bert": "squad", "text": "text"}
+    for part in parts:
+        if part in needs and not (args.shared_data / needs[part]).is_dir():
+            print(
+                f"error: {args.shared_data / needs[part]} not found (pass --shared-data)",
+                file=sys.stderr,
+            )
+            return 2
+    if "squad" in parts:
+        make_squad(args.shared_data / "squad", args.out)
+    if "text" in parts:
+        make_text(args.shared_data / "text", args.out)
+    if "glue" in parts:
+        make_qnli(args.out)
+    if "tiny-bert" in parts:
         folder = args.out / "tiny-bert"
-        vocab_size = make_tokenizer(src, folder)
-        n_params = make_model(folder, vocab_size)
-        print(f"tiny-bert: vocab {vocab_size:,}, {n_params:,} parameters")
+        vocab_size = make_tokenizer(args.shared_data / "squad", folder)
+        n_qa, n_heads = make_model(folder, vocab_size)
+        print(
+            f"tiny-bert: vocab {vocab_size:,}, {n_qa:,} parameters (QA model) + {n_heads:,} "
+            f"(MLM, pooler and classifier heads)"
+        )
+    lms = {"tiny-gpt2": gpt2_config, "tiny-llama": llama_config}
+    folders = [args.out / name for name in lms if name in parts]
+    if folders:
+        vocab_size = make_bpe_tokenizer(args.out / "text" / SHAKESPEARE, folders)
+        for folder in folders:
+            n_params = make_causal_lm(folder, lms[folder.name](vocab_size))
+            print(f"{folder.name}: vocab {vocab_size:,}, {n_params:,} parameters")
     for path in sorted(p for p in args.out.rglob("*") if p.is_file() and p.name != "README.md"):
         rel = path.relative_to(args.out)
         print(f"  {sha256(path)[:16]}  {path.stat().st_size:>9,}  {rel}")

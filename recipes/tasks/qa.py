@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -25,6 +24,7 @@ from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import squad_v1, squad_v2
+from recipes.tasks.base import Task, TaskData, write_json
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 
 log = get_logger(__name__)
@@ -133,16 +133,14 @@ def check_examples(dataset: Dataset, source: str, allow_unanswerable: bool) -> N
 
 
 @dataclass
-class QAData:
-    """What the loop needs from the task's data: model-ready features and evaluation context."""
+class QAData(TaskData):
+    """Features plus what evaluation needs to turn logits back into answers."""
 
-    train: Dataset
-    eval: Dataset
-    eval_examples: Dataset
-    eval_windows: Dataset  # offsets and example index per evaluation window
+    eval_examples: Dataset | None = None
+    eval_windows: Dataset | None = None  # offsets and example index per evaluation window
 
 
-class QuestionAnswering:
+class QuestionAnswering(Task):
     """SQuAD-style extractive QA: features, loss and evaluation (``task=qa``).
 
     Args:
@@ -157,6 +155,7 @@ class QuestionAnswering:
 
     auto_model_class = AutoModelForQuestionAnswering
     main_metric = "f1"
+    greater_is_better = True
 
     def __init__(
         self,
@@ -209,33 +208,25 @@ class QuestionAnswering:
                 "this model only has a slow one."
             )
         self.left_padded = tokenizer.padding_side == "left"
-        splits = {}
-        for role, limit in (("train", cfg.max_train_examples), ("eval", cfg.max_eval_examples)):
-            examples, fingerprint, source = data_lib.load_split(cfg, role, reader=read_squad_json)
-            if limit is not None:
-                examples = examples.select(range(min(limit, len(examples))))
-            check_examples(examples, f"{role} data {source}", self.version_2_with_negative)
-            splits[role] = (examples, fingerprint, limit)
+        splits = data_lib.load_splits(cfg, reader=read_squad_json)
+        for role, split in splits.items():
+            check_examples(
+                split.examples, f"{role} data {split.source}", self.version_2_with_negative
+            )
 
-        tokenizer_hash = data_lib.cache_key(
-            vocab=tokenizer.backend_tokenizer.to_str(),
-            cls=type(tokenizer).__name__,
-            side=tokenizer.padding_side,
-        )
+        tokenizer_hash = data_lib.tokenizer_fingerprint(tokenizer)
         root = data_lib.cache_root(cfg)
 
         def key(role: str) -> str:
-            _, fingerprint, limit = splits[role]
             return data_lib.cache_key(
                 role=role,
-                data=fingerprint,
-                limit=limit,
+                data=splits[role].fingerprint,
                 tokenizer=tokenizer_hash,
                 task=self.settings(),
                 version=FEATURES_VERSION,
             )
 
-        train_examples, eval_examples = splits["train"][0], splits["eval"][0]
+        train_examples, eval_examples = splits["train"].examples, splits["eval"].examples
         num_proc = cfg.preprocessing_num_workers
         train = data_lib.cached(
             root / f"qa-train-{key('train')}",
@@ -365,12 +356,6 @@ class QuestionAnswering:
         ]
         return encoded
 
-    # ----------------------------------------------------------------------------- loss
-
-    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Mean of the start and end cross-entropies (computed by the model's QA head)."""
-        return model(**batch).loss
-
     # ----------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()
@@ -429,20 +414,8 @@ class QuestionAnswering:
         else:
             scores = squad_v1(predictions, references)
         if output_dir is not None:
-            _write_json(output_dir / "predictions.json", predictions)
-            _write_json(output_dir / "nbest_predictions.json", nbest)
+            write_json(output_dir / "predictions.json", predictions)
+            write_json(output_dir / "nbest_predictions.json", nbest)
             if null_odds:
-                _write_json(output_dir / "null_odds.json", null_odds)
+                write_json(output_dir / "null_odds.json", null_odds)
         return {k: float(v) for k, v in scores.items() if k != "total"}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=_to_builtin))
-    tmp.replace(path)
-
-
-def _to_builtin(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")

@@ -1,0 +1,301 @@
+"""Sequence classification and regression, GLUE-style (``task=classification``).
+
+What the task adds to the shared loop: finding the text, text-pair and label columns (from the
+GLUE task named by ``data.name``, or ``data.text_column`` / ``data.text_pair_column`` /
+``data.label_column``), mapping labels to ids, tokenizing, and scoring accuracy / F1 / Matthews
+correlation, or Pearson / Spearman correlation for a regression target such as STS-B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from datasets import Dataset
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
+
+from recipes import data as data_lib
+from recipes.config import ConfigError, DataConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.metrics.classification import classification_scores, regression_scores
+from recipes.tasks.base import Task, TaskData
+
+log = get_logger(__name__)
+
+FEATURES_VERSION = 1
+PROBLEM_TYPES = ("auto", "single_label_classification", "regression")
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    """Column names (the Hub's first, then those of the original TSV files), label names in the
+    Hub's id order (None for regression) and the metric GLUE ranks by."""
+
+    text: Sequence[str]
+    pair: Sequence[str] | None
+    label: Sequence[str]
+    labels: Sequence[str] | None
+    metric: str
+
+
+GLUE = {
+    "cola": GlueTask(("sentence",), None, ("label",), ("unacceptable", "acceptable"),
+                     "matthews_correlation"),
+    "sst2": GlueTask(("sentence",), None, ("label",), ("negative", "positive"), "accuracy"),
+    "mrpc": GlueTask(("sentence1", "#1 String"), ("sentence2", "#2 String"), ("label", "Quality"),
+                     ("not_equivalent", "equivalent"), "f1"),
+    "qqp": GlueTask(("question1",), ("question2",), ("label", "is_duplicate"),
+                    ("not_duplicate", "duplicate"), "f1"),
+    "stsb": GlueTask(("sentence1",), ("sentence2",), ("label", "score"), None, "pearson"),
+    "mnli": GlueTask(("premise", "sentence1"), ("hypothesis", "sentence2"),
+                     ("label", "gold_label"), ("entailment", "neutral", "contradiction"),
+                     "accuracy"),
+    "qnli": GlueTask(("question",), ("sentence",), ("label",), ("entailment", "not_entailment"),
+                     "accuracy"),
+    "rte": GlueTask(("sentence1",), ("sentence2",), ("label",), ("entailment", "not_entailment"),
+                    "accuracy"),
+    "wnli": GlueTask(("sentence1",), ("sentence2",), ("label",), ("not_entailment", "entailment"),
+                     "accuracy"),
+}  # fmt: skip
+
+
+def glue_task(name: str | None) -> GlueTask | None:
+    """The GLUE task called ``name`` (``SST-2``, ``sst2`` and ``STS-B`` all work)."""
+    return GLUE.get((name or "").lower().replace("-", "").replace("_", ""))
+
+
+class SequenceClassification(Task):
+    """Classify a text or a text pair, or regress a score (``task=classification``).
+
+    Args:
+        max_seq_length: longer inputs are cut (the longer text of a pair first).
+        problem_type: ``auto`` (regression for a GLUE regression task or float labels that are
+            not whole numbers), ``single_label_classification`` or ``regression``.
+        metric: the evaluation number that ranks checkpoints; null: the GLUE task's own, else
+            accuracy (classification) or pearson (regression).
+    """
+
+    auto_model_class = AutoModelForSequenceClassification
+    greater_is_better = True
+
+    def __init__(
+        self,
+        max_seq_length: int = 128,
+        problem_type: str = "auto",
+        metric: str | None = None,
+    ) -> None:
+        if max_seq_length < 2:
+            raise ConfigError(f"task.max_seq_length={max_seq_length}: must be at least 2.")
+        if problem_type not in PROBLEM_TYPES:
+            raise ConfigError(
+                f"task.problem_type={problem_type!r}: choose one of {', '.join(PROBLEM_TYPES)}."
+            )
+        self.max_seq_length = max_seq_length
+        self.problem_type = problem_type
+        self.metric = metric
+        self.label_names: list[str] | None = None  # None: regression
+        self.main_metric = metric or "accuracy"
+
+    # ----------------------------------------------------------------------------- data
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
+        glue = glue_task(cfg.name)
+        splits = data_lib.load_splits(cfg)
+        train = splits["train"]
+        text, pair, label = _columns(cfg, glue, train)
+        values = train.examples[label]
+        regression = self.problem_type == "regression" or (
+            self.problem_type == "auto"
+            and (glue.labels is None if glue else _looks_continuous(values))
+        )
+        if regression:
+            self.label_names = None
+        elif glue and glue.labels:
+            self.label_names = list(glue.labels)
+        else:
+            self.label_names = sorted({str(v) for v in values})
+        self.main_metric = self.metric or (
+            glue.metric if glue else ("pearson" if regression else "accuracy")
+        )
+        log.info(
+            "%s on columns text=%s%s label=%s; %s",
+            f"GLUE {cfg.name}" if glue else "classification",
+            text,
+            f" pair={pair}" if pair else "",
+            label,
+            "regression" if regression else f"{len(self.label_names)} labels {self.label_names}",
+        )
+        columns = (text, pair, label)
+        features = {}
+        for role, split in splits.items():
+            _columns(cfg, glue, split)  # the same columns must exist in both splits
+            features[role] = self._featurize(cfg, role, split, tokenizer, columns)
+        return TaskData(train=features["train"], eval=features["eval"])
+
+    def _featurize(
+        self,
+        cfg: DataConfig,
+        role: str,
+        split: data_lib.Split,
+        tokenizer: PreTrainedTokenizerBase,
+        columns: tuple[str, str | None, str],
+    ) -> Dataset:
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            columns=columns,
+            labels=self.label_names,
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            length=self.max_seq_length,
+            version=FEATURES_VERSION,
+        )
+        return data_lib.cached(
+            data_lib.cache_root(cfg) / f"cls-{role}-{key}",
+            lambda: split.examples.map(
+                self._features,
+                batched=True,
+                remove_columns=split.examples.column_names,
+                fn_kwargs={
+                    "tokenizer": tokenizer,
+                    "columns": columns,
+                    "source": f"{role} data {split.source}",
+                },
+                num_proc=cfg.preprocessing_num_workers,
+                desc=f"{role} features",
+            ),
+        )
+
+    def _features(
+        self,
+        batch: Mapping[str, list],
+        tokenizer: PreTrainedTokenizerBase,
+        columns: tuple[str, str | None, str],
+        source: str,
+    ) -> dict[str, list]:
+        text, pair, label = columns
+        for column in (text, pair):
+            if column is None:
+                continue
+            for n, value in enumerate(batch[column]):
+                if not isinstance(value, str):
+                    raise DataError(
+                        f"{source}: column {column!r} of a row holds {value!r}, not text (row "
+                        f"{n} of its batch); fix or drop that row."
+                    )
+        encoded = tokenizer(
+            batch[text],
+            batch[pair] if pair else None,
+            truncation=True,
+            max_length=self.max_seq_length,
+        )
+        encoded["labels"] = [self._label_id(v, source, label) for v in batch[label]]
+        return dict(encoded)
+
+    def _label_id(self, value: Any, source: str, column: str) -> float | int:
+        if self.label_names is None:
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise DataError(
+                    f"{source}: label {value!r} in column {column!r} is not a number "
+                    "(regression); set task.problem_type=single_label_classification?"
+                ) from None
+        if isinstance(value, str) and value in self.label_names:
+            return self.label_names.index(value)
+        if str(value) in self.label_names:
+            return self.label_names.index(str(value))
+        if isinstance(value, (int, np.integer)) and 0 <= value < len(self.label_names):
+            return int(value)
+        raise DataError(
+            f"{source}: label {value!r} in column {column!r} is not one of "
+            f"{self.label_names} (nor an id below {len(self.label_names)}); unlabelled test "
+            "data cannot be used for training or evaluation."
+        )
+
+    def model_kwargs(self) -> dict[str, Any]:
+        if self.label_names is None:
+            return {"num_labels": 1, "problem_type": "regression"}
+        return {
+            "num_labels": len(self.label_names),
+            "problem_type": "single_label_classification",
+            "id2label": dict(enumerate(self.label_names)),
+            "label2id": {name: i for i, name in enumerate(self.label_names)},
+        }
+
+    # ----------------------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+    ) -> dict[str, float]:
+        model.eval()
+        predictions, labels, losses = [], [], []
+        for batch in loader:
+            target = batch.pop("labels")
+            logits = model(**batch).logits.float()
+            if self.label_names is None:
+                predicted = logits.squeeze(-1)
+                loss = (predicted - target.float()) ** 2
+            else:
+                predicted = logits.argmax(-1)
+                loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+            # Per example, gathered: the duplicates that pad the last batch are dropped.
+            predicted, target, loss = accelerator.gather_for_metrics((predicted, target, loss))
+            predictions.append(predicted.cpu().numpy())
+            labels.append(target.cpu().numpy())
+            losses.append(loss.cpu().numpy())
+        model.train()
+        metrics: dict[str, float] = {}
+        if accelerator.is_main_process:
+            y_hat, y = np.concatenate(predictions), np.concatenate(labels)
+            if self.label_names is None:
+                metrics = regression_scores(y_hat.astype(np.float64), y.astype(np.float64))
+            else:
+                metrics = classification_scores(y_hat, y.astype(np.int64), len(self.label_names))
+            metrics["loss"] = float(np.concatenate(losses).mean())
+        return broadcast_object_list([metrics])[0]
+
+
+def _columns(
+    cfg: DataConfig, glue: GlueTask | None, split: data_lib.Split
+) -> tuple[str, str | None, str]:
+    """The text, pair and label columns: explicit settings first, then the GLUE task's names,
+    then ``text`` / ``label``."""
+    have = split.examples.column_names
+
+    def pick(key: str, explicit: str | None, candidates: Sequence[str] | None) -> str | None:
+        if explicit is not None:
+            if explicit not in have:
+                raise DataError(
+                    f"data.{key}={explicit}: no such column in {split.source} (it has "
+                    f"{', '.join(have)})."
+                )
+            return explicit
+        if candidates is None:
+            return None
+        for name in candidates:
+            if name in have:
+                return name
+        raise DataError(
+            f"{split.source}: none of the columns {', '.join(candidates)} found (it has "
+            f"{', '.join(have)}); name it with data.{key}=..."
+        )
+
+    text = pick("text_column", cfg.text_column, glue.text if glue else ("text", "sentence"))
+    pair_candidates = glue.pair if glue else None
+    pair = pick("text_pair_column", cfg.text_pair_column, pair_candidates)
+    label = pick("label_column", cfg.label_column, glue.label if glue else ("label",))
+    assert text is not None and label is not None
+    return text, pair, label
+
+
+def _looks_continuous(values: list) -> bool:
+    """Float labels that are not all whole numbers are a regression target."""
+    return any(isinstance(v, float) and not float(v).is_integer() for v in values[:10_000])

@@ -1,0 +1,357 @@
+"""Language-model fine-tuning: causal (GPT-2, Llama) and masked (BERT).
+
+What the tasks add to the shared loop: tokenizing text and packing it into ``block_size`` blocks
+(no padding), the masking of a masked LM, and perplexity. Perplexity is ``exp`` of the mean loss
+over every predicted token of the evaluation split, summed exactly across processes (so N
+processes report what one does), not a mean of per-batch means.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from datasets import Dataset
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    DataCollatorForLanguageModeling,
+    PreTrainedTokenizerBase,
+    default_data_collator,
+)
+
+from recipes import data as data_lib
+from recipes.config import ConfigError, DataConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.tasks.base import Task, TaskData
+
+log = get_logger(__name__)
+
+FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
+IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
+
+
+class LanguageModeling(Task):
+    """Text in, packed blocks out; perplexity on the evaluation split. Subclasses say how a
+    block becomes inputs and labels."""
+
+    main_metric = "perplexity"
+    greater_is_better = False
+    add_special_tokens = False
+
+    def __init__(self, block_size: int = 1024, add_eos_token: bool = False) -> None:
+        if block_size < 2:
+            raise ConfigError(f"task.block_size={block_size}: must be at least 2 tokens.")
+        self.block_size = block_size
+        self.add_eos_token = add_eos_token
+
+    def settings(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def _check_block_size(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        limit = tokenizer.model_max_length
+        if limit < 1_000_000 and self.block_size > limit:
+            raise ConfigError(
+                f"task.block_size={self.block_size} is longer than the model's "
+                f"{limit} positions; set task.block_size={limit} or less."
+            )
+
+    def _blocks(
+        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, keep_offsets: bool = False
+    ) -> dict[str, Dataset]:
+        """Train and eval splits as packed blocks of ``block_size`` tokens (cached on disk)."""
+        self._check_block_size(tokenizer)
+        splits = data_lib.load_splits(cfg)
+        column = cfg.text_column or "text"
+        tokenizer_hash = data_lib.tokenizer_fingerprint(tokenizer)
+        blocks = {}
+        for role, split in splits.items():
+            examples = split.examples
+            if column not in examples.column_names:
+                raise DataError(
+                    f"{role} data {split.source}: no column {column!r} (has "
+                    f"{', '.join(examples.column_names)}); name the text column with "
+                    "data.text_column=..."
+                )
+            key = data_lib.cache_key(
+                role=role,
+                data=split.fingerprint,
+                column=column,
+                tokenizer=tokenizer_hash,
+                task=self.settings(),
+                offsets=keep_offsets,
+                kind=type(self).__name__,
+                version=FEATURES_VERSION,
+            )
+
+            def build(examples: Dataset = examples, role: str = role, split=split) -> Dataset:
+                texts = examples.select_columns([column]).filter(
+                    lambda batch: [bool(t) for t in batch[column]],
+                    batched=True,
+                    desc="drop empty texts",
+                )
+                tokens = texts.map(
+                    self._tokenize,
+                    batched=True,
+                    remove_columns=[column],
+                    fn_kwargs={"tokenizer": tokenizer, "column": column, "offsets": keep_offsets},
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc="tokenize",
+                )
+                packed = tokens.map(
+                    self._pack,
+                    batched=True,
+                    batch_size=1000,
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc=f"pack into {self.block_size}-token blocks",
+                )
+                if len(packed) == 0:
+                    raise DataError(
+                        f"{role} data {split.source}: {len(examples)} texts make no full block "
+                        f"of {self.block_size} tokens; lower task.block_size or add text."
+                    )
+                return packed
+
+            blocks[role] = data_lib.cached(data_lib.cache_root(cfg) / f"lm-{role}-{key}", build)
+            log.info(
+                "%s: %d texts -> %d blocks of %d tokens",
+                role,
+                len(examples),
+                len(blocks[role]),
+                self.block_size,
+            )
+        return blocks
+
+    def _tokenize(
+        self,
+        batch: Mapping[str, list],
+        tokenizer: PreTrainedTokenizerBase,
+        column: str,
+        offsets: bool,
+    ) -> dict[str, list]:
+        encoded = tokenizer(
+            batch[column],
+            add_special_tokens=self.add_special_tokens,
+            return_offsets_mapping=offsets,
+            return_attention_mask=True,
+            verbose=False,  # texts longer than the model are cut into blocks, not fed whole
+        )
+        encoded = dict(encoded)
+        if self.add_eos_token and tokenizer.eos_token_id is not None:
+            encoded["input_ids"] = [[*ids, tokenizer.eos_token_id] for ids in encoded["input_ids"]]
+            encoded["attention_mask"] = [[*mask, 1] for mask in encoded["attention_mask"]]
+        return encoded
+
+    def _pack(self, batch: Mapping[str, list]) -> dict[str, list]:
+        """Concatenate the texts of the batch and cut them into full blocks (the tail that does
+        not fill a block is dropped, as in the Hugging Face examples)."""
+        joined = {k: list(chain.from_iterable(v)) for k, v in batch.items()}
+        usable = (len(joined["input_ids"]) // self.block_size) * self.block_size
+        return {
+            k: [v[i : i + self.block_size] for i in range(0, usable, self.block_size)]
+            for k, v in joined.items()
+        }
+
+    # ----------------------------------------------------------------------------- evaluation
+
+    def _token_losses(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence: the summed cross-entropy of its predicted tokens, and their count."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+    ) -> dict[str, float]:
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        for batch in loader:
+            nll, count = self._token_losses(model, batch)
+            # Per-sequence sums, gathered: duplicates that pad the last batch are dropped.
+            pairs = accelerator.gather_for_metrics(torch.stack([nll, count], dim=1))
+            total += pairs.sum(dim=0).double()
+        model.train()
+        nll, count = total.tolist()
+        loss = nll / max(count, 1.0)
+        metrics = {"loss": loss, "perplexity": _perplexity(loss), "tokens": count}
+        return broadcast_object_list([metrics])[0]
+
+
+def _perplexity(loss: float) -> float:
+    return float(torch.tensor(loss, dtype=torch.float64).exp().clamp(max=1e30))
+
+
+def _sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    losses = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
+    return losses.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1).float()
+
+
+class CausalLanguageModeling(LanguageModeling):
+    """Next-token prediction on packed blocks (``task=clm``).
+
+    Args:
+        block_size: tokens per training sequence.
+        add_eos_token: end each text with the end-of-text token before packing (useful when the
+            texts are separate documents; off for line-by-line text such as a play).
+        sample_prompt: after training, greedily continue this prompt and log the result
+            (null: no sample).
+        sample_max_new_tokens: length of that continuation.
+    """
+
+    auto_model_class = AutoModelForCausalLM
+
+    def __init__(
+        self,
+        block_size: int = 1024,
+        add_eos_token: bool = False,
+        sample_prompt: str | None = "The",
+        sample_max_new_tokens: int = 40,
+    ) -> None:
+        super().__init__(block_size, add_eos_token)
+        self.sample_prompt = sample_prompt
+        self.sample_max_new_tokens = sample_max_new_tokens
+
+    def settings(self) -> dict[str, Any]:
+        return {"block_size": self.block_size, "add_eos_token": self.add_eos_token}
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
+        blocks = self._blocks(cfg, tokenizer)
+        return TaskData(
+            train=blocks["train"],
+            eval=blocks["eval"],
+            train_collator=default_data_collator,
+            eval_collator=default_data_collator,
+        )
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The model shifts the labels itself: position t predicts token t + 1."""
+        return model(**batch, labels=batch["input_ids"]).loss
+
+    def _token_losses(self, model, batch):
+        logits = model(**batch).logits[:, :-1]
+        labels = batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+        return _sequence_nll(logits, labels)
+
+    @torch.no_grad()
+    def after_training(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        accelerator: Accelerator,
+        output_dir: Path,
+    ) -> dict[str, Any]:
+        """A greedy continuation of ``sample_prompt``, so a person sees what the model learnt."""
+        if not self.sample_prompt or not accelerator.is_main_process:
+            return {}
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.eval()
+        prompt = tokenizer(self.sample_prompt, return_tensors="pt").to(accelerator.device)
+        generated = unwrapped.generate(
+            **prompt,
+            max_new_tokens=self.sample_max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        unwrapped.train()
+        text = tokenizer.decode(generated[0], skip_special_tokens=True)
+        log.info("greedy sample after training:\n%s", text)
+        (output_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
+        return {"sample/text": text}
+
+
+class MaskedLanguageModeling(LanguageModeling):
+    """Masked-token prediction on packed blocks (``task=mlm``), BERT's recipe.
+
+    Args:
+        block_size: tokens per training sequence.
+        mlm_probability: share of tokens chosen for prediction; of those 80 % become [MASK],
+            10 % a random token and 10 % stay as they are.
+        whole_word_mask: choose whole words rather than single word pieces.
+        eval_mask_seed: the evaluation split is masked once, with this seed, so every
+            evaluation (and every process count) scores the same positions.
+    """
+
+    auto_model_class = AutoModelForMaskedLM
+    add_special_tokens = True
+
+    def __init__(
+        self,
+        block_size: int = 512,
+        mlm_probability: float = 0.15,
+        whole_word_mask: bool = False,
+        eval_mask_seed: int = 0,
+    ) -> None:
+        super().__init__(block_size, add_eos_token=False)
+        if not 0 < mlm_probability < 1:
+            raise ConfigError(f"task.mlm_probability={mlm_probability}: must be in (0, 1).")
+        self.mlm_probability = mlm_probability
+        self.whole_word_mask = whole_word_mask
+        self.eval_mask_seed = eval_mask_seed
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
+        if tokenizer.mask_token is None:
+            raise ConfigError(
+                f"model.name_or_path: the tokenizer of {tokenizer.name_or_path} has no mask "
+                "token, so it cannot be trained as a masked LM; use a BERT-style model."
+            )
+        collator, needs_offsets = _masking_collator(
+            tokenizer, self.mlm_probability, self.whole_word_mask
+        )
+        blocks = self._blocks(cfg, tokenizer, keep_offsets=needs_offsets)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.eval_mask_seed)
+            masked_eval = blocks["eval"].map(
+                lambda batch: _mask_batch(collator, batch),
+                batched=True,
+                batch_size=256,
+                remove_columns=[c for c in ("offset_mapping",) if c in blocks["eval"].column_names],
+                desc="mask evaluation blocks",
+                load_from_cache_file=False,
+                new_fingerprint=f"{blocks['eval']._fingerprint}-masked-{self.eval_mask_seed}",
+            )
+        return TaskData(
+            train=blocks["train"],
+            eval=masked_eval,
+            train_collator=collator,
+            eval_collator=default_data_collator,
+        )
+
+    def _token_losses(self, model, batch):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return _sequence_nll(logits, batch["labels"])
+
+
+def _masking_collator(
+    tokenizer: PreTrainedTokenizerBase, probability: float, whole_word: bool
+) -> tuple[Callable[[list[dict]], dict], bool]:
+    """transformers' MLM collator; returns it and whether it needs offset mappings.
+
+    transformers >= 4.56 masks whole words from the offset mappings; older releases have a
+    separate collator that recognises BERT's ``##`` word pieces.
+    """
+    if (
+        whole_word
+        and "whole_word_mask" not in inspect.signature(DataCollatorForLanguageModeling).parameters
+    ):
+        from transformers import DataCollatorForWholeWordMask
+
+        return DataCollatorForWholeWordMask(tokenizer, mlm_probability=probability), False
+    extra = {"whole_word_mask": True} if whole_word else {}
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability, **extra)
+    return collator, whole_word
+
+
+def _mask_batch(collator: Callable, batch: Mapping[str, list]) -> dict[str, list]:
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    masked = collator(rows)
+    return {k: v.tolist() for k, v in masked.items()}
