@@ -35,6 +35,20 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("feature-cache")
 
 
+# Five logged fp32 steps and nothing else: what the golden-loss tests run on each recipe.
+GOLDEN_RUN = (
+    "trainer.max_steps=5",
+    "trainer.log_every_n_steps=1",
+    "trainer.per_device_train_batch_size=8",
+    "trainer.mixed_precision=no",
+    "optimizer.lr=1e-3",
+    "scheduler.warmup_ratio=0",
+    "trainer.eval_at_start=false",
+    "trainer.eval_at_end=false",
+    "trainer.save_final_model=false",
+)
+
+
 def run_train(
     *overrides: str,
     cwd: Path = ROOT,

@@ -88,7 +88,7 @@ def test_json_lines_with_a_text_column_pack_into_full_blocks(tmp_path, gpt2_toke
     packed = [t for ids in data.train["input_ids"] for t in ids]
     assert packed == stream[: len(packed)] and len(stream) - len(packed) < 64 * 2
 
-    with pytest.raises(DataError, match="data.text_column"):
+    with pytest.raises(DataError, match=r"data\.text_column"):
         task.build_data(_data(tmp_path, path=str(path), text_column="text"), gpt2_tokenizer)
 
 
@@ -98,14 +98,14 @@ def test_parquet_and_block_size_longer_than_the_data(tmp_path, gpt2_tokenizer):
     path = tmp_path / "train.parquet"
     Dataset.from_dict({"text": ["short text"] * 30}).to_parquet(str(path))
     cfg = _data(tmp_path, path=str(path), eval_fraction=0.2)
-    with pytest.raises(DataError, match="lower task.block_size"):
+    with pytest.raises(DataError, match=r"lower task\.block_size"):
         CausalLanguageModeling(block_size=128).build_data(cfg, gpt2_tokenizer)
     data = CausalLanguageModeling(block_size=8).build_data(cfg, gpt2_tokenizer)
     assert len(data.train) > 0 and len(data.eval) > 0
 
 
 def test_no_eval_split_and_no_fraction_names_the_fix(tmp_path):
-    with pytest.raises(DataError, match="data.eval_file=.*data.eval_fraction=0.05"):
+    with pytest.raises(DataError, match=r"data\.eval_file=.*data\.eval_fraction=0\.05"):
         load_splits(_data(tmp_path, path=str(SHAKESPEARE), eval_fraction=0.0))
 
 
@@ -177,7 +177,7 @@ def test_custom_csv_labels_and_bad_labels(tmp_path, bert_tokenizer):
         SequenceClassification().build_data(
             _data(tmp_path / "other", path=str(good)), bert_tokenizer
         )
-    with pytest.raises(DataError, match="data.text_pair_column=nope: no such column"):
+    with pytest.raises(DataError, match=r"data\.text_pair_column=nope: no such column"):
         SequenceClassification().build_data(
             _data(tmp_path, path=str(good), text_pair_column="nope"), bert_tokenizer
         )

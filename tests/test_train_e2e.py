@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_train
+from conftest import GOLDEN_RUN, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +40,9 @@ def test_golden_losses(tmp_path, cache_dir):
     run = _smoke(
         tmp_path,
         cache_dir,
-        "trainer.max_steps=5",
-        "trainer.log_every_n_steps=1",
-        "trainer.per_device_train_batch_size=8",
-        "trainer.mixed_precision=no",
-        "optimizer.lr=1e-3",
-        "scheduler.warmup_ratio=0",
+        *GOLDEN_RUN,
         "task.max_seq_length=256",
         "task.doc_stride=96",
-        "trainer.eval_at_start=false",
-        "trainer.eval_at_end=false",
-        "trainer.save_final_model=false",
     )
     losses = [m["train/loss"] for m in _metrics(run) if "train/loss" in m]
     assert losses == pytest.approx(GOLDEN_LOSSES, abs=1e-4)
