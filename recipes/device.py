@@ -292,6 +292,21 @@ def default_attn_implementation() -> str:
     return "sdpa"
 
 
+def supports_fused_adamw(device: torch.device | str) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch.
+
+    CUDA has had the fused kernel since torch 2.0 and the CPU since 2.4. MUSA is left on the
+    default (foreach) implementation until a torch_musa release is known to ship the kernel.
+    """
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return True
+    if kind == "cpu":
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+        return (major, minor) >= (2, 4)
+    return False
+
+
 def mccl_available() -> bool:
     """Say whether torch.distributed can use MCCL.
 

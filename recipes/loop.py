@@ -210,6 +210,7 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
     with accelerator.main_process_first():
         data = task.build_data(settings.data, tokenizer)
     model = load_model(settings.model, task.auto_model_class, **task.model_kwargs())
+    task.check_model(model)
 
     padding = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
     train_loader = DataLoader(
@@ -225,7 +226,7 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
         collate_fn=data.eval_collator or padding,
         num_workers=t.dataloader_num_workers,
     )
-    optimizer = build_optimizer(instantiate(cfg, "optimizer"), model)
+    optimizer = build_optimizer(instantiate(cfg, "optimizer"), model, accelerator.device)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers import get_scheduler
 
+from recipes import device
 from recipes.config import ConfigError
 
 
@@ -32,11 +33,26 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    make_optimizer: Callable[..., torch.optim.Optimizer], model: torch.nn.Module
+    make_optimizer: Callable[..., torch.optim.Optimizer],
+    model: torch.nn.Module,
+    target: torch.device | None = None,
 ) -> torch.optim.Optimizer:
-    """Call the ``optimizer`` config's partial with decay / no-decay parameter groups."""
-    weight_decay = getattr(make_optimizer, "keywords", {}).get("weight_decay", 0.0)
-    return make_optimizer(params=parameter_groups(model, weight_decay))
+    """Call the ``optimizer`` config's partial with decay / no-decay parameter groups.
+
+    Adam / AdamW with ``fused: null`` (the default) use the fused kernel where the ``target``
+    device has one, as ``transformers.Trainer`` does; ``fused: false`` keeps the foreach one.
+    """
+    keywords = dict(getattr(make_optimizer, "keywords", {}))
+    weight_decay = keywords.get("weight_decay", 0.0)
+    extra = {}
+    if (
+        getattr(make_optimizer, "func", None) in (torch.optim.AdamW, torch.optim.Adam)
+        and keywords.get("fused") is None
+        and target is not None
+        and device.supports_fused_adamw(target)
+    ):
+        extra["fused"] = True
+    return make_optimizer(params=parameter_groups(model, weight_decay), **extra)
 
 
 def build_scheduler(

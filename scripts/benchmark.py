@@ -95,14 +95,13 @@ def _window_seconds(record: dict, args: argparse.Namespace) -> float:
 
 def _ours_child(overrides: list[str]) -> None:
     """Run train.py in this process, then record its peak memory next to its metrics."""
-    sys.argv = ["train.py", *overrides]
-    sys.path.insert(0, str(ROOT))
+    import runpy
+
     import torch
 
-    import train
-
+    sys.argv = [str(ROOT / "train.py"), *overrides]
     try:
-        train.main()
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as done:
         if done.code not in (0, None):
             raise
@@ -204,7 +203,7 @@ def run_peer(args: argparse.Namespace, out: Path) -> dict:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--model", str(args.model), "--data", str(args.data),
+        args.task, "--model", str(args.model), "--data", str(args.data),
         "--block-size", str(args.block_size), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
@@ -218,6 +217,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("task", choices=["clm"])
     parser.add_argument("--model", type=Path, default=ASSETS / "tiny-gpt2")
+    parser.add_argument(
+        "--resize",
+        default="",
+        help="config changes for a model built fresh from --model's config and tokenizer "
+        "(seeded; both sides start from the same weights), e.g. n_layer=6,n_embd=384,n_head=6",
+    )
     parser.add_argument("--data", type=Path, default=ASSETS / "text" / "tinyshakespeare.txt")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -239,6 +244,8 @@ def main(argv: list[str]) -> None:
     results: dict[str, list[dict]] = {"ours": [], "peer": []}
     with tempfile.TemporaryDirectory() as tmp:
         args.cache = Path(tmp) / "cache"  # both sides train on the very same cached blocks
+        if args.resize:
+            args.model = _resized_model(args.model, args.resize, Path(tmp) / "model")
         for round_ in range(args.rounds):
             for side, run in (("ours", run_ours), ("peer", run_peer)):
                 out = Path(tmp) / f"{side}{round_}"
@@ -263,6 +270,23 @@ def main(argv: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"written to {out}")
+
+
+def _resized_model(source: Path, changes: str, folder: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source)
+    for change in changes.split(","):
+        key, value = change.split("=")
+        setattr(config, key.strip(), type(getattr(config, key.strip()))(value))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"model: {source.name} with {changes}: {parameters / 1e6:.1f}M parameters")
+    return folder
 
 
 def _table(summary: dict, ratio: float) -> str:

@@ -67,3 +67,27 @@ def test_finished_run_is_never_overwritten(tmp_path):
     assert "already holds a run" in stderr
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "recipe,override,expected",
+    [
+        ("gpt2_clm", "data.text_column=body", "no column 'body'"),
+        ("gpt2_clm", "task.block_size=4096", "task.block_size=4096 is longer than the model's"),
+        ("bert_glue", "data.label_column=score", "data.label_column=score: no such column"),
+        ("bert_mlm", "data.eval_fraction=0", "data.eval_fraction=0"),
+    ],
+)
+def test_bad_data_for_the_new_recipes_gives_one_line(tmp_path, recipe, override, expected):
+    proc = run_train(
+        f"recipe={recipe}",
+        "debug=smoke",
+        "logger=none",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        override,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert expected in proc.stderr.splitlines()[-1]
+    assert "Traceback" not in proc.stderr

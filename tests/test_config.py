@@ -108,10 +108,13 @@ def test_command_line_overrides_reach_the_run():
         ("data.path=./no/such/squad", "data.path=./no/such/squad"),
         ("data.train_file=/no/such/train.json", "data.train_file"),
         ("logger.wandb.mode=sometimes", "logger.wandb.mode"),
+        ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
+        ("data.sample_by=sentence", "data.sample_by='sentence'"),
+        ("model.gguf_file=missing.gguf", "model.gguf_file=missing.gguf: not in"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):
-    cfg = _compose("recipe=bert_squad", override)
+    cfg = _compose("recipe=gpt2_clm", "debug=smoke", override)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         validate(cfg)
 
@@ -128,6 +131,20 @@ def test_wrong_type_is_refused():
     cfg = _compose("recipe=bert_squad", "trainer.num_epochs=two")
     with pytest.raises(ConfigError, match=r"trainer\.num_epochs"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "recipe,override,message",
+    [
+        ("gpt2_clm", "task.block_size=1", "task.block_size=1"),
+        ("bert_mlm", "task.mlm_probability=1.5", "task.mlm_probability=1.5"),
+        ("bert_glue", "task.problem_type=multi_label", "task.problem_type='multi_label'"),
+    ],
+)
+def test_bad_task_settings_name_the_key(recipe, override, message):
+    cfg = _compose(f"recipe={recipe}", override)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        instantiate(cfg, "task")
 
 
 def test_doc_stride_must_be_below_max_seq_length():

@@ -6,7 +6,8 @@ A task (``conf/task/*.yaml`` names its class) is a small object with:
 * ``main_metric`` and ``greater_is_better``: the evaluation number that ranks checkpoints;
 * ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features;
 * ``model_kwargs() -> dict``: extra ``from_pretrained`` arguments known only once the data is
-  built (the number of labels of a classification task, say);
+  built (the number of labels of a classification task, say); ``check_model(model)`` refuses
+  settings the loaded model cannot run;
 * ``loss(model, batch) -> Tensor`` and ``evaluate(model, loader, accelerator, output_dir)``;
 * ``after_training(model, tokenizer, accelerator, output_dir) -> dict``: optional last words
   (a generated sample for a language model).
@@ -54,6 +55,9 @@ class Task:
 
     def model_kwargs(self) -> dict[str, Any]:
         return {}
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse settings the loaded model cannot run (raise ConfigError naming the key)."""
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The model's own loss (the batch carries its labels)."""

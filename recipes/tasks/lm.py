@@ -63,6 +63,17 @@ class LanguageModeling(Task):
                 f"{limit} positions; set task.block_size={limit} or less."
             )
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        config = model.config
+        positions = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        if positions and self.block_size > positions:
+            raise ConfigError(
+                f"task.block_size={self.block_size} is longer than the model's {positions} "
+                f"positions; set task.block_size={positions} or less."
+            )
+
     def _blocks(
         self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, keep_offsets: bool = False
     ) -> dict[str, Dataset]:
