@@ -55,10 +55,10 @@ def test_every_input_form_gives_the_same_questions(tmp_path, form):
         cfg = DataConfig(path=str(tmp_path / "saved"))
     else:
         cfg = DataConfig(path=str(V1))
-    loaded, fingerprint, _ = data_lib.load_split(cfg, "train", reader=read_squad_json)
-    assert loaded["id"] == flat["id"]
-    assert loaded["answers"] == flat["answers"]
-    assert fingerprint
+    split = data_lib.load_split(cfg, "train", reader=read_squad_json)
+    assert split.examples["id"] == flat["id"]
+    assert split.examples["answers"] == flat["answers"]
+    assert split.fingerprint
 
 
 def _squad_file(tmp_path: Path, mutate) -> Path:
@@ -92,7 +92,7 @@ def test_broken_examples_are_named(tmp_path, mutate, message):
 
 def test_missing_columns_and_empty_data(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"question": "q", "context": "c"}\n')
-    loaded, _, _ = data_lib.load_split(DataConfig(path=str(tmp_path / "train.jsonl")), "train")
+    loaded = data_lib.load_split(DataConfig(path=str(tmp_path / "train.jsonl")), "train").examples
     with pytest.raises(DataError, match="missing column"):
         check_examples(loaded, "train.jsonl", allow_unanswerable=False)
     with pytest.raises(DataError, match="holds no questions"):
