@@ -130,6 +130,21 @@ def test_masked_lm_eval_blocks_are_masked_once_the_same_way(tmp_path, bert_token
     assert batch["input_ids"].shape == batch["labels"].shape == (8, 64)
 
 
+def test_whole_word_masking_chooses_every_piece_of_a_word(tmp_path, bert_tokenizer):
+    cfg = _data(tmp_path, path=str(SHAKESPEARE), sample_by="paragraph")
+    data = MaskedLanguageModeling(block_size=64, whole_word_mask=True).build_data(
+        cfg, bert_tokenizer
+    )
+    pieces = 0
+    for ids, labels in zip(data.eval["input_ids"], data.eval["labels"], strict=True):
+        for i in range(1, len(labels)):
+            original = labels[i] if labels[i] != -100 else ids[i]
+            if bert_tokenizer.convert_ids_to_tokens(original).startswith("##"):
+                pieces += 1
+                assert (labels[i] != -100) == (labels[i - 1] != -100)
+    assert pieces > 100  # the check saw many multi-piece words
+
+
 def test_glue_tsv_layout_and_label_names(tmp_path, bert_tokenizer):
     task = SequenceClassification(max_seq_length=64)
     data = task.build_data(_data(tmp_path, path=str(QNLI), name="qnli"), bert_tokenizer)

@@ -327,7 +327,7 @@ class MaskedLanguageModeling(LanguageModeling):
                 batch_size=256,
                 remove_columns=[c for c in ("offset_mapping",) if c in blocks["eval"].column_names],
                 desc="mask evaluation blocks",
-                load_from_cache_file=False,
+                keep_in_memory=True,  # small, and no cache file for ranks to race on
                 new_fingerprint=f"{blocks['eval']._fingerprint}-masked-{self.eval_mask_seed}",
             )
         return TaskData(
