@@ -287,7 +287,8 @@ class MaskedLanguageModeling(LanguageModeling):
         block_size: tokens per training sequence.
         mlm_probability: share of tokens chosen for prediction; of those 80 % become [MASK],
             10 % a random token and 10 % stay as they are.
-        whole_word_mask: choose whole words rather than single word pieces.
+        whole_word_mask: choose whole words rather than single word pieces (each chosen word
+            becomes [MASK]; transformers cannot swap in random words then).
         eval_mask_seed: the evaluation split is masked once, with this seed, so every
             evaluation (and every process count) scores the same positions.
     """
@@ -357,7 +358,13 @@ def _masking_collator(
         from transformers import DataCollatorForWholeWordMask
 
         return DataCollatorForWholeWordMask(tokenizer, mlm_probability=probability), False
-    extra = {"whole_word_mask": True} if whole_word else {}
+    # transformers replaces every chosen word with [MASK] under whole-word masking (it cannot
+    # swap in random words); saying so up front also avoids 4.57's broken warning on that path.
+    extra = (
+        {"whole_word_mask": True, "mask_replace_prob": 1.0, "random_replace_prob": 0.0}
+        if whole_word
+        else {}
+    )
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability, **extra)
     return collator, whole_word
 
