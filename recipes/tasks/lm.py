@@ -250,7 +250,9 @@ class CausalLanguageModeling(LanguageModeling):
 
     def _token_losses(self, model, batch):
         logits = model(**batch).logits[:, :-1]
-        labels = batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+        labels = batch["input_ids"][:, 1:].masked_fill(
+            batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX
+        )
         return _sequence_nll(logits, labels)
 
     @torch.no_grad()
