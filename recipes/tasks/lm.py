@@ -55,24 +55,23 @@ class LanguageModeling(Task):
     def settings(self) -> dict[str, Any]:
         return dict(vars(self))
 
-    def _check_block_size(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        limit = tokenizer.model_max_length
-        if limit < 1_000_000 and self.block_size > limit:
-            raise ConfigError(
-                f"task.block_size={self.block_size} is longer than the model's "
-                f"{limit} positions; set task.block_size={limit} or less."
-            )
-
-    def check_model(self, model: torch.nn.Module) -> None:
-        config = model.config
-        positions = getattr(config, "max_position_embeddings", None) or getattr(
-            config, "n_positions", None
-        )
+    def _refuse_longer_than(self, positions: int | None) -> None:
         if positions and self.block_size > positions:
             raise ConfigError(
                 f"task.block_size={self.block_size} is longer than the model's {positions} "
                 f"positions; set task.block_size={positions} or less."
             )
+
+    def _check_block_size(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Before any data is built, when the tokenizer knows the length (not its sentinel)."""
+        limit = tokenizer.model_max_length
+        self._refuse_longer_than(limit if limit < 1_000_000 else None)
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self._refuse_longer_than(
+            getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        )
 
     def _blocks(
         self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, keep_offsets: bool = False
