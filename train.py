@@ -25,6 +25,7 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the final F1 / main metric (for sweeps)."""
+    from recipes.faults import Interrupted, TrainingError
     from recipes.loop import train  # imported late: `--help` and `--cfg` stay fast
 
     try:
@@ -32,7 +33,30 @@ def main(cfg: DictConfig) -> float | None:
     except (ConfigError, DataError) as err:
         sys.stderr.write(f"error: {err}\n")
         sys.exit(2)
+    except TrainingError as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(1)
+    except Interrupted as stopped:
+        if stopped.main_process:
+            sys.stderr.write(_resume_advice(cfg, stopped))
+        sys.exit(stopped.exit_code)
     return next((v for k, v in metrics.items() if k.endswith("/f1")), None)
+
+
+def _resume_advice(cfg: DictConfig, stopped) -> str:
+    """How to continue: the same command, pointed at this run folder with resume=auto."""
+    from hydra.core.hydra_config import HydraConfig
+
+    kept = [
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.startswith(("output_dir=", "resume=", "+resume="))
+    ]
+    command = " ".join(["python train.py", *kept, f"output_dir={cfg.output_dir}", "resume=auto"])
+    return (
+        f"stopped by {stopped}: checkpoint saved to {stopped.checkpoint}.\n"
+        f"Resume with the same launcher and settings:\n    {command}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ class TrainerConfig:
     pad_to_multiple_of: int | None = 8
     dataloader_num_workers: int = 0
     progress_bar: bool = True
+    save_every_n_steps: int = 500
+    save_at_epoch_end: bool = False
+    keep_last_n_checkpoints: int | None = 2
+    on_nonfinite: str = "stop"
+    distributed_timeout_s: int = 900
 
 
 @dataclass
@@ -177,6 +182,23 @@ def validate(cfg: DictConfig) -> Settings:
         )
     if t.max_grad_norm is not None and t.max_grad_norm <= 0:
         raise ConfigError("trainer.max_grad_norm must be > 0, or null to disable clipping.")
+    if t.save_every_n_steps < 0:
+        raise ConfigError(
+            f"trainer.save_every_n_steps={t.save_every_n_steps}: must be >= 0 (0 saves "
+            "checkpoints only on request: at epoch ends, on SIGTERM / SIGINT)."
+        )
+    if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
+        raise ConfigError(
+            f"trainer.keep_last_n_checkpoints={t.keep_last_n_checkpoints}: must be >= 1, or "
+            "null to keep every checkpoint."
+        )
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(
+            f"trainer.on_nonfinite={t.on_nonfinite!r}: choose stop (end the run with an error) "
+            "or skip (drop the update and go on)."
+        )
+    if t.distributed_timeout_s < 1:
+        raise ConfigError("trainer.distributed_timeout_s must be >= 1 (seconds).")
 
     m = settings.model
     if _is_local(m.name_or_path) and not Path(m.name_or_path).expanduser().is_dir():

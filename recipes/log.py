@@ -46,6 +46,8 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
         file_handler = logging.FileHandler(log_file)
         file_handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
         root.addHandler(file_handler)
+    # accelerate reports every file of a checkpoint at INFO; the loop logs one line per checkpoint.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     if is_main_process:
         transformers.utils.logging.set_verbosity_warning()
         datasets.utils.logging.set_verbosity_warning()

@@ -10,14 +10,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
     DataLoaderConfiguration,
+    InitProcessGroupKwargs,
     broadcast_object_list,
+    gather_object,
     parse_flag_from_env,
     set_seed,
 )
@@ -26,8 +30,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from recipes import device
+from recipes import checkpoint, device
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
+from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.log import get_logger, setup_logging
 from recipes.optim import build_optimizer
 from recipes.tasks.base import Task
@@ -43,18 +48,6 @@ def _agree_on_output_dir(proposed: str) -> Path:
     if chosen != proposed and own.is_dir() and not any(own.iterdir()):
         own.rmdir()  # the empty folder Hydra made for this rank's own timestamp
     return Path(chosen)
-
-
-def _existing_run(output_dir: Path) -> str | None:
-    """Why ``output_dir`` must not be written to (it holds a run whose results must survive)."""
-    # config.yaml alone is what a run that failed before training leaves: that folder is reusable.
-    for marker in ("metrics.jsonl", "final"):
-        if (output_dir / marker).exists():
-            return (
-                f"output_dir={output_dir} already holds a run ({marker}); nothing was changed. "
-                "Pick a new folder with output_dir=... (or remove that one)."
-            )
-    return None
 
 
 def _mixed_precision(requested: str) -> str:
@@ -157,12 +150,23 @@ class _Window:
     start: float
 
     @classmethod
-    def fresh(cls, where: torch.device) -> _Window:
-        return cls(torch.zeros(2, device=where), 0, 0, time.perf_counter())
+    def fresh(cls, where: torch.device, saved: list[float] | None = None) -> _Window:
+        loss, tokens, micro, samples = saved or [0.0, 0.0, 0, 0]
+        sums = torch.tensor([loss, tokens], dtype=torch.float, device=where)
+        return cls(sums, int(micro), int(samples), time.perf_counter())
+
+    def as_list(self) -> list[float]:
+        return [*self.loss_and_tokens.tolist(), self.micro_batches, self.samples]
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run the recipe described by the composed config ``cfg``; returns the final eval metrics."""
+    """Run the recipe described by the composed config ``cfg``; returns the final eval metrics.
+
+    Raises:
+        ConfigError / DataError: bad settings or data, before any expensive work.
+        TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
+        Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
+    """
     settings: Settings = validate(cfg)
     task = instantiate(cfg, "task")  # checks its own settings before any heavy work
     t: TrainerConfig = settings.trainer
@@ -172,27 +176,99 @@ def train(cfg: DictConfig) -> dict[str, float]:
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=settings.logger.trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # A collective that waits this long (a rank died) raises instead of hanging forever.
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=t.distributed_timeout_s))
+        ],
     )
+    stop = StopRequest()
+    stop.install()
     try:
-        return _run(cfg, settings, task, accelerator)
+        return _run(cfg, settings, task, accelerator, stop)
     finally:
+        stop.restore()
         # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
         accelerator.end_training()
 
 
-def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerator) -> dict:
-    t = settings.trainer
+def _open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Path | None]:
+    """The run folder all ranks share and the checkpoint to continue from (if any).
+
+    Rank 0 looks and every rank learns the verdict, so that all of them stop together.
+    """
     output_dir = _agree_on_output_dir(str(cfg.output_dir))
-    # Rank 0 looks and every rank learns the verdict, so that all of them stop together.
-    refusal = broadcast_object_list(
-        [_existing_run(output_dir) if accelerator.is_main_process else None]
-    )[0]
-    if refusal:
-        raise ConfigError(refusal)
+    verdict: tuple[str, str | None] | None = None
+    if accelerator.is_main_process:
+        try:
+            found = _check_run_folder(output_dir, cfg.get("resume"))
+            verdict = ("ok", str(found) if found else None)
+        except ConfigError as err:
+            verdict = ("error", str(err))
+    kind, value = broadcast_object_list([verdict])[0]
+    if kind == "error":
+        raise ConfigError(value)
+    resume_from = Path(value) if value else None
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        config_file = output_dir / "config.yaml"
+        if resume_from is None or not config_file.exists():
+            config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     accelerator.wait_for_everyone()
+    return output_dir, resume_from
+
+
+def _check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
+    """Refuse a folder whose results would be overwritten; find the checkpoint to resume."""
+    found = checkpoint.resolve(resume, output_dir)
+    if (output_dir / "final").exists():
+        raise ConfigError(
+            f"output_dir={output_dir} already holds a finished run (final/); nothing was changed. "
+            "Pick a new folder with output_dir=... (or remove that one)."
+        )
+    marker = next((m for m in ("metrics.jsonl", "checkpoints") if (output_dir / m).exists()), None)
+    if marker is None or resume == "auto":
+        return found
+    if resume is None:
+        raise ConfigError(
+            f"output_dir={output_dir} already holds a run ({marker}); nothing was changed. "
+            "Continue it with resume=auto, or pick a new folder with output_dir=..."
+        )
+    assert found is not None
+    if output_dir.resolve() not in found.resolve().parents:
+        raise ConfigError(
+            f"output_dir={output_dir} holds another run ({marker}); resuming {found} there would "
+            "mix the two. Pick a new folder with output_dir=..., or continue that run with "
+            f"output_dir={found.parent.parent} resume=auto."
+        )
+    return found
+
+
+@dataclass
+class _Loop:
+    """What the training loop works with, built once by :func:`_run`."""
+
+    accelerator: Accelerator
+    settings: Settings
+    task: Task
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    collator: checkpoint.SeededCollator
+    output_dir: Path
+    metrics: MetricsLogger
+    state: checkpoint.TrainerState
+    steps_per_epoch: int
+    total_steps: int
+
+
+def _run(
+    cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerator, stop: StopRequest
+) -> dict:
+    t = settings.trainer
+    output_dir, resume_from = _open_run_folder(cfg, accelerator)
     setup_logging(accelerator.is_main_process, output_dir / "train.log")
     log.info("run folder: %s", output_dir)
     log.info(
@@ -213,11 +289,12 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
     task.check_model(model)
 
     padding = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
+    collator = checkpoint.SeededCollator(data.train_collator or padding, t.seed)
     train_loader = DataLoader(
         data.train,
         batch_size=t.per_device_train_batch_size,
         shuffle=True,
-        collate_fn=data.train_collator or padding,
+        collate_fn=collator,
         num_workers=t.dataloader_num_workers,
     )
     eval_loader = DataLoader(
@@ -230,6 +307,8 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
+    # Steps are optimizer updates of one global batch, whatever the number of processes: each
+    # process takes len(train_loader) batches of its shard per epoch.
     steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)
     total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_epochs * steps_per_epoch)
     scheduler = instantiate(cfg, "scheduler")(
@@ -254,48 +333,165 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
         total_steps,
     )
 
-    metrics_logger = MetricsLogger(accelerator, output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    state = checkpoint.TrainerState(
+        guarded=_guarded(settings, global_batch, len(data.train)), config=resolved
+    )
+    if resume_from is not None:
+        state = _resume(accelerator, resume_from, state)
+    elif cfg.get("resume") == "auto":
+        log.info("resume=auto: no checkpoint in %s yet; starting at step 0", output_dir)
+
+    metrics_logger = MetricsLogger(
+        accelerator,
+        output_dir,
+        keep_until_step=state.step if resume_from is not None else None,
+    )
     run_name = "-".join(output_dir.parts[-2:])
     accelerator.init_trackers(
         settings.logger.wandb.project,
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=resolved,
         init_kwargs=tracker_init_kwargs(settings.logger, run_name, output_dir),
     )
+    loop = _Loop(
+        accelerator=accelerator,
+        settings=settings,
+        task=task,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        collator=collator,
+        output_dir=output_dir,
+        metrics=metrics_logger,
+        state=state,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+    )
+    final = _fit(loop, stop)
 
-    def evaluate(step: int) -> dict[str, float]:
-        started = time.perf_counter()
-        scores = task.evaluate(model, eval_loader, accelerator, output_dir)
-        scores = {f"eval/{k}": v for k, v in scores.items()}
-        scores["eval/runtime_s"] = time.perf_counter() - started
-        metrics_logger.log(scores, step)
-        log.info("eval at step %d: %s", step, _fmt(scores))
-        return scores
+    extra = task.after_training(model, tokenizer, accelerator, output_dir)
+    if extra:
+        metrics_logger.log(extra, state.step)
+    if t.save_final_model:
+        _save_final(accelerator, model, tokenizer, output_dir / "final")
+    metrics_logger.close()
+    log.info(
+        "done: %d steps in %.1f s of training (%.3f s/step); %s",
+        state.step,
+        state.train_seconds,
+        state.train_seconds / max(state.step, 1),
+        _fmt(final) if final else "no evaluation",
+    )
+    return final
 
-    step, epoch, last_eval_step = 0, 0, -1
+
+def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict[str, Any]:
+    """Settings that decide which batches the steps see: a resumed run must share them."""
+    data = {
+        k: v
+        for k, v in vars(settings.data).items()
+        if k not in ("cache_dir", "preprocessing_num_workers", "max_eval_examples")
+        and not k.startswith("eval_")
+    }
+    return {
+        "global_batch": global_batch,
+        "train_features": train_features,
+        "trainer.seed": settings.trainer.seed,
+        "model.name_or_path": settings.model.name_or_path,
+        "data": data,
+    }
+
+
+def _resume(
+    accelerator: Accelerator, path: Path, fresh: checkpoint.TrainerState
+) -> checkpoint.TrainerState:
+    saved = checkpoint.read_state(path)
+    changed = checkpoint.check_compatible(saved, fresh.guarded, fresh.config)
+    if changed:
+        log.warning("resuming with changed settings: %s", ", ".join(changed))
+    state = checkpoint.load(accelerator, path)
+    if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
+        totals = (
+            [sum(column) for column in zip(*state.window, strict=True)] if state.window else None
+        )
+        state.window = [totals or [0.0, 0.0, 0, 0]] + [[0.0, 0.0, 0, 0]] * (
+            accelerator.num_processes - 1
+        )
+    state.guarded, state.config = fresh.guarded, fresh.config
+    log.info(
+        "resumed from %s: step %d, epoch %d, batch %d of the epoch",
+        path,
+        state.step,
+        state.epoch,
+        state.batches_in_epoch,
+    )
+    return state
+
+
+def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
+    """The training loop: epochs of micro-batches, an optimizer step every
+    ``gradient_accumulation_steps``, logging, evaluation and checkpoints at step boundaries."""
+    accelerator, t, state = loop.accelerator, loop.settings.trainer, loop.state
+    model, optimizer, scheduler = loop.model, loop.optimizer, loop.scheduler
+    rank = accelerator.process_index
+    saving = t.save_every_n_steps > 0 or t.save_at_epoch_end
     final: dict[str, float] = {}
-    window = _Window.fresh(accelerator.device)
+    window = _Window.fresh(accelerator.device, state.window[rank] if state.window else None)
+    step_loss = torch.zeros((), device=accelerator.device)
     grad_norm: torch.Tensor | None = None
+    check_grad = accelerator.scaler is None  # fp16's scaler skips overflowing steps itself
     progress = tqdm(
-        total=total_steps,
+        total=loop.total_steps,
+        initial=state.step,
         desc="train",
         dynamic_ncols=True,
         disable=not (accelerator.is_local_main_process and t.progress_bar),
     )
-    if t.eval_at_start:
-        evaluate(0)
+
+    def save(reason: str) -> Path:
+        state.window = gather_object([window.as_list()])
+        path = checkpoint.save(accelerator, loop.output_dir, state, model, loop.tokenizer)
+        if accelerator.is_main_process:
+            if state.best is not None and state.best["step"] == state.step:
+                checkpoint.mark_best(loop.output_dir, state)
+            best_step = state.best["step"] if state.best else None
+            checkpoint.rotate(loop.output_dir, t.keep_last_n_checkpoints, best_step)
+        log.info("checkpoint (%s): %s", reason, path)
+        return path
+
+    if t.eval_at_start and state.step == 0:
+        _evaluate(loop, 0)
         window.start = time.perf_counter()
-    train_seconds, train_samples = 0.0, 0.0
     model.train()
-    while step < total_steps:
-        train_loader.set_epoch(epoch)
-        for batch in train_loader:
+    while state.step < loop.total_steps:
+        loop.train_loader.set_epoch(state.epoch)
+        loop.collator.epoch = state.epoch
+        batches = loop.train_loader
+        if state.batches_in_epoch:  # resumed mid-epoch: the same order, without what was done
+            batches = skip_first_batches(loop.train_loader, state.batches_in_epoch)
+            accelerator.step = state.batches_in_epoch
+        for batch in batches:
+            checkpoint.reseed(t.seed, rank, state.epoch, state.batches_in_epoch)
+            state.batches_in_epoch += 1
             with accelerator.accumulate(model):
-                loss = task.loss(model, batch)
+                loss = loop.task.loss(model, batch)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and t.max_grad_norm is not None:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
+                step_loss += loss.detach().float()
+                stopping = False
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(
+                        model.parameters(), t.max_grad_norm or math.inf
+                    )
+                    bad, stopping = _agree(accelerator, step_loss, grad_norm, check_grad, stop)
+                    step_loss.zero_()
+                    if bad:
+                        _nonfinite(loop, grad_norm)
+                    if not bad or not check_grad:  # the fp16 scaler skips a bad update itself
+                        optimizer.step()
+                        scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             mask = batch.get("attention_mask")
             tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
@@ -306,49 +502,117 @@ def _run(cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerat
             window.samples += batch["input_ids"].shape[0]
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            state.step += 1
+            step = state.step
             progress.update(1)
-            if step % t.log_every_n_steps == 0 or step == total_steps:
+            if step % t.log_every_n_steps == 0 or step == loop.total_steps:
                 elapsed = max(time.perf_counter() - window.start, 1e-9)
                 logged = _window_metrics(
-                    accelerator, window, elapsed, scheduler, grad_norm, step / steps_per_epoch
+                    accelerator, window, elapsed, scheduler, grad_norm, step / loop.steps_per_epoch
                 )
-                train_seconds += elapsed
-                train_samples += logged["train/samples_per_second"] * elapsed
-                if step == total_steps:
-                    logged["train/runtime_s"] = train_seconds
-                    logged["train/s_per_step"] = train_seconds / step
-                    logged["train/samples_per_second_run"] = train_samples / train_seconds
-                metrics_logger.log(logged, step)
+                state.train_seconds += elapsed
+                state.train_samples += logged["train/samples_per_second"] * elapsed
+                if step == loop.total_steps:
+                    logged["train/runtime_s"] = state.train_seconds
+                    logged["train/s_per_step"] = state.train_seconds / step
+                    logged["train/samples_per_second_run"] = (
+                        state.train_samples / state.train_seconds
+                    )
+                loop.metrics.log(logged, step)
                 progress.set_postfix(
                     loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
                 )
                 window = _Window.fresh(accelerator.device)
+            paused = time.perf_counter()
+            new_best = False
             if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
-                eval_started = time.perf_counter()
-                final, last_eval_step = evaluate(step), step
-                window.start += time.perf_counter() - eval_started  # throughput excludes eval
-            if step >= total_steps:
+                final, new_best = _evaluate(loop, step)
+            if stopping:
+                path = save("stop requested")
+                raise Interrupted(stop.signum or 15, step, str(path), accelerator.is_main_process)
+            if (t.save_every_n_steps and step % t.save_every_n_steps == 0) or (new_best and saving):
+                save("best so far" if new_best else f"every {t.save_every_n_steps} steps")
+            window.start += time.perf_counter() - paused  # throughput excludes eval and saving
+            if step >= loop.total_steps:
                 break
-        epoch += 1
+        else:  # the epoch is done
+            state.epoch += 1
+            state.batches_in_epoch = 0
+            if t.save_at_epoch_end and state.step < loop.total_steps:
+                paused = time.perf_counter()
+                save(f"end of epoch {state.epoch}")
+                window.start += time.perf_counter() - paused
     progress.close()
 
-    if t.eval_at_end and last_eval_step != step:
-        final = evaluate(step)
-    extra = task.after_training(model, tokenizer, accelerator, output_dir)
-    if extra:
-        metrics_logger.log(extra, step)
-    if t.save_final_model:
-        _save_final(accelerator, model, tokenizer, output_dir / "final")
-    metrics_logger.close()
-    log.info(
-        "done: %d steps in %.1f s of training (%.3f s/step); %s",
-        step,
-        train_seconds,
-        train_seconds / max(step, 1),
-        _fmt(final) if final else "no evaluation",
-    )
+    if t.eval_at_end and state.last_eval_step != state.step:
+        final, new_best = _evaluate(loop, state.step)
+        if new_best and saving:
+            save("best so far")
     return final
+
+
+def _evaluate(loop: _Loop, step: int) -> tuple[dict[str, float], bool]:
+    """Scores of the model at ``step`` (logged), and whether they are the best so far."""
+    started = time.perf_counter()
+    scores = loop.task.evaluate(loop.model, loop.eval_loader, loop.accelerator, loop.output_dir)
+    scores = {f"eval/{k}": v for k, v in scores.items()}
+    scores["eval/runtime_s"] = time.perf_counter() - started
+    loop.metrics.log(scores, step)
+    log.info("eval at step %d: %s", step, _fmt(scores))
+    loop.model.train()
+    loop.state.last_eval_step = step
+    value = scores.get(f"eval/{loop.task.main_metric}")
+    best = loop.state.best
+    if step == 0 or value is None or not math.isfinite(value):
+        return scores, False
+    if best is not None and (
+        value <= best["value"] if loop.task.greater_is_better else value >= best["value"]
+    ):
+        return scores, False
+    loop.state.best = {"metric": loop.task.main_metric, "value": value, "step": step}
+    return scores, True
+
+
+def _agree(
+    accelerator: Accelerator,
+    step_loss: torch.Tensor,
+    grad_norm: Any,
+    check_grad: bool,
+    stop: StopRequest,
+) -> tuple[bool, bool]:
+    """Whether this step's loss (or gradient) is non-finite on any process, and whether any
+    process was asked to stop: one small all-reduce, so that every rank acts the same."""
+    bad = ~torch.isfinite(step_loss)
+    if check_grad:
+        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=step_loss.device))
+    flags = torch.stack(
+        [bad.float(), torch.tensor(float(stop.signum is not None), device=step_loss.device)]
+    )
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction="sum")
+    bad_count, stop_count = flags.tolist()
+    return bad_count > 0, stop_count > 0
+
+
+def _nonfinite(loop: _Loop, grad_norm: Any) -> None:
+    """A NaN / Inf loss or gradient at the coming step: stop, or drop the update."""
+    step = loop.state.step + 1
+    t = loop.settings.trainer
+    found = checkpoint.complete(checkpoint.root(loop.output_dir))
+    last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
+    if t.on_nonfinite == "stop":
+        raise TrainingError(
+            f"step {step}: the loss or gradient norm is not finite (grad norm {float(grad_norm)}); "
+            f"the weights were not updated and {last}. Lower optimizer.lr, keep "
+            "trainer.max_grad_norm set, prefer bf16 to fp16, or set trainer.on_nonfinite=skip to "
+            "drop such updates."
+        )
+    loop.state.skipped_steps += 1
+    log.warning(
+        "step %d: non-finite loss or gradient; update skipped (%d so far, trainer.on_nonfinite=skip)",
+        step,
+        loop.state.skipped_steps,
+    )
 
 
 def _window_metrics(

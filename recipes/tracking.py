@@ -53,11 +53,26 @@ def tracker_init_kwargs(cfg: LoggerConfig, run_name: str, output_dir: Path) -> d
 class MetricsLogger:
     """Fans a dict of numbers out to ``metrics.jsonl`` and ``accelerator.log`` (main process)."""
 
-    def __init__(self, accelerator: Accelerator, output_dir: Path) -> None:
+    def __init__(
+        self, accelerator: Accelerator, output_dir: Path, keep_until_step: int | None = None
+    ) -> None:
+        """``keep_until_step``: a resumed run drops the records its checkpoint's step had not
+        reached (logged before the interruption, to be logged again), so the file reads as one
+        uninterrupted run."""
         self.accelerator = accelerator
         self._file = None
         if accelerator.is_main_process:
-            self._file = (output_dir / "metrics.jsonl").open("a", buffering=1)
+            path = output_dir / "metrics.jsonl"
+            if keep_until_step is not None and path.exists():
+                kept = [
+                    line
+                    for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= keep_until_step
+                ]
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(path)
+            self._file = path.open("a", buffering=1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Record ``metrics`` at optimizer step ``step`` (a no-op on non-main processes)."""

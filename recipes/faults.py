@@ -1,0 +1,73 @@
+"""What stops a run early: a preemption signal, a non-finite loss, and how each is reported.
+
+* SIGTERM (a scheduler's preemption, ``torchrun`` shutting down) or SIGINT (Ctrl-C) is noted by
+  :class:`StopRequest`; the loop finishes the step in flight, saves a checkpoint and raises
+  :class:`Interrupted`, which ``train.py`` turns into a message saying how to resume. A second
+  Ctrl-C stops at once.
+* A non-finite loss or gradient raises :class:`TrainingError` (``trainer.on_nonfinite=stop``)
+  before the optimizer touches the weights, or drops that update (``skip``).
+* A rank that dies makes the others fail in their next collective (gloo notices the closed
+  connection; NCCL / MCCL wait ``trainer.distributed_timeout_s``), and the launcher
+  (``accelerate launch``, ``torchrun``) ends the survivors.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+from recipes.log import get_logger
+
+log = get_logger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what to change."""
+
+
+class Interrupted(Exception):
+    """A signal stopped the run after a checkpoint was saved."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str, main_process: bool) -> None:
+        self.signum = signum
+        self.step = step
+        self.checkpoint = checkpoint
+        self.main_process = main_process
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process ended by that signal
+
+
+class StopRequest:
+    """Notes SIGTERM / SIGINT instead of dying, so the loop can checkpoint first."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only; nothing to catch here
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        if self.signum is None:
+            log.warning(
+                "%s received: saving a checkpoint after this step, then stopping "
+                "(Ctrl-C again stops at once, without one)",
+                signal.Signals(signum).name,
+            )
+        self.signum = signum
