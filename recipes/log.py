@@ -48,6 +48,9 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
         root.addHandler(file_handler)
     # accelerate reports every file of a checkpoint at INFO; the loop logs one line per checkpoint.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
+    # ... and warns at every save that tied weights (GPT-2's lm_head) are stored once, as they
+    # should be; resuming ties them again (tested).
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
     if is_main_process:
         transformers.utils.logging.set_verbosity_warning()
         datasets.utils.logging.set_verbosity_warning()

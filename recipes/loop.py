@@ -462,87 +462,100 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
         log.info("checkpoint (%s): %s", reason, path)
         return path
 
-    if t.eval_at_start and state.step == 0:
-        _evaluate(loop, 0)
-        window.start = time.perf_counter()
-    model.train()
-    while state.step < loop.total_steps:
-        loop.train_loader.set_epoch(state.epoch)
-        loop.collator.epoch = state.epoch
-        batches = loop.train_loader
-        if state.batches_in_epoch:  # resumed mid-epoch: the same order, without what was done
-            batches = skip_first_batches(loop.train_loader, state.batches_in_epoch)
-            accelerator.step = state.batches_in_epoch
-        for batch in batches:
-            checkpoint.reseed(t.seed, rank, state.epoch, state.batches_in_epoch)
-            state.batches_in_epoch += 1
-            with accelerator.accumulate(model):
-                loss = loop.task.loss(model, batch)
-                accelerator.backward(loss)
-                step_loss += loss.detach().float()
-                stopping = False
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(
-                        model.parameters(), t.max_grad_norm or math.inf
-                    )
-                    bad, stopping = _agree(accelerator, step_loss, grad_norm, check_grad, stop)
-                    step_loss.zero_()
-                    if bad:
-                        _nonfinite(loop, grad_norm)
-                    if not bad or not check_grad:  # the fp16 scaler skips a bad update itself
-                        optimizer.step()
-                        scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            mask = batch.get("attention_mask")
-            tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
-            window.loss_and_tokens += torch.stack(
-                [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
-            )
-            window.micro_batches += 1
-            window.samples += batch["input_ids"].shape[0]
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            step = state.step
-            progress.update(1)
-            if step % t.log_every_n_steps == 0 or step == loop.total_steps:
-                elapsed = max(time.perf_counter() - window.start, 1e-9)
-                logged = _window_metrics(
-                    accelerator, window, elapsed, scheduler, grad_norm, step / loop.steps_per_epoch
+    try:
+        if t.eval_at_start and state.step == 0:
+            _evaluate(loop, 0)
+            window.start = time.perf_counter()
+        model.train()
+        while state.step < loop.total_steps:
+            loop.train_loader.set_epoch(state.epoch)
+            loop.collator.epoch = state.epoch
+            batches = loop.train_loader
+            if state.batches_in_epoch:  # resumed mid-epoch: the same order, without what was done
+                batches = skip_first_batches(loop.train_loader, state.batches_in_epoch)
+                accelerator.step = state.batches_in_epoch
+            for batch in batches:
+                checkpoint.reseed(t.seed, rank, state.epoch, state.batches_in_epoch)
+                state.batches_in_epoch += 1
+                with accelerator.accumulate(model):
+                    loss = loop.task.loss(model, batch)
+                    accelerator.backward(loss)
+                    step_loss += loss.detach().float()
+                    stopping = False
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(
+                            model.parameters(), t.max_grad_norm or math.inf
+                        )
+                        bad, stopping = _agree(accelerator, step_loss, grad_norm, check_grad, stop)
+                        step_loss.zero_()
+                        if bad:
+                            _nonfinite(loop, grad_norm)
+                        if not bad or not check_grad:  # the fp16 scaler skips a bad update itself
+                            optimizer.step()
+                            scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                mask = batch.get("attention_mask")
+                tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+                window.loss_and_tokens += torch.stack(
+                    [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
                 )
-                state.train_seconds += elapsed
-                state.train_samples += logged["train/samples_per_second"] * elapsed
-                if step == loop.total_steps:
-                    logged["train/runtime_s"] = state.train_seconds
-                    logged["train/s_per_step"] = state.train_seconds / step
-                    logged["train/samples_per_second_run"] = (
-                        state.train_samples / state.train_seconds
+                window.micro_batches += 1
+                window.samples += batch["input_ids"].shape[0]
+                if not accelerator.sync_gradients:
+                    continue
+                state.step += 1
+                step = state.step
+                progress.update(1)
+                if step % t.log_every_n_steps == 0 or step == loop.total_steps:
+                    elapsed = max(time.perf_counter() - window.start, 1e-9)
+                    logged = _window_metrics(
+                        accelerator,
+                        window,
+                        elapsed,
+                        scheduler,
+                        grad_norm,
+                        step / loop.steps_per_epoch,
                     )
-                loop.metrics.log(logged, step)
-                progress.set_postfix(
-                    loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
-                )
-                window = _Window.fresh(accelerator.device)
-            paused = time.perf_counter()
-            new_best = False
-            if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
-                final, new_best = _evaluate(loop, step)
-            if stopping:
-                path = save("stop requested")
-                raise Interrupted(stop.signum or 15, step, str(path), accelerator.is_main_process)
-            if (t.save_every_n_steps and step % t.save_every_n_steps == 0) or (new_best and saving):
-                save("best so far" if new_best else f"every {t.save_every_n_steps} steps")
-            window.start += time.perf_counter() - paused  # throughput excludes eval and saving
-            if step >= loop.total_steps:
-                break
-        else:  # the epoch is done
-            state.epoch += 1
-            state.batches_in_epoch = 0
-            if t.save_at_epoch_end and state.step < loop.total_steps:
+                    state.train_seconds += elapsed
+                    state.train_samples += logged["train/samples_per_second"] * elapsed
+                    if state.skipped_steps:
+                        logged["train/skipped_steps"] = state.skipped_steps
+                    if step == loop.total_steps:
+                        logged["train/runtime_s"] = state.train_seconds
+                        logged["train/s_per_step"] = state.train_seconds / step
+                        logged["train/samples_per_second_run"] = (
+                            state.train_samples / state.train_seconds
+                        )
+                    loop.metrics.log(logged, step)
+                    progress.set_postfix(
+                        loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
+                    )
+                    window = _Window.fresh(accelerator.device)
                 paused = time.perf_counter()
-                save(f"end of epoch {state.epoch}")
-                window.start += time.perf_counter() - paused
-    progress.close()
+                new_best = False
+                if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
+                    final, new_best = _evaluate(loop, step)
+                if stopping:
+                    path = save("stop requested")
+                    raise Interrupted(
+                        stop.signum or 15, step, str(path), accelerator.is_main_process
+                    )
+                if (t.save_every_n_steps and step % t.save_every_n_steps == 0) or (
+                    new_best and saving
+                ):
+                    save("best so far" if new_best else f"every {t.save_every_n_steps} steps")
+                window.start += time.perf_counter() - paused  # throughput excludes eval and saving
+                if step >= loop.total_steps:
+                    break
+            else:  # the epoch is done
+                state.epoch += 1
+                state.batches_in_epoch = 0
+                if t.save_at_epoch_end and state.step < loop.total_steps:
+                    paused = time.perf_counter()
+                    save(f"end of epoch {state.epoch}")
+                    window.start += time.perf_counter() - paused
+    finally:
+        progress.close()  # also on errors: a stale bar would hide the message
 
     if t.eval_at_end and state.last_eval_step != state.step:
         final, new_best = _evaluate(loop, state.step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -71,13 +72,34 @@ def run_train(
     return proc
 
 
+def start_train(*overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """``python train.py <overrides>`` started in the background (to be signalled or killed)."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The records of ``<run>/metrics.jsonl``."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_cpu_launch(
     script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [
         sys.executable,
         "-m",
