@@ -91,3 +91,38 @@ def test_bad_data_for_the_new_recipes_gives_one_line(tmp_path, recipe, override,
     assert proc.returncode == 2
     assert expected in proc.stderr.splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+def _broken_squad(tmp_path, mutate) -> str:
+    raw = json.loads((ASSETS / "squad" / "v1" / "train.json").read_text())
+    mutate(raw)
+    bad = tmp_path / "train-v1.1.json"
+    bad.write_text(json.dumps(raw))
+    return f"data.train_file={bad}"
+
+
+@pytest.mark.parametrize(
+    "mutate,expected",
+    [
+        (lambda raw: raw["data"][0]["paragraphs"][0].update(context=""), "empty context"),
+        (lambda raw: raw["data"][0]["paragraphs"][0]["qas"][0].pop("answers"), "lacks answers"),
+        (lambda raw: raw.update(data=[]), "no questions"),
+    ],
+)
+def test_broken_or_empty_squad_file_gives_one_line(tmp_path, mutate, expected):
+    stderr = _fails(
+        _broken_squad(tmp_path, mutate), f"data.cache_dir={tmp_path / 'cache'}", tmp_path=tmp_path
+    )
+    assert expected in stderr.splitlines()[-1]
+    assert "Traceback" not in stderr
+
+
+def test_resume_of_nothing_or_of_a_finished_run_is_refused(tmp_path):
+    stderr = _fails(f"resume={tmp_path / 'no-such-run'}", tmp_path=tmp_path)
+    assert "no-such-run: no such folder" in stderr.splitlines()[-1]
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    stderr = _fails("resume=auto", tmp_path=tmp_path)
+    assert "already holds a finished run (final/)" in stderr.splitlines()[-1]
+    assert (run / "final" / "config.json").read_text() == "{}"

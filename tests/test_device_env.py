@@ -142,7 +142,13 @@ def test_write_accelerate_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_accelerate_configs_exist() -> None:
     names = {path.name for path in ACCELERATE_CONFIGS}
-    assert {"single_device.yaml", "multi_musa.yaml", "cpu.yaml"} <= names
+    assert {
+        "single_device.yaml",
+        "multi_musa.yaml",
+        "multi_musa_2nodes.yaml",
+        "fsdp.yaml",
+        "cpu.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
@@ -154,7 +160,10 @@ def test_accelerate_config_parses(path: Path) -> None:
     assert f"accelerate launch --config_file conf/accelerate/{path.name} " in first_line
     config = load_config_from_file(str(path))
     assert config.compute_environment.value == "LOCAL_MACHINE"
-    assert config.num_machines == 1
+    assert config.num_machines == (2 if "2nodes" in path.name else 1)
+    if config.num_machines > 1:  # processes of all machines, the same number on each
+        assert config.num_processes == 8 * config.num_machines
+        assert config.distributed_type.value == "MULTI_MUSA"
 
 
 def test_reference_multi_musa_config() -> None:

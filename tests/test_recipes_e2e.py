@@ -14,13 +14,13 @@ pytestmark = pytest.mark.slow
 
 # First five losses of each recipe's bundled tiny model on its bundled data: seed 42, fp32, CPU,
 # batch 8, lr 1e-3, no warmup, 64-token sequences. They depend only on the shipped weights, the
-# data order, dropout and masking, so they hold across transformers 4.x / 5.x; a change means the
-# loop, the features or the masking changed.
+# data order, and dropout and masking (seeded by the run's position), so they hold across
+# transformers 4.x / 5.x; a change means the loop, the features or the masking changed.
 GOLDEN_LOSSES = {
-    "gpt2_clm": [7.61527, 7.44932, 7.31453, 7.30562, 7.26084],
+    "gpt2_clm": [7.62463, 7.45807, 7.31597, 7.30565, 7.26127],
     "llama_clm": [7.61614, 7.49798, 7.34486, 7.31269, 7.26201],
-    "bert_mlm": [8.95352, 8.8662, 8.86884, 8.78405, 8.78265],
-    "bert_glue": [0.69411, 0.70278, 0.67344, 0.65926, 0.66639],
+    "bert_mlm": [8.95733, 8.83549, 8.8001, 8.71058, 8.81386],
+    "bert_glue": [0.68513, 0.69897, 0.64735, 0.66642, 0.65317],
 }
 LENGTH_KEY = {
     "gpt2_clm": "task.block_size",
