@@ -25,7 +25,7 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the final F1 / main metric (for sweeps)."""
-    from recipes.faults import Interrupted, TrainingError
+    from recipes.faults import Interrupted, TrainingError, peer_failure
     from recipes.loop import train  # imported late: `--help` and `--cfg` stay fast
 
     try:
@@ -35,6 +35,16 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except TrainingError as err:
         sys.stderr.write(f"error: {err}\n")
+        sys.exit(1)
+    except RuntimeError as err:
+        if not peer_failure(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        sys.stderr.write(
+            f"error: another process of this run failed or stopped answering ({first[:300]}). "
+            "Look for the first error in the other ranks' output; once fixed, continue from the "
+            f"last checkpoint with the same command plus output_dir={cfg.output_dir} resume=auto.\n"
+        )
         sys.exit(1)
     except Interrupted as stopped:
         if stopped.main_process:

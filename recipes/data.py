@@ -229,7 +229,11 @@ def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Spli
     for role, limit in (("train", cfg.max_train_examples), ("eval", cfg.max_eval_examples)):
         split = splits[role]
         if len(split.examples) == 0:
-            raise DataError(f"{role} data {split.source}: holds no examples.")
+            key = f"data.{role}_file" if getattr(cfg, f"{role}_file") else "data.path"
+            raise DataError(
+                f"{role} data {split.source}: holds no examples. Point {key} at a file or "
+                "folder with data (and check data.train_split / data.eval_split)."
+            )
         if limit is not None and limit < len(split.examples):
             split.examples = split.examples.select(range(limit))
             split.fingerprint = f"{split.fingerprint} first {limit}"

@@ -43,6 +43,21 @@ class Interrupted(Exception):
         return 128 + self.signum  # what a shell reports for a process ended by that signal
 
 
+def peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another process of the run died or hung
+    (gloo: a closed connection; NCCL / MCCL: the timeout)."""
+    import torch.distributed as dist
+
+    backend_error = getattr(dist, "DistBackendError", None)  # torch >= 2.1
+    if backend_error is not None and isinstance(err, backend_error):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        marker in text
+        for marker in ("Connection reset by peer", "Connection closed by peer", "Timed out")
+    )
+
+
 class StopRequest:
     """Notes SIGTERM / SIGINT instead of dying, so the loop can checkpoint first."""
 

@@ -338,7 +338,7 @@ def _run(
         guarded=_guarded(settings, global_batch, len(data.train)), config=resolved
     )
     if resume_from is not None:
-        state = _resume(accelerator, resume_from, state)
+        state = _resume(accelerator, resume_from, state, scheduler)
     elif cfg.get("resume") == "auto":
         log.info("resume=auto: no checkpoint in %s yet; starting at step 0", output_dir)
 
@@ -406,7 +406,7 @@ def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict
 
 
 def _resume(
-    accelerator: Accelerator, path: Path, fresh: checkpoint.TrainerState
+    accelerator: Accelerator, path: Path, fresh: checkpoint.TrainerState, scheduler: Any
 ) -> checkpoint.TrainerState:
     saved = checkpoint.read_state(path)
     changed = checkpoint.check_compatible(saved, fresh.guarded, fresh.config)
@@ -414,6 +414,8 @@ def _resume(
         log.warning("resuming with changed settings: %s", ", ".join(changed))
     state = checkpoint.load(accelerator, path)
     if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
+        # accelerate ticks the schedule once per process and step (see build_scheduler).
+        _set_schedule_position(scheduler, state.step * accelerator.num_processes)
         totals = (
             [sum(column) for column in zip(*state.window, strict=True)] if state.window else None
         )
@@ -429,6 +431,18 @@ def _resume(
         state.batches_in_epoch,
     )
     return state
+
+
+def _set_schedule_position(scheduler: Any, ticks: int) -> None:
+    """Move a ``LambdaLR`` schedule (every transformers schedule) to ``ticks`` and set the
+    optimizer's learning rates accordingly."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    inner.last_epoch = ticks
+    inner._last_lr = [
+        base * factor(ticks) for base, factor in zip(inner.base_lrs, inner.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(inner.optimizer.param_groups, inner._last_lr, strict=True):
+        group["lr"] = lr
 
 
 def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:

@@ -106,7 +106,7 @@ def _broken_squad(tmp_path, mutate) -> str:
     [
         (lambda raw: raw["data"][0]["paragraphs"][0].update(context=""), "empty context"),
         (lambda raw: raw["data"][0]["paragraphs"][0]["qas"][0].pop("answers"), "lacks answers"),
-        (lambda raw: raw.update(data=[]), "no questions"),
+        (lambda raw: raw.update(data=[]), "holds no examples. Point data.train_file at"),
     ],
 )
 def test_broken_or_empty_squad_file_gives_one_line(tmp_path, mutate, expected):

@@ -180,3 +180,4 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path, cache_dir):
     assert time.monotonic() - killed < 60, "the surviving rank should not wait for the dead one"
     assert not _pids_with(tag, "0"), "rank 0 outlived the launcher"
     assert not (run / "final").exists()
+    assert "error: another process of this run failed" in stderr  # rank 0's own message
