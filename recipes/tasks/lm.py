@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
 from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
@@ -264,6 +264,10 @@ class CausalLanguageModeling(LanguageModeling):
     ) -> dict[str, Any]:
         """A greedy continuation of ``sample_prompt``, so a person sees what the model learnt."""
         if not self.sample_prompt or not accelerator.is_main_process:
+            return {}
+        if accelerator.distributed_type == DistributedType.FSDP:
+            # One process alone cannot run a sharded model (every forward gathers the shards).
+            log.info("no greedy sample under FSDP: the model is sharded; load final/ to generate")
             return {}
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.eval()
