@@ -337,16 +337,15 @@ def _run(
     state = checkpoint.TrainerState(
         guarded=_guarded(settings, global_batch, len(data.train)), config=resolved
     )
+    keep_until_step = None
     if resume_from is not None:
         state = _resume(accelerator, resume_from, state, scheduler)
+        keep_until_step = state.step
     elif cfg.get("resume") == "auto":
         log.info("resume=auto: no checkpoint in %s yet; starting at step 0", output_dir)
+        keep_until_step = -1  # what an earlier attempt logged is logged again
 
-    metrics_logger = MetricsLogger(
-        accelerator,
-        output_dir,
-        keep_until_step=state.step if resume_from is not None else None,
-    )
+    metrics_logger = MetricsLogger(accelerator, output_dir, keep_until_step=keep_until_step)
     run_name = "-".join(output_dir.parts[-2:])
     accelerator.init_trackers(
         settings.logger.wandb.project,

@@ -171,3 +171,33 @@ def test_nonfinite_loss_stops_or_skips_without_corrupting_weights(tmp_path, cach
     assert logged[-1]["train/skipped_steps"] >= 1
     weights = load_file(skipped / "final" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_epoch_end_checkpoint_resumes_into_the_next_epoch(tmp_path, cache_dir):
+    common = (
+        *_common(cache_dir)[:4],
+        "trainer.progress_bar=false",
+        "trainer.per_device_train_batch_size=64",  # 11 steps per epoch
+        "trainer.max_steps=14",
+        "trainer.log_every_n_steps=1",
+        "trainer.save_every_n_steps=0",
+        "trainer.save_at_epoch_end=true",
+        "trainer.eval_at_start=false",
+        "trainer.save_final_model=false",
+        "task.sample_prompt=null",
+    )
+    whole = tmp_path / "whole"
+    run_train(*common, f"output_dir={whole}")
+    saved = sorted(p.name for p in (whole / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000011", "step-00000014"]  # the epoch's end; the best evaluation
+    resumed = tmp_path / "resumed"
+    proc = run_train(
+        *common,
+        f"output_dir={resumed}",
+        f"resume={whole / 'checkpoints' / 'step-00000011'}",
+        "trainer.keep_last_n_checkpoints=3",
+    )
+    assert "epoch 1, batch 0 of the epoch" in proc.stderr
+    assert "resuming with changed settings: trainer.keep_last_n_checkpoints" in proc.stderr
+    losses = [(s, k, v) for s, k, v in _numbers(whole) if s > 11]
+    assert _numbers(resumed) == losses
