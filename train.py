@@ -65,7 +65,8 @@ def _resume_advice(cfg: DictConfig, stopped) -> str:
     command = " ".join(["python train.py", *kept, f"output_dir={cfg.output_dir}", "resume=auto"])
     return (
         f"stopped by {stopped}: checkpoint saved to {stopped.checkpoint}.\n"
-        f"Resume with the same launcher and settings:\n    {command}\n"
+        "Resume with the same launch command (python, accelerate launch or torchrun) plus "
+        f"output_dir={cfg.output_dir} resume=auto, here:\n    {command}\n"
     )
 
 

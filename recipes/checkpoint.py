@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import zlib
@@ -52,7 +53,8 @@ class TrainerState:
 
     step: int = 0
     epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches each process has taken from this epoch
+    steps_in_epoch: int = 0  # optimizer steps done in ``epoch`` (the data position)
+    batches_in_epoch: int = 0  # micro-batches each process has taken from ``epoch``
     last_eval_step: int = -1
     train_seconds: float = 0.0
     train_samples: float = 0.0
@@ -129,9 +131,19 @@ class SeededCollator:
             ids = np.asarray(feature["input_ids"], dtype=np.int64)
             digest = zlib.crc32(ids.tobytes(), digest)
         words = np.random.SeedSequence([self.seed, self.epoch, digest]).generate_state(2)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(words[0]) << 32 | int(words[1]))
-            return self.collate(features)
+        seed = int(words[0]) << 32 | int(words[1])
+        # torch for transformers' MLM collator; random and numpy for the whole-word one of
+        # transformers < 4.56. The global streams are left as they were.
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                return self.collate(features)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def save(
@@ -160,7 +172,7 @@ def save(
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, default=str))
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (an evaluation's best after a save)
-            shutil.rmtree(final)
+            _delete(final)
         os.replace(tmp, final)
         _fsync(folder)
     accelerator.wait_for_everyone()
@@ -173,7 +185,14 @@ def read_state(path: Path) -> TrainerState:
 
 def load(accelerator: Accelerator, path: Path) -> TrainerState:
     """Restore model, optimizer, scheduler and RNG from ``path``; returns its trainer state."""
-    accelerator.load_state(str(path))
+    try:
+        accelerator.load_state(str(path))
+    except KeyError as err:
+        # accelerate < 1.x reads its micro-batch counter from this process's RNG file, which a
+        # checkpoint of fewer processes lacks (model, optimizer and scheduler are loaded by
+        # then; the loop sets the counter itself and seeds by position).
+        if err.args != ("step",):
+            raise
     return read_state(path)
 
 
@@ -190,14 +209,22 @@ def rotate(output_dir: Path, keep: int | None, best_step: int | None) -> None:
     """Delete all but the ``keep`` newest complete checkpoints (never the best one), and the
     leftovers of interrupted writes."""
     folder = root(output_dir)
-    for stale in folder.glob(".tmp-*"):
+    for stale in [*folder.glob(".tmp-*"), *folder.glob(".del-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     if keep is None:
         return
     found = complete(folder)
     for old in found[: max(len(found) - keep, 0)]:
         if best_step is None or old.name != f"{PREFIX}{best_step:08d}":
-            shutil.rmtree(old)
+            _delete(old)
+
+
+def _delete(checkpoint: Path) -> None:
+    """Remove a checkpoint so that no moment of it looks complete: first away from its name
+    (one atomic rename), then file by file."""
+    doomed = checkpoint.with_name(f".del-{checkpoint.name}")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
 
 
 def check_compatible(saved: TrainerState, guarded: dict[str, Any], config: dict) -> list[str]:

@@ -181,8 +181,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             InitProcessGroupKwargs(timeout=timedelta(seconds=t.distributed_timeout_s))
         ],
     )
-    stop = StopRequest()
-    stop.install()
+    stop = StopRequest()  # installed when training starts (until then a signal ends the run)
     try:
         return _run(cfg, settings, task, accelerator, stop)
     finally:
@@ -234,6 +233,17 @@ def _check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
             "Continue it with resume=auto, or pick a new folder with output_dir=..."
         )
     assert found is not None
+    latest = checkpoint.complete(checkpoint.root(output_dir))
+    if (
+        latest
+        and found.resolve() != latest[-1].resolve()
+        and output_dir.resolve() in found.resolve().parents
+    ):
+        raise ConfigError(
+            f"resume={resume}: output_dir={output_dir} has newer checkpoints ({latest[-1].name}); "
+            "continuing an older one there would mix two runs. Continue it in a new folder "
+            "(output_dir=...), or resume the latest with resume=auto."
+        )
     if output_dir.resolve() not in found.resolve().parents:
         raise ConfigError(
             f"output_dir={output_dir} holds another run ({marker}); resuming {found} there would "
@@ -369,6 +379,7 @@ def _run(
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
     )
+    stop.install()
     final = _fit(loop, stop)
 
     extra = task.after_training(model, tokenizer, accelerator, output_dir)
@@ -414,7 +425,10 @@ def _resume(
     state = checkpoint.load(accelerator, path)
     if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
         # accelerate ticks the schedule once per process and step (see build_scheduler).
-        _set_schedule_position(scheduler, state.step * accelerator.num_processes)
+        ticks = getattr(scheduler, "scheduler", scheduler).last_epoch
+        _set_schedule_position(
+            scheduler, ticks // max(len(state.window), 1) * accelerator.num_processes
+        )
         totals = (
             [sum(column) for column in zip(*state.window, strict=True)] if state.window else None
         )
@@ -423,11 +437,11 @@ def _resume(
         )
     state.guarded, state.config = fresh.guarded, fresh.config
     log.info(
-        "resumed from %s: step %d, epoch %d, batch %d of the epoch",
+        "resumed from %s: step %d, epoch %d, %d steps into the epoch",
         path,
         state.step,
         state.epoch,
-        state.batches_in_epoch,
+        state.steps_in_epoch,
     )
     return state
 
@@ -464,7 +478,11 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
         disable=not (accelerator.is_local_main_process and t.progress_bar),
     )
 
+    saved = -1
+
     def save(reason: str) -> Path:
+        nonlocal saved
+        saved = state.step
         state.window = gather_object([window.as_list()])
         path = checkpoint.save(accelerator, loop.output_dir, state, model, loop.tokenizer)
         if accelerator.is_main_process:
@@ -479,14 +497,23 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
         if t.eval_at_start and state.step == 0:
             _evaluate(loop, 0)
             window.start = time.perf_counter()
+        elif _eval_due(t, state):  # stopped by a signal before its evaluation: do it now
+            final, _ = _evaluate(loop, state.step)
+            window.start = time.perf_counter()
         model.train()
         while state.step < loop.total_steps:
+            if state.steps_in_epoch >= loop.steps_per_epoch:  # resumed at an epoch's last step
+                state.epoch, state.steps_in_epoch = state.epoch + 1, 0
             loop.train_loader.set_epoch(state.epoch)
             loop.collator.epoch = state.epoch
+            # The position in micro-batches of this process (also right when a resumed run
+            # reaches the same global batch with other processes / accumulation settings).
+            state.batches_in_epoch = state.steps_in_epoch * t.gradient_accumulation_steps
+            accelerator.step = state.batches_in_epoch  # accelerate's accumulation counter
             batches = loop.train_loader
             if state.batches_in_epoch:  # resumed mid-epoch: the same order, without what was done
                 batches = skip_first_batches(loop.train_loader, state.batches_in_epoch)
-                accelerator.step = state.batches_in_epoch
+                batches.set_epoch(state.epoch)  # older accelerate rebuilds it at epoch 0
             for batch in batches:
                 checkpoint.reseed(t.seed, rank, state.epoch, state.batches_in_epoch)
                 state.batches_in_epoch += 1
@@ -517,6 +544,7 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
                 if not accelerator.sync_gradients:
                     continue
                 state.step += 1
+                state.steps_in_epoch += 1
                 step = state.step
                 progress.update(1)
                 if step % t.log_every_n_steps == 0 or step == loop.total_steps:
@@ -545,14 +573,14 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
                     )
                     window = _Window.fresh(accelerator.device)
                 paused = time.perf_counter()
-                new_best = False
-                if t.eval_every_n_steps and step % t.eval_every_n_steps == 0:
-                    final, new_best = _evaluate(loop, step)
-                if stopping:
+                if stopping:  # before any evaluation: the launcher's grace period is short
                     path = save("stop requested")
                     raise Interrupted(
                         stop.signum or 15, step, str(path), accelerator.is_main_process
                     )
+                new_best = False
+                if _eval_due(t, state):
+                    final, new_best = _evaluate(loop, step)
                 if (t.save_every_n_steps and step % t.save_every_n_steps == 0) or (
                     new_best and saving
                 ):
@@ -562,8 +590,8 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
                     break
             else:  # the epoch is done
                 state.epoch += 1
-                state.batches_in_epoch = 0
-                if t.save_at_epoch_end and state.step < loop.total_steps:
+                state.steps_in_epoch = state.batches_in_epoch = 0
+                if t.save_at_epoch_end and state.step < loop.total_steps and saved != state.step:
                     paused = time.perf_counter()
                     save(f"end of epoch {state.epoch}")
                     window.start += time.perf_counter() - paused
@@ -575,6 +603,16 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
         if new_best and saving:
             save("best so far")
     return final
+
+
+def _eval_due(t: TrainerConfig, state: checkpoint.TrainerState) -> bool:
+    every = t.eval_every_n_steps
+    return (
+        bool(every)
+        and state.step > 0
+        and state.step % every == 0
+        and state.last_eval_step != state.step
+    )
 
 
 def _evaluate(loop: _Loop, step: int) -> tuple[dict[str, float], bool]:

@@ -50,6 +50,14 @@ def tracker_init_kwargs(cfg: LoggerConfig, run_name: str, output_dir: Path) -> d
     return kwargs
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl record; None for a line torn by a crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsLogger:
     """Fans a dict of numbers out to ``metrics.jsonl`` and ``accelerator.log`` (main process)."""
 
@@ -67,7 +75,7 @@ class MetricsLogger:
                 kept = [
                     line
                     for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line)["step"] <= keep_until_step
+                    if _step_of(line) is not None and _step_of(line) <= keep_until_step
                 ]
                 tmp = path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(kept))

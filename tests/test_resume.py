@@ -6,6 +6,7 @@ position (not the process's history). fp32 on CPU: losses must be exactly equal.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -144,6 +145,19 @@ def test_resume_refuses_a_different_batch_and_keeps_the_run(reference, tmp_path,
     assert "global_batch: 16 then, 8 now" in proc.stderr.splitlines()[-1]
     assert (reference / "metrics.jsonl").read_text() == before
 
+    unfinished = tmp_path / "unfinished"  # the reference run as a kill before final/ leaves it
+    shutil.copytree(reference, unfinished, ignore=shutil.ignore_patterns("final"))
+    older = run_train(  # an older checkpoint continued in its own folder would mix two runs
+        *_common(cache_dir),
+        f"output_dir={unfinished}",
+        f"resume={unfinished / 'checkpoints' / 'step-00000035'}",
+        check=False,
+    )
+    assert older.returncode == 2
+    assert "has newer checkpoints (step-00000040)" in older.stderr.splitlines()[-1]
+    assert (unfinished / "metrics.jsonl").read_text() == before
+    assert (unfinished / "checkpoints" / "step-00000040").is_dir()
+
 
 def test_nonfinite_loss_stops_or_skips_without_corrupting_weights(tmp_path, cache_dir):
     blow_up = (  # an absurd learning rate: the weights overflow within a few steps
@@ -173,15 +187,17 @@ def test_nonfinite_loss_stops_or_skips_without_corrupting_weights(tmp_path, cach
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_epoch_end_checkpoint_resumes_into_the_next_epoch(tmp_path, cache_dir):
+def test_checkpoint_at_an_epochs_last_step_resumes_into_the_next_epoch(tmp_path, cache_dir):
     common = (
         *_common(cache_dir)[:4],
         "trainer.progress_bar=false",
-        "trainer.per_device_train_batch_size=64",  # 11 steps per epoch
+        # 21 batches of 32 per epoch, 2 per step: 11 steps, the last one of a single batch
+        "trainer.per_device_train_batch_size=32",
+        "trainer.gradient_accumulation_steps=2",
         "trainer.max_steps=14",
         "trainer.log_every_n_steps=1",
-        "trainer.save_every_n_steps=0",
-        "trainer.save_at_epoch_end=true",
+        "trainer.save_every_n_steps=11",  # the epoch's last step ...
+        "trainer.save_at_epoch_end=true",  # ... which the epoch's end does not write again
         "trainer.eval_at_start=false",
         "trainer.save_final_model=false",
         "task.sample_prompt=null",
@@ -197,7 +213,7 @@ def test_epoch_end_checkpoint_resumes_into_the_next_epoch(tmp_path, cache_dir):
         f"resume={whole / 'checkpoints' / 'step-00000011'}",
         "trainer.keep_last_n_checkpoints=3",
     )
-    assert "epoch 1, batch 0 of the epoch" in proc.stderr
+    assert "step 11, epoch 0" in proc.stderr
     assert "resuming with changed settings: trainer.keep_last_n_checkpoints" in proc.stderr
     losses = [(s, k, v) for s, k, v in _numbers(whole) if s > 11]
     assert _numbers(resumed) == losses
