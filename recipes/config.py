@@ -44,6 +44,7 @@ class TrainerConfig:
     eval_at_end: bool = True
     save_final_model: bool = True
     pad_to_multiple_of: int | None = 8
+    padding: str = "longest"
     dataloader_num_workers: int = 0
     progress_bar: bool = True
     save_every_n_steps: int = 500
@@ -182,6 +183,11 @@ def validate(cfg: DictConfig) -> Settings:
         )
     if t.max_grad_norm is not None and t.max_grad_norm <= 0:
         raise ConfigError("trainer.max_grad_norm must be > 0, or null to disable clipping.")
+    if t.padding not in ("longest", "max_length"):
+        raise ConfigError(
+            f"trainer.padding={t.padding!r}: choose longest (each batch to its longest "
+            "sequence) or max_length (every batch to the task's max_seq_length)."
+        )
     if t.save_every_n_steps < 0:
         raise ConfigError(
             f"trainer.save_every_n_steps={t.save_every_n_steps}: must be >= 0 (0 saves "

@@ -33,6 +33,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedToken
 from recipes import checkpoint, device
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
+from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
 from recipes.optim import build_optimizer
 from recipes.tasks.base import Task
@@ -272,6 +273,7 @@ class _Loop:
     state: checkpoint.TrainerState
     steps_per_epoch: int
     total_steps: int
+    flops: FlopCounter
 
 
 def _run(
@@ -298,7 +300,13 @@ def _run(
     model = load_model(settings.model, task.auto_model_class, **task.model_kwargs())
     task.check_model(model)
 
-    padding = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=t.pad_to_multiple_of)
+    fixed = getattr(task, "max_seq_length", None) if t.padding == "max_length" else None
+    padding = DataCollatorWithPadding(
+        tokenizer,
+        padding="max_length" if fixed else "longest",
+        max_length=fixed,
+        pad_to_multiple_of=t.pad_to_multiple_of,
+    )
     collator = checkpoint.SeededCollator(data.train_collator or padding, t.seed)
     train_loader = DataLoader(
         data.train,
@@ -314,6 +322,9 @@ def _run(
         num_workers=t.dataloader_num_workers,
     )
     optimizer = build_optimizer(instantiate(cfg, "optimizer"), model, accelerator.device)
+    flops = FlopCounter(
+        model, accelerator.device, precision_for_peak(accelerator.mixed_precision, t.tf32)
+    )
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
@@ -378,6 +389,7 @@ def _run(
         state=state,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        flops=flops,
     )
     stop.install()
     final = _fit(loop, stop)
@@ -556,6 +568,7 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
                         scheduler,
                         grad_norm,
                         step / loop.steps_per_epoch,
+                        loop.flops,
                     )
                     state.train_seconds += elapsed
                     state.train_samples += logged["train/samples_per_second"] * elapsed
@@ -686,6 +699,7 @@ def _window_metrics(
     scheduler: Any,
     grad_norm: torch.Tensor | None,
     epoch: float,
+    flops: FlopCounter,
 ) -> dict:
     """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed over
     all processes."""
@@ -702,6 +716,7 @@ def _window_metrics(
         "train/epoch": epoch,
         "train/samples_per_second": samples / elapsed,
         "train/tokens_per_second": tokens / elapsed,
+        **flops.metrics(tokens, samples, elapsed, accelerator.num_processes),
     }
     if grad_norm is not None:
         metrics["train/grad_norm"] = float(grad_norm)

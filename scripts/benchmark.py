@@ -1,4 +1,10 @@
-"""Training throughput of this project's loop against a plain ``transformers.Trainer``, side by side.
+"""Speed of this project against the common peer, side by side, on the same machine in one run.
+
+``clm`` and ``qa``: training throughput of this project's loop (``train.py recipe=gpt2_clm`` /
+``recipe=bert_squad``) against a plain ``transformers.Trainer`` on the same features. For ``qa``
+the peer pads every window to ``--block-size`` (``run_qa.py``'s default); ``--padding
+max_length`` makes ours do the same (equal settings), ``--padding longest`` (ours' default) pads
+each batch to its longest window.
 
 Both sides train the same model (same initial weights) on the same packed blocks, with the same
 block size, batch, optimizer (AdamW), learning rate, clipping and precision, on the same device,
@@ -7,6 +13,15 @@ Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and writes 
 
     python scripts/benchmark.py clm                              # bundled tiny GPT-2 and text
     python scripts/benchmark.py clm --model PATH --data FILE --block-size 512 --batch-size 8
+    python scripts/benchmark.py qa --padding max_length          # bundled tiny BERT, SQuAD slice
+    python scripts/benchmark.py qa --train-file ../shared/data/squad/train-v1.1-subset.json
+    python scripts/benchmark.py postprocess                      # SQuAD answer extraction
+
+``postprocess``: turning start/end logits into answers for every question of a SQuAD dev file
+(../shared/data/squad/dev-v1.1-part1.json when present, else the bundled slice): the project's
+streamed, vectorised extraction (top-k on the logits tensors, numpy over all span pairs) against
+the straightforward per-window loop over n_best x n_best pairs of the Hugging Face examples
+(``tests/qa_reference.py``). Both get the same seeded logits; the predictions must be identical.
 
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
@@ -50,14 +65,29 @@ def _peak_memory_mb(device) -> float:
 def run_ours(args: argparse.Namespace, out: Path) -> dict:
     """``train.py`` itself, as a user runs it, with one log window for warm-up and one measured."""
     run_dir = out / "ours"
+    if args.task == "clm":
+        task_overrides = [
+            "recipe=gpt2_clm",
+            f"data.path={args.data}",
+            "data.sample_by=paragraph",
+            f"task.block_size={args.block_size}",
+            "task.sample_prompt=null",
+        ]
+    else:
+        task_overrides = [
+            "recipe=bert_squad",
+            f"data.path={ASSETS / 'squad' / 'v1'}",
+            f"data.train_file={args.train_file or ASSETS / 'squad' / 'v1' / 'train.json'}",
+            f"task.max_seq_length={args.block_size}",
+            f"task.doc_stride={args.doc_stride}",
+            f"trainer.padding={args.padding}",
+            "trainer.pad_to_multiple_of=8",
+        ]
     overrides = [
-        "recipe=gpt2_clm",
+        *task_overrides,
         f"model.name_or_path={args.model}",
-        f"data.path={args.data}",
-        "data.sample_by=paragraph",
         f"data.cache_dir={args.cache}",
-        f"task.block_size={args.block_size}",
-        "task.sample_prompt=null",
+        "trainer.save_every_n_steps=0",
         f"trainer.per_device_train_batch_size={args.batch_size}",
         f"trainer.max_steps={args.warmup + args.steps}",
         f"trainer.log_every_n_steps={args.warmup}",
@@ -82,7 +112,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
     result = json.loads((run_dir / "benchmark.json").read_text())
     result.update(
         tokens_per_second=tokens / elapsed,
-        samples_per_second=tokens / elapsed / args.block_size,
+        samples_per_second=args.steps * args.batch_size / elapsed,
         s_per_step=elapsed / args.steps,
     )
     return result
@@ -123,7 +153,9 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
     """A plain ``transformers.Trainer`` on the same blocks, model and settings."""
     from transformers import (
         AutoModelForCausalLM,
+        AutoModelForQuestionAnswering,
         AutoTokenizer,
+        DataCollatorWithPadding,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -132,11 +164,29 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
 
     from recipes.config import DataConfig
     from recipes.tasks.lm import CausalLanguageModeling
+    from recipes.tasks.qa import QuestionAnswering
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data_cfg = DataConfig(path=str(args.data), sample_by="paragraph", cache_dir=str(args.cache))
-    data = CausalLanguageModeling(block_size=args.block_size).build_data(data_cfg, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    if args.task == "clm":
+        data_cfg = DataConfig(path=str(args.data), sample_by="paragraph", cache_dir=str(args.cache))
+        data = CausalLanguageModeling(block_size=args.block_size).build_data(data_cfg, tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        collate = _with_labels(default_data_collator)
+        scheduler, weight_decay = "linear", 0.01  # recipe=gpt2_clm's
+    else:
+        data_cfg = DataConfig(
+            path=str(ASSETS / "squad" / "v1"),
+            train_file=str(args.train_file or ASSETS / "squad" / "v1" / "train.json"),
+            cache_dir=str(args.cache),
+        )
+        task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
+        data = task.build_data(data_cfg, tokenizer)
+        model = AutoModelForQuestionAnswering.from_pretrained(args.model)
+        # run_qa.py's default (pad_to_max_length=True): every window padded to max_seq_length
+        collate = DataCollatorWithPadding(
+            tokenizer, padding="max_length", max_length=args.block_size
+        )
+        scheduler, weight_decay = "cosine", 0.0  # recipe=bert_squad's
 
     class Clock(TrainerCallback):
         start = end = 0.0
@@ -152,8 +202,8 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
         per_device_train_batch_size=args.batch_size,
         max_steps=args.warmup + args.steps,
         learning_rate=args.lr,
-        lr_scheduler_type="linear",  # recipe=gpt2_clm's schedule
-        weight_decay=0.01,
+        lr_scheduler_type=scheduler,
+        weight_decay=weight_decay,
         max_grad_norm=1.0,
         logging_steps=args.warmup,
         save_strategy="no",
@@ -168,12 +218,14 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
         model=model,
         args=training_args,
         train_dataset=data.train,
-        data_collator=_with_labels(default_data_collator),
+        data_collator=collate,
         callbacks=[Clock()],
     )
     trainer.train()
     elapsed = Clock.end - Clock.start
-    tokens = args.steps * args.batch_size * args.block_size
+    tokens = args.steps * args.batch_size * args.block_size  # peer's (padded) windows are full
+    if args.task == "qa":  # count real tokens, as ours does: the same windows in the same order
+        tokens = _real_tokens(trainer, args)
     result = {
         "tokens_per_second": tokens / elapsed,
         "samples_per_second": args.steps * args.batch_size / elapsed,
@@ -181,6 +233,18 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
         "peak_memory_mb": _peak_memory_mb(trainer.args.device),
     }
     (out / "peer.json").write_text(json.dumps(result))
+
+
+def _real_tokens(trainer, args: argparse.Namespace) -> float:
+    """Non-padding tokens of the measured batches (what ours reports as tokens)."""
+    loader = trainer.get_train_dataloader()
+    seen = 0
+    for number, batch in enumerate(loader):
+        if number >= args.warmup + args.steps:
+            break
+        if number >= args.warmup:
+            seen += int(batch["attention_mask"].sum())
+    return seen
 
 
 def _with_labels(collate):
@@ -207,7 +271,101 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--block-size", str(args.block_size), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
+        "--doc-stride", str(args.doc_stride), "--padding", args.padding,
+        *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ postprocess
+
+
+def run_postprocess(args: argparse.Namespace) -> None:
+    """Time both answer extractions on the same windows and logits; check they agree."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from qa_reference import reference_answers
+
+    from recipes.config import DataConfig
+    from recipes.tasks.qa import QuestionAnswering
+    from recipes.tasks.qa_answers import AnswerCollector, top_candidates
+
+    shared = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1-part1.json"
+    eval_file = args.eval_file or (shared if shared.exists() else ASSETS / "squad/v1/dev.json")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
+    cfg = DataConfig(
+        path=str(ASSETS / "squad" / "v1"), eval_file=str(eval_file), cache_dir=str(args.cache)
+    )
+    data = task.build_data(cfg, tokenizer)
+    windows, examples = data.eval_windows, data.eval_examples
+    rng = np.random.default_rng(0)
+    lengths = [len(o) for o in windows["offset_mapping"]]
+    starts = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    ends = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    # What the evaluation loop holds: padded logits batches and their attention masks.
+    batches = []
+    for first in range(0, len(lengths), args.batch_size):
+        idx = np.arange(first, min(first + args.batch_size, len(lengths)))
+        width = max(lengths[i] for i in idx)
+        start = torch.zeros((len(idx), width))
+        end = torch.zeros((len(idx), width))
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            start[row, : lengths[i]] = torch.from_numpy(starts[i])
+            end[row, : lengths[i]] = torch.from_numpy(ends[i])
+            mask[row, : lengths[i]] = 1
+        batches.append((start, end, mask, idx))
+
+    def ours() -> dict:
+        collector = AnswerCollector(windows, task.n_best_size, task.max_answer_length)
+        for start, end, mask, idx in batches:
+            found = top_candidates(start, end, mask, task.n_best_size)
+            collector.add({k: v.numpy() for k, v in found.items()}, idx)
+        return collector.answers(examples, False, 0.0)[0]
+
+    def straightforward() -> dict:
+        return reference_answers(
+            examples, windows, starts, ends, task.n_best_size, task.max_answer_length
+        )[0]
+
+    timings: dict[str, list[float]] = {"ours": [], "straightforward": []}
+    predictions = {}
+    for _ in range(args.rounds):
+        for side, fn in (("ours", ours), ("straightforward", straightforward)):
+            started = time.perf_counter()
+            predictions[side] = fn()
+            timings[side].append(time.perf_counter() - started)
+    same = predictions["ours"] == predictions["straightforward"]
+    best = {side: min(t) for side, t in timings.items()}
+    ratio = best["straightforward"] / best["ours"]
+    print(
+        f"{len(examples)} questions, {len(windows)} windows of up to {args.block_size} tokens "
+        f"(stride {args.doc_stride}), n_best {task.n_best_size}, from {eval_file}\n"
+        "| | seconds (best of {r}) | questions/s |\n|---|---:|---:|\n".format(r=args.rounds)
+        + "".join(
+            f"| {side} | {best[side]:.3f} | {len(examples) / best[side]:.0f} |\n"
+            for side in ("ours", "straightforward")
+        )
+        + f"\nspeed-up: {ratio:.1f}x; identical predictions: {same}"
+    )
+    report = {
+        "task": "postprocess",
+        "questions": len(examples),
+        "windows": len(windows),
+        "eval_file": str(eval_file),
+        "seconds": timings,
+        "speedup": ratio,
+        "identical_predictions": same,
+    }
+    out = args.out or ROOT / "outputs" / "benchmark" / "postprocess.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"written to {out}")
+    if not same:
+        raise SystemExit("the two extractions disagree")
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -215,8 +373,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("task", choices=["clm"])
-    parser.add_argument("--model", type=Path, default=ASSETS / "tiny-gpt2")
+    parser.add_argument("task", choices=["clm", "qa", "postprocess"])
+    parser.add_argument("--model", type=Path, default=None, help="default: the bundled tiny one")
     parser.add_argument(
         "--resize",
         default="",
@@ -224,16 +382,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "(seeded; both sides start from the same weights), e.g. n_layer=6,n_embd=384,n_head=6",
     )
     parser.add_argument("--data", type=Path, default=ASSETS / "text" / "tinyshakespeare.txt")
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="clm 128, postprocess 384")
+    parser.add_argument("--batch-size", type=int, default=None, help="clm 16, postprocess 64")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first")
     parser.add_argument("--rounds", type=int, default=2, help="ours/peer alternations")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    parser.add_argument("--eval-file", type=Path, default=None, help="postprocess: SQuAD file")
+    parser.add_argument("--train-file", type=Path, default=None, help="qa: SQuAD training file")
+    parser.add_argument(
+        "--padding", default="longest", choices=["longest", "max_length"], help="qa: ours"
+    )
+    parser.add_argument("--doc-stride", type=int, default=128, help="postprocess: window stride")
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    defaults = {  # per task: model, sequence length, batch
+        "clm": (ASSETS / "tiny-gpt2", 128, 16),
+        "qa": (ASSETS / "tiny-bert", 384, 24),
+        "postprocess": (ASSETS / "tiny-bert", 384, 64),
+    }[args.task]
+    args.model = args.model or defaults[0]
+    args.block_size = args.block_size or defaults[1]
+    args.batch_size = args.batch_size or defaults[2]
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the log window)")
     return args
@@ -241,11 +413,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    if args.task == "postprocess":
+        with tempfile.TemporaryDirectory() as tmp:
+            args.cache = Path(tmp) / "cache"
+            run_postprocess(args)
+        return
     results: dict[str, list[dict]] = {"ours": [], "peer": []}
     with tempfile.TemporaryDirectory() as tmp:
         args.cache = Path(tmp) / "cache"  # both sides train on the very same cached blocks
         if args.resize:
-            args.model = _resized_model(args.model, args.resize, Path(tmp) / "model")
+            args.model = _resized_model(args.model, args.resize, Path(tmp) / "model", args.task)
         for round_ in range(args.rounds):
             for side, run in (("ours", run_ours), ("peer", run_peer)):
                 out = Path(tmp) / f"{side}{round_}"
@@ -256,32 +433,39 @@ def main(argv: list[str]) -> None:
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         for side, runs in results.items()
     }
-    ratio = summary["ours"]["tokens_per_second"] / summary["peer"]["tokens_per_second"]
+    key = "samples_per_second" if args.task == "qa" else "tokens_per_second"
+    ratio = summary["ours"][key] / summary["peer"][key]
     report = {
         "task": args.task,
         "settings": {k: str(v) for k, v in vars(args).items()},
         "ours": summary["ours"],
         "peer": summary["peer"],
-        "ratio_tokens_per_second": ratio,
+        f"ratio_{key}": ratio,
         "rounds": results,
     }
-    print(_table(summary, ratio))
+    print(_table(summary, ratio, key))
     out = args.out or ROOT / "outputs" / "benchmark" / f"{args.task}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"written to {out}")
 
 
-def _resized_model(source: Path, changes: str, folder: Path) -> Path:
+def _resized_model(source: Path, changes: str, folder: Path, task: str) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForQuestionAnswering,
+        AutoTokenizer,
+    )
 
     config = AutoConfig.from_pretrained(source)
     for change in changes.split(","):
         key, value = change.split("=")
         setattr(config, key.strip(), type(getattr(config, key.strip()))(value))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForQuestionAnswering if task == "qa" else AutoModelForCausalLM
+    model = auto.from_config(config)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     parameters = sum(p.numel() for p in model.parameters())
@@ -289,7 +473,7 @@ def _resized_model(source: Path, changes: str, folder: Path) -> Path:
     return folder
 
 
-def _table(summary: dict, ratio: float) -> str:
+def _table(summary: dict, ratio: float, key: str) -> str:
     rows = [
         ("tokens/s", "tokens_per_second", "{:.0f}"),
         ("samples/s", "samples_per_second", "{:.2f}"),
@@ -300,7 +484,7 @@ def _table(summary: dict, ratio: float) -> str:
     for label, key, fmt in rows:
         ours, peer = summary["ours"][key], summary["peer"][key]
         lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(peer)} | {ours / peer:.3f} |")
-    lines.append(f"\nours/Trainer tokens/s: {ratio:.3f}")
+    lines.append(f"\nours/Trainer {key.replace('_per_second', '/s')}: {ratio:.3f}")
     return "\n".join(lines)
 
 
