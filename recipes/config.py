@@ -45,6 +45,7 @@ class TrainerConfig:
     save_final_model: bool = True
     pad_to_multiple_of: int | None = 8
     padding: str = "longest"
+    group_by_length: bool = False
     dataloader_num_workers: int = 0
     progress_bar: bool = True
     save_every_n_steps: int = 500

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 from datasets import Dataset, DatasetDict
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from recipes.config import DataConfig
 from recipes.log import get_logger
@@ -288,3 +290,25 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
     else:
         log.info("reusing cached features from %s", folder)
     return datasets.load_from_disk(str(folder))
+
+
+def feature_lengths(features: Any) -> list[int]:
+    """Tokens per feature (``input_ids``), read from Arrow without a Python list per feature."""
+    import pyarrow.compute as pc
+
+    table = features.with_format("arrow")[:]
+    return pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped order (random megabatches of 50 batches, each sorted by
+    length, the longest batch first), drawn from ``(seed, epoch)`` instead of a running generator,
+    so an epoch's order is the same in every process and in a resumed run."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int) -> None:
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)

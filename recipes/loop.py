@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from recipes import checkpoint, device
+from recipes import data as data_lib
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.flops import FlopCounter, precision_for_peak
@@ -267,7 +268,7 @@ class _Loop:
     scheduler: Any
     train_loader: Any
     eval_loader: Any
-    collator: checkpoint.SeededCollator
+    collator: Any
     output_dir: Path
     metrics: MetricsLogger
     state: checkpoint.TrainerState
@@ -307,11 +308,21 @@ def _run(
         max_length=fixed,
         pad_to_multiple_of=t.pad_to_multiple_of,
     )
-    collator = checkpoint.SeededCollator(data.train_collator or padding, t.seed)
+    collator = data.train_collator or padding
+    if data.random_collator:
+        collator = checkpoint.SeededCollator(collator, t.seed)
+    sampler = None
+    if t.group_by_length:  # neighbours of similar length: little padding, same randomness
+        sampler = data_lib.EpochLengthGroupedSampler(
+            t.per_device_train_batch_size * accelerator.num_processes,
+            data_lib.feature_lengths(data.train),
+            t.seed,
+        )
     train_loader = DataLoader(
         data.train,
         batch_size=t.per_device_train_batch_size,
-        shuffle=True,
+        shuffle=sampler is None,
+        sampler=sampler,
         collate_fn=collator,
         num_workers=t.dataloader_num_workers,
     )
@@ -517,7 +528,8 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
             if state.steps_in_epoch >= loop.steps_per_epoch:  # resumed at an epoch's last step
                 state.epoch, state.steps_in_epoch = state.epoch + 1, 0
             loop.train_loader.set_epoch(state.epoch)
-            loop.collator.epoch = state.epoch
+            if isinstance(loop.collator, checkpoint.SeededCollator):
+                loop.collator.epoch = state.epoch
             # The position in micro-batches of this process (also right when a resumed run
             # reaches the same global batch with other processes / accumulation settings).
             state.batches_in_epoch = state.steps_in_epoch * t.gradient_accumulation_steps

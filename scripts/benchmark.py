@@ -19,9 +19,10 @@ Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and writes 
 
 ``postprocess``: turning start/end logits into answers for every question of a SQuAD dev file
 (../shared/data/squad/dev-v1.1-part1.json when present, else the bundled slice): the project's
-streamed, vectorised extraction (top-k on the logits tensors, numpy over all span pairs) against
-the straightforward per-window loop over n_best x n_best pairs of the Hugging Face examples
-(``tests/qa_reference.py``). Both get the same seeded logits; the predictions must be identical.
+streamed, vectorised extraction (top-k on the logits tensors, numpy over all span pairs of a
+batch) against the straightforward per-window loop over n_best x n_best pairs of the Hugging
+Face examples (``tests/qa_reference.py``). Both get the same seeded logits and both build the
+n-best lists with probabilities; the predictions must be identical.
 
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
@@ -294,17 +295,22 @@ def run_postprocess(args: argparse.Namespace) -> None:
 
     shared = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1-part1.json"
     eval_file = args.eval_file or (shared if shared.exists() else ASSETS / "squad/v1/dev.json")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.logits_from or args.model)
     task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
     cfg = DataConfig(
         path=str(ASSETS / "squad" / "v1"), eval_file=str(eval_file), cache_dir=str(args.cache)
     )
     data = task.build_data(cfg, tokenizer)
     windows, examples = data.eval_windows, data.eval_examples
-    rng = np.random.default_rng(0)
     lengths = [len(o) for o in windows["offset_mapping"]]
-    starts = [rng.normal(size=n).astype(np.float32) for n in lengths]
-    ends = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    if args.logits_from:  # a trained model's logits: peaked near its answers, like real ones
+        starts, ends = _model_logits(args.logits_from, data.eval, lengths, args.batch_size)
+        source = f"logits of {args.logits_from}"
+    else:
+        rng = np.random.default_rng(0)
+        starts = [rng.normal(size=n).astype(np.float32) for n in lengths]
+        ends = [rng.normal(size=n).astype(np.float32) for n in lengths]
+        source = "seeded random logits"
     # What the evaluation loop holds: padded logits batches and their attention masks.
     batches = []
     for first in range(0, len(lengths), args.batch_size):
@@ -326,9 +332,15 @@ def run_postprocess(args: argparse.Namespace) -> None:
             collector.add({k: v.numpy() for k, v in found.items()}, idx)
         return collector.answers(examples, False, 0.0)[0]
 
-    def straightforward() -> dict:
+    def straightforward() -> dict:  # with its n-best lists, as ours and the HF example make
         return reference_answers(
-            examples, windows, starts, ends, task.n_best_size, task.max_answer_length
+            examples,
+            windows,
+            starts,
+            ends,
+            task.n_best_size,
+            task.max_answer_length,
+            with_nbest=True,
         )[0]
 
     timings: dict[str, list[float]] = {"ours": [], "straightforward": []}
@@ -343,7 +355,7 @@ def run_postprocess(args: argparse.Namespace) -> None:
     ratio = best["straightforward"] / best["ours"]
     print(
         f"{len(examples)} questions, {len(windows)} windows of up to {args.block_size} tokens "
-        f"(stride {args.doc_stride}), n_best {task.n_best_size}, from {eval_file}\n"
+        f"(stride {args.doc_stride}), n_best {task.n_best_size}, from {eval_file}; {source}\n"
         "| | seconds (best of {r}) | questions/s |\n|---|---:|---:|\n".format(r=args.rounds)
         + "".join(
             f"| {side} | {best[side]:.3f} | {len(examples) / best[side]:.0f} |\n"
@@ -356,6 +368,7 @@ def run_postprocess(args: argparse.Namespace) -> None:
         "questions": len(examples),
         "windows": len(windows),
         "eval_file": str(eval_file),
+        "logits": source,
         "seconds": timings,
         "speedup": ratio,
         "identical_predictions": same,
@@ -366,6 +379,32 @@ def run_postprocess(args: argparse.Namespace) -> None:
     print(f"written to {out}")
     if not same:
         raise SystemExit("the two extractions disagree")
+
+
+def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int):
+    """Start / end logits of a question-answering model over every evaluation window."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
+
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir).eval()
+    collate = DataCollatorWithPadding(AutoTokenizer.from_pretrained(model_dir))
+    starts, ends = [], []
+    with torch.no_grad():
+        for first in range(0, len(features), batch_size):
+            rows = [features[i] for i in range(first, min(first + batch_size, len(features)))]
+            batch = collate(
+                [
+                    {k: r[k] for k in ("input_ids", "token_type_ids", "attention_mask") if k in r}
+                    for r in rows
+                ]
+            )
+            out = model(**batch)
+            for row, index in enumerate(range(first, first + len(rows))):
+                n = lengths[index]
+                starts.append(out.start_logits[row, :n].float().numpy().astype(np.float32))
+                ends.append(out.end_logits[row, :n].float().numpy().astype(np.float32))
+    return starts, ends
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -396,6 +435,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--padding", default="longest", choices=["longest", "max_length"], help="qa: ours"
     )
     parser.add_argument("--doc-stride", type=int, default=128, help="postprocess: window stride")
+    parser.add_argument(
+        "--logits-from",
+        type=Path,
+        default=None,
+        help="postprocess: a trained QA model folder whose logits to use (default: random ones)",
+    )
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = {  # per task: model, sequence length, batch
@@ -481,8 +526,8 @@ def _table(summary: dict, ratio: float, key: str) -> str:
         ("peak memory (MiB)", "peak_memory_mb", "{:.0f}"),
     ]
     lines = ["| | ours | Trainer | ours/Trainer |", "|---|---:|---:|---:|"]
-    for label, key, fmt in rows:
-        ours, peer = summary["ours"][key], summary["peer"][key]
+    for label, name, fmt in rows:
+        ours, peer = summary["ours"][name], summary["peer"][name]
         lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(peer)} | {ours / peer:.3f} |")
     lines.append(f"\nours/Trainer {key.replace('_per_second', '/s')}: {ratio:.3f}")
     return "\n".join(lines)

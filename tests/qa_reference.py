@@ -22,13 +22,16 @@ def reference_answers(
     max_answer_length=30,
     version_2_with_negative=False,
     null_score_diff_threshold=0.0,
+    with_nbest=False,
 ):
     """``windows``: rows with ``example_index`` and ``offset_mapping`` ((-1, -1) = not context);
-    ``all_*_logits``: per window, float32 logits over the unpadded window."""
+    ``all_*_logits``: per window, float32 logits over the unpadded window. ``with_nbest``: also
+    build each question's n-best list with probabilities, as the Hugging Face example does for
+    its nbest_predictions.json (returned third)."""
     by_example = defaultdict(list)
     for i, window in enumerate(windows):
         by_example[window["example_index"]].append(i)
-    predictions, null_odds = {}, {}
+    predictions, null_odds, nbest = {}, {}, {}
     for index in range(len(examples)):
         example = examples[index]
         min_null, prelim = None, []
@@ -76,6 +79,19 @@ def reference_answers(
             p["text"] = "" if p is min_null else context[p["offsets"][0] : p["offsets"][1]]
         if not ranked or (len(ranked) == 1 and ranked[0]["text"] == ""):
             ranked.insert(0, {"text": "empty", "start_logit": 0.0, "end_logit": 0.0, "score": 0.0})
+        if with_nbest:
+            scores = np.array([p["score"] for p in ranked])
+            probs = np.exp(scores - np.max(scores))
+            probs /= probs.sum()
+            nbest[example["id"]] = [
+                {
+                    "text": p["text"],
+                    "probability": float(prob),
+                    "start_logit": float(p["start_logit"]),
+                    "end_logit": float(p["end_logit"]),
+                }
+                for p, prob in zip(ranked, probs, strict=True)
+            ]
         if not version_2_with_negative:
             predictions[example["id"]] = ranked[0]["text"]
             continue
@@ -83,4 +99,6 @@ def reference_answers(
         diff = null_score - best["start_logit"] - best["end_logit"]
         null_odds[example["id"]] = float(diff)
         predictions[example["id"]] = "" if diff > null_score_diff_threshold else best["text"]
+    if with_nbest:
+        return predictions, null_odds, nbest
     return predictions, null_odds

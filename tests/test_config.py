@@ -111,6 +111,10 @@ def test_command_line_overrides_reach_the_run():
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
         ("data.sample_by=sentence", "data.sample_by='sentence'"),
         ("model.gguf_file=missing.gguf", "model.gguf_file=missing.gguf: not in"),
+        ("trainer.padding=max", "trainer.padding='max'"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore'"),
+        ("trainer.keep_last_n_checkpoints=0", "trainer.keep_last_n_checkpoints=0"),
+        ("trainer.save_every_n_steps=-5", "trainer.save_every_n_steps=-5"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):

@@ -63,6 +63,8 @@ def test_smoke_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     assert [m["step"] for m in train] == list(range(5, 61, 5))
     assert all(m["train/lr"] > 0 or m["step"] == 60 for m in train)
     assert all(m["train/samples_per_second"] > 0 for m in train)
+    assert all(m["train/tflops"] > 0 for m in train)  # model FLOP/s per device
+    assert not any("train/mfu" in m for m in train)  # a CPU has no peak in the table
     assert sum(m["train/loss"] for m in train[-3:]) < sum(m["train/loss"] for m in train[:3]) - 1.0
     evals = [m for m in records if "eval/f1" in m]
     assert [m["step"] for m in evals] == [0, 30, 60]  # smoke also scores the untrained model

@@ -41,6 +41,8 @@ class TaskData:
     eval: Dataset
     train_collator: Callable[[list[dict]], dict] | None = None
     eval_collator: Callable[[list[dict]], dict] | None = None
+    # The train collator draws random numbers (MLM masking): the loop seeds it per batch.
+    random_collator: bool = False
 
 
 class Task:

@@ -341,6 +341,7 @@ class MaskedLanguageModeling(LanguageModeling):
             eval=masked_eval,
             train_collator=collator,
             eval_collator=default_data_collator,
+            random_collator=True,
         )
 
     def _token_losses(self, model, batch):

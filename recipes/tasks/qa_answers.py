@@ -18,6 +18,7 @@ The predictions are the same as the straightforward loop's (a test checks it on 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,7 @@ class _Question:
     null: tuple[float, float, float] | None = None  # (score, start_logit, end_logit)
 
 
+_NO_CANDIDATES = _Question()
 _FIELDS = ("score", "order", "start_char", "end_char", "start_logit", "end_logit")
 
 
@@ -94,6 +96,8 @@ class AnswerCollector:
 
     def __init__(self, windows: Any, n_best: int = 20, max_answer_length: int = 30) -> None:
         self.windows = windows
+        # Rows as Arrow tables, not Python lists (a Dataset; plain sequences are read as they are).
+        self._arrow = windows.with_format("arrow") if hasattr(windows, "with_format") else None
         self.n_best = n_best
         self.max_answer_length = max_answer_length
         self.questions: dict[int, _Question] = {}
@@ -102,15 +106,8 @@ class AnswerCollector:
         """Add one batch of :func:`top_candidates` output (as numpy) for windows ``feature_index``."""
         s_idx, e_idx = batch["start_index"], batch["end_index"]
         n, k = s_idx.shape
-        rows_of_batch = self.windows[[int(f) for f in feature_index]]
-        example_index = rows_of_batch["example_index"]
-        windows = [
-            np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in rows_of_batch["offset_mapping"]
-        ]
-        width = max(max(len(w) for w in windows), int(max(s_idx.max(), e_idx.max())) + 1)
-        table = np.full((n, width, 2), -1, dtype=np.int64)
-        for row, window in enumerate(windows):
-            table[row, : len(window)] = window
+        feature_index = np.asarray(feature_index, dtype=np.int64)
+        example_index, table = self._offsets(feature_index, int(max(s_idx.max(), e_idx.max())) + 1)
         rows = np.arange(n)[:, None]
         start_char = table[rows, s_idx, 0]  # [n, k]; -1 where the token is not context
         end_char = table[rows, e_idx, 1]
@@ -121,35 +118,84 @@ class AnswerCollector:
             & (length >= 1)
             & (length <= self.max_answer_length)
         )
-        score = batch["start_score"][:, :, None] + batch["end_score"][:, None, :]
+        # The "no answer" score of each question: its lowest over its windows (the first one
+        # on ties, as the straightforward loop keeps it).
+        null = (batch["null_start"] + batch["null_end"]).astype(np.float32)
         for row in range(n):
-            feature = int(feature_index[row])
             question = self.questions.setdefault(int(example_index[row]), _Question())
-            null_start, null_end = batch["null_start"][row], batch["null_end"][row]
-            null = float(null_start + null_end)
-            if question.null is None or null < question.null[0]:
-                question.null = (null, float(null_start), float(null_end))
-            i, j = np.nonzero(valid[row])
-            if i.size:
-                self._merge(
-                    question,
-                    {
-                        "score": score[row, i, j].astype(np.float32),
-                        "order": feature * k * k + i * k + j,
-                        "start_char": start_char[row, i],
-                        "end_char": end_char[row, j],
-                        "start_logit": batch["start_score"][row, i].astype(np.float32),
-                        "end_logit": batch["end_score"][row, j].astype(np.float32),
-                    },
+            if question.null is None or float(null[row]) < question.null[0]:
+                question.null = (
+                    float(null[row]),
+                    float(batch["null_start"][row]),
+                    float(batch["null_end"][row]),
                 )
+        r, i, j = np.nonzero(valid)  # every valid span of the batch at once
+        start_score = batch["start_score"].astype(np.float32)
+        end_score = batch["end_score"].astype(np.float32)
+        self._merge(
+            example_index[r],
+            {
+                "score": start_score[r, i] + end_score[r, j],
+                "order": feature_index[r] * k * k + i * k + j,
+                "start_char": start_char[r, i],
+                "end_char": end_char[r, j],
+                "start_logit": start_score[r, i],
+                "end_logit": end_score[r, j],
+            },
+        )
 
-    def _merge(self, question: _Question, new: dict[str, np.ndarray]) -> None:
-        merged = {name: np.concatenate([getattr(question, name), new[name]]) for name in _FIELDS}
-        # Best score first; among equal scores the earlier candidate first, as a stable sort of
-        # the straightforward algorithm's candidate list would order them.
-        keep = np.lexsort((merged["order"], -merged["score"]))[: self.n_best]
-        for name in _FIELDS:
-            setattr(question, name, merged[name][keep])
+    def _offsets(self, feature_index: np.ndarray, min_width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's question indices and its windows' offsets as one [n, width, 2] array,
+        read straight from Arrow (no Python object per token)."""
+        import pyarrow.compute as pc
+
+        if self._arrow is not None:
+            rows = self._arrow[feature_index.tolist()]
+        else:
+            import pyarrow as pa
+
+            picked = [self.windows[int(f)] for f in feature_index]
+            rows = pa.table(
+                {
+                    "example_index": [r["example_index"] for r in picked],
+                    "offset_mapping": [r["offset_mapping"] for r in picked],
+                }
+            )
+        example_index = rows.column("example_index").to_numpy()
+        offsets = rows.column("offset_mapping").combine_chunks()
+        lengths = pc.list_value_length(offsets).to_numpy(zero_copy_only=False)
+        flat = pc.list_flatten(pc.list_flatten(offsets)).to_numpy(zero_copy_only=False)
+        n = len(feature_index)
+        table = np.full((n, max(int(lengths.max(initial=0)), min_width), 2), -1, dtype=np.int64)
+        row_of = np.repeat(np.arange(n), lengths)
+        position = np.arange(len(row_of)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        table[row_of, position] = flat.reshape(-1, 2)
+        return example_index, table
+
+    def _merge(self, question_of: np.ndarray, new: dict[str, np.ndarray]) -> None:
+        """Keep the ``n_best`` best candidates of every question the batch touched: best score
+        first and, among equal scores, the earlier candidate first (as a stable sort of the
+        straightforward algorithm's candidate list orders them)."""
+        touched = np.unique(question_of)
+        kept = [self.questions[int(q)] for q in touched]
+        parts = {name: [new[name]] + [getattr(q, name) for q in kept] for name in _FIELDS}
+        merged = {name: np.concatenate(arrays) for name, arrays in parts.items()}
+        owner = np.concatenate(
+            [question_of] + [np.full(len(q.score), t) for q, t in zip(kept, touched, strict=True)]
+        )
+        if not len(owner):
+            return
+        ranked = np.lexsort((merged["order"], -merged["score"], owner))
+        owner = owner[ranked]
+        first = np.r_[True, owner[1:] != owner[:-1]]
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(owner)), 0))
+        within = np.arange(len(owner)) - group_start < self.n_best  # rank inside its question
+        keep, owner = ranked[within], owner[within]
+        bounds = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1], True])
+        for a, b in itertools.pairwise(bounds):
+            question = self.questions[int(owner[a])]
+            for name in _FIELDS:
+                setattr(question, name, merged[name][keep[a:b]])
 
     def answers(
         self,
@@ -171,10 +217,14 @@ class AnswerCollector:
         predictions: dict[str, str] = {}
         nbest: dict[str, list[dict]] = {}
         null_odds: dict[str, float] = {}
-        for index in range(len(examples)):
-            example = examples[index]
-            question = self.questions.get(index, _Question())
-            context = example["context"]
+        if hasattr(examples, "column_names"):  # a Dataset: two columns, not a row at a time
+            columns = examples.select_columns(["id", "context"]).to_dict()
+            ids, contexts = columns["id"], columns["context"]
+        else:
+            ids = [e["id"] for e in examples]
+            contexts = [e["context"] for e in examples]
+        for index, (qid, context) in enumerate(zip(ids, contexts, strict=True)):
+            question = self.questions.get(index, _NO_CANDIDATES)
             ranked = [
                 {
                     "text": context[s:e],
@@ -217,7 +267,6 @@ class AnswerCollector:
                 candidate["probability"] = float(prob)
                 del candidate["score"]
                 candidate.pop("null", None)
-            qid = example["id"]
             nbest[qid] = ranked
             if not version_2_with_negative:
                 predictions[qid] = ranked[0]["text"]
