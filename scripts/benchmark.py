@@ -82,6 +82,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
             f"task.max_seq_length={args.block_size}",
             f"task.doc_stride={args.doc_stride}",
             f"trainer.padding={args.padding}",
+            f"trainer.group_by_length={str(args.group_by_length).lower()}",
             "trainer.pad_to_multiple_of=8",
         ]
     overrides = [
@@ -273,6 +274,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
         "--doc-stride", str(args.doc_stride), "--padding", args.padding,
+        *(["--group-by-length"] if args.group_by_length else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
 
@@ -433,6 +435,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--train-file", type=Path, default=None, help="qa: SQuAD training file")
     parser.add_argument(
         "--padding", default="longest", choices=["longest", "max_length"], help="qa: ours"
+    )
+    parser.add_argument(
+        "--group-by-length", action="store_true", help="qa: ours with trainer.group_by_length"
     )
     parser.add_argument("--doc-stride", type=int, default=128, help="postprocess: window stride")
     parser.add_argument(
