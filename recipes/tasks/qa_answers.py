@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,21 +63,23 @@ def top_candidates(
     }
 
 
-@dataclass
-class _Question:
-    """Best spans seen so far for one question: arrays sorted best first, at most n_best long."""
-
-    score: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
-    order: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    start_char: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    end_char: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    start_logit: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
-    end_logit: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
-    null: tuple[float, float, float] | None = None  # (score, start_logit, end_logit)
+_FIELDS = ("question", "score", "order", "start_char", "end_char", "start_logit", "end_logit")
+_NULL_FIELDS = ("question", "score", "seen", "start_logit", "end_logit")
 
 
-_NO_CANDIDATES = _Question()
-_FIELDS = ("score", "order", "start_char", "end_char", "start_logit", "end_logit")
+def _grouped_first(
+    group: np.ndarray, keys: tuple[np.ndarray, ...], limit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the first ``limit`` rows of every group when each group is sorted by ``keys``
+    (the last key most significant, as in ``np.lexsort``), and where each group's run starts."""
+    ranked = np.lexsort((*keys, group))
+    group = group[ranked]
+    first = np.r_[True, group[1:] != group[:-1]] if len(group) else np.empty(0, bool)
+    start = np.maximum.accumulate(np.where(first, np.arange(len(group)), 0))
+    keep = np.arange(len(group)) - start < limit
+    kept_group = group[keep]
+    bounds = np.flatnonzero(np.r_[True, kept_group[1:] != kept_group[:-1], True])
+    return ranked[keep], bounds if len(kept_group) else np.zeros(1, np.int64)
 
 
 class AnswerCollector:
@@ -100,7 +101,10 @@ class AnswerCollector:
         self._arrow = windows.with_format("arrow") if hasattr(windows, "with_format") else None
         self.n_best = n_best
         self.max_answer_length = max_answer_length
-        self.questions: dict[int, _Question] = {}
+        self._spans: list[dict[str, np.ndarray]] = []  # per batch: each window's n_best spans
+        self._nulls: list[dict[str, np.ndarray]] = []  # per batch: each window's null score
+        self._buffered = self._compacted = 0
+        self._seen = 0
 
     def add(self, batch: Mapping[str, np.ndarray], feature_index: np.ndarray) -> None:
         """Add one batch of :func:`top_candidates` output (as numpy) for windows ``feature_index``."""
@@ -118,31 +122,55 @@ class AnswerCollector:
             & (length >= 1)
             & (length <= self.max_answer_length)
         )
-        # The "no answer" score of each question: its lowest over its windows (the first one
-        # on ties, as the straightforward loop keeps it).
-        null = (batch["null_start"] + batch["null_end"]).astype(np.float32)
-        for row in range(n):
-            question = self.questions.setdefault(int(example_index[row]), _Question())
-            if question.null is None or float(null[row]) < question.null[0]:
-                question.null = (
-                    float(null[row]),
-                    float(batch["null_start"][row]),
-                    float(batch["null_end"][row]),
-                )
-        r, i, j = np.nonzero(valid)  # every valid span of the batch at once
         start_score = batch["start_score"].astype(np.float32)
         end_score = batch["end_score"].astype(np.float32)
-        self._merge(
-            example_index[r],
+        score = (start_score[:, :, None] + end_score[:, None, :]).reshape(n, k * k)
+        # A window's n_best spans (best score first, the earlier pair on ties) are all a
+        # question can keep from it.
+        ranked = np.argsort(
+            -np.where(valid.reshape(n, k * k), score, -np.inf), axis=1, kind="stable"
+        )
+        pick = ranked[:, : self.n_best]
+        r = np.repeat(np.arange(n), pick.shape[1])
+        c = pick.reshape(-1)
+        ok = valid.reshape(n, k * k)[r, c]
+        r, c = r[ok], c[ok]
+        i, j = c // k, c % k
+        self._spans.append(
             {
-                "score": start_score[r, i] + end_score[r, j],
-                "order": feature_index[r] * k * k + i * k + j,
+                "question": example_index[r],
+                "score": score[r, c],
+                "order": feature_index[r] * k * k + c,
                 "start_char": start_char[r, i],
                 "end_char": end_char[r, j],
                 "start_logit": start_score[r, i],
                 "end_logit": end_score[r, j],
-            },
+            }
         )
+        null_start = batch["null_start"].astype(np.float32)
+        null_end = batch["null_end"].astype(np.float32)
+        self._nulls.append(
+            {
+                "question": example_index,
+                "score": null_start + null_end,
+                "seen": self._seen + np.arange(n),  # the first window wins a tie
+                "start_logit": null_start,
+                "end_logit": null_end,
+            }
+        )
+        self._seen += n
+        self._buffered += len(r)
+        if self._buffered > 2 * self._compacted + 100_000:  # memory: keep n_best per question
+            self._compact()
+
+    def _compact(self) -> None:
+        spans = {f: np.concatenate([p[f] for p in self._spans]) for f in _FIELDS}
+        keep, _ = _grouped_first(spans["question"], (spans["order"], -spans["score"]), self.n_best)
+        self._spans = [{f: v[keep] for f, v in spans.items()}]
+        nulls = {f: np.concatenate([p[f] for p in self._nulls]) for f in _NULL_FIELDS}
+        keep, _ = _grouped_first(nulls["question"], (nulls["seen"], nulls["score"]), 1)
+        self._nulls = [{f: v[keep] for f, v in nulls.items()}]
+        self._buffered = self._compacted = len(self._spans[0]["score"])
 
     def _offsets(self, feature_index: np.ndarray, min_width: int) -> tuple[np.ndarray, np.ndarray]:
         """The batch's question indices and its windows' offsets as one [n, width, 2] array,
@@ -172,30 +200,37 @@ class AnswerCollector:
         table[row_of, position] = flat.reshape(-1, 2)
         return example_index, table
 
-    def _merge(self, question_of: np.ndarray, new: dict[str, np.ndarray]) -> None:
-        """Keep the ``n_best`` best candidates of every question the batch touched: best score
-        first and, among equal scores, the earlier candidate first (as a stable sort of the
-        straightforward algorithm's candidate list orders them)."""
-        touched = np.unique(question_of)
-        kept = [self.questions[int(q)] for q in touched]
-        parts = {name: [new[name]] + [getattr(q, name) for q in kept] for name in _FIELDS}
-        merged = {name: np.concatenate(arrays) for name, arrays in parts.items()}
-        owner = np.concatenate(
-            [question_of] + [np.full(len(q.score), t) for q, t in zip(kept, touched, strict=True)]
+    def _per_question(self) -> tuple[dict[int, tuple[int, int]], dict, dict[int, tuple]]:
+        """Every question's n_best spans (as Python lists, best first) and its null score."""
+        if not self._spans:
+            return {}, {}, {}
+        self._compact()
+        spans, nulls = self._spans[0], self._nulls[0]
+        keep, bounds = _grouped_first(
+            spans["question"], (spans["order"], -spans["score"]), self.n_best
         )
-        if not len(owner):
-            return
-        ranked = np.lexsort((merged["order"], -merged["score"], owner))
-        owner = owner[ranked]
-        first = np.r_[True, owner[1:] != owner[:-1]]
-        group_start = np.maximum.accumulate(np.where(first, np.arange(len(owner)), 0))
-        within = np.arange(len(owner)) - group_start < self.n_best  # rank inside its question
-        keep, owner = ranked[within], owner[within]
-        bounds = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1], True])
-        for a, b in itertools.pairwise(bounds):
-            question = self.questions[int(owner[a])]
-            for name in _FIELDS:
-                setattr(question, name, merged[name][keep[a:b]])
+        columns = {f: spans[f][keep].tolist() for f in _FIELDS}
+        # Softmax over each question's spans (v1's n-best probabilities; v2 adds its null first).
+        scores = spans["score"][keep].astype(np.float64)
+        first, lengths = bounds[:-1], np.diff(bounds)
+        shifted = np.exp(scores - np.repeat(scores[first], lengths))  # best first: its max
+        columns["probability"] = (
+            shifted / np.repeat(np.add.reduceat(shifted, first), lengths)
+        ).tolist()
+        where = {
+            columns["question"][a]: (a, b) for a, b in itertools.pairwise(bounds.tolist()) if b > a
+        }
+        null = {
+            q: (sc, sl, el)
+            for q, sc, sl, el in zip(
+                nulls["question"].tolist(),
+                nulls["score"].tolist(),
+                nulls["start_logit"].tolist(),
+                nulls["end_logit"].tolist(),
+                strict=True,
+            )
+        }
+        return where, columns, null
 
     def answers(
         self,
@@ -223,31 +258,49 @@ class AnswerCollector:
         else:
             ids = [e["id"] for e in examples]
             contexts = [e["context"] for e in examples]
+        where, spans, nulls = self._per_question()
         for index, (qid, context) in enumerate(zip(ids, contexts, strict=True)):
-            question = self.questions.get(index, _NO_CANDIDATES)
+            a, b = where.get(index, (0, 0))
+            if (
+                not version_2_with_negative
+                and b
+                and (b - a > 1 or spans["start_char"][a] < spans["end_char"][a])
+            ):
+                # v1 with spans: the n-best list as it stands (the general path below gives the
+                # same; this one skips its per-question bookkeeping)
+                ranked = [
+                    {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": pr}
+                    for s, e, sl, el, pr in zip(
+                        spans["start_char"][a:b],
+                        spans["end_char"][a:b],
+                        spans["start_logit"][a:b],
+                        spans["end_logit"][a:b],
+                        spans["probability"][a:b],
+                        strict=True,
+                    )
+                ]
+                nbest[qid] = ranked
+                predictions[qid] = ranked[0]["text"]
+                continue
             ranked = [
-                {
-                    "text": context[s:e],
-                    "score": float(sc),
-                    "start_logit": float(sl),
-                    "end_logit": float(el),
-                }
+                {"text": context[s:e], "score": sc, "start_logit": sl, "end_logit": el}
                 for s, e, sc, sl, el in zip(
-                    question.start_char,
-                    question.end_char,
-                    question.score,
-                    question.start_logit,
-                    question.end_logit,
+                    spans["start_char"][a:b] if b else (),
+                    spans["end_char"][a:b] if b else (),
+                    spans["score"][a:b] if b else (),
+                    spans["start_logit"][a:b] if b else (),
+                    spans["end_logit"][a:b] if b else (),
                     strict=True,
                 )
             ]
-            null_score = question.null[0] if question.null is not None else 0.0
-            if version_2_with_negative and question.null is not None:
+            question_null = nulls.get(index)
+            null_score = question_null[0] if question_null is not None else 0.0
+            if version_2_with_negative and question_null is not None:
                 null = {
                     "text": "",
                     "score": null_score,
-                    "start_logit": question.null[1],
-                    "end_logit": question.null[2],
+                    "start_logit": question_null[1],
+                    "end_logit": question_null[2],
                     "null": True,
                 }
                 # The null candidate ranks after spans of equal score (it comes last in the list).
