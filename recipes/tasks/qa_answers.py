@@ -160,7 +160,7 @@ class AnswerCollector:
         )
         self._seen += n
         self._buffered += len(r)
-        if self._buffered > 2 * self._compacted + 100_000:  # memory: keep n_best per question
+        if self._buffered > 2 * self._compacted + 500_000:  # memory: keep n_best per question
             self._compact()
 
     def _compact(self) -> None:
