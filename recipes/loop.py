@@ -433,6 +433,7 @@ def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict
         "global_batch": global_batch,
         "train_features": train_features,
         "trainer.seed": settings.trainer.seed,
+        "trainer.group_by_length": settings.trainer.group_by_length,  # the batches' order
         "model.name_or_path": settings.model.name_or_path,
         "data": data,
     }
