@@ -95,23 +95,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_cpu_launch(
-    script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
-) -> subprocess.CompletedProcess:
-    """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents."""
-    port = free_port()
-    command = [
+def cpu_launch_command(*args: str) -> list[str]:
+    """``accelerate launch`` as conf/accelerate/cpu.yaml's header documents (run it with
+    ``ACCELERATE_USE_CPU=1``), followed by ``args``."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
         str(ROOT / "conf/accelerate/cpu.yaml"),
         "--multi_gpu",
-        "--main_process_port",
-        str(port),
-        str(script),
         *args,
     ]
+
+
+def run_cpu_launch(
+    script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents."""
+    command = cpu_launch_command("--main_process_port", str(free_port()), str(script), *args)
     return subprocess.run(
         command,
         cwd=cwd,

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, read_metrics, run_train
+from conftest import ROOT, cpu_launch_command, free_port, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +54,6 @@ def _eval_loss(run: Path) -> float:
     return [m["eval/loss"] for m in read_metrics(run) if "eval/loss" in m][-1]
 
 
-def _accelerate_launch(*args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "conf/accelerate/cpu.yaml"),
-        "--multi_gpu",
-        *args,
-    ]
-
-
 def test_torchrun_two_nodes_and_one_process_train_alike(tmp_path, cache_dir):
     single = tmp_path / "single"
     run_train(*_common(cache_dir), _per_device(1), f"output_dir={single}")
@@ -95,7 +83,7 @@ def test_torchrun_two_nodes_and_one_process_train_alike(tmp_path, cache_dir):
     port = str(free_port())
     launchers = [
         subprocess.Popen(
-            _accelerate_launch(
+            cpu_launch_command(
                 "--num_machines=2",
                 f"--machine_rank={rank}",
                 "--num_processes=2",
@@ -154,7 +142,7 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path, cache_dir):
     run = tmp_path / "run"
     tag = uuid.uuid4().hex
     launcher = subprocess.Popen(
-        _accelerate_launch(
+        cpu_launch_command(
             f"--main_process_port={free_port()}",
             str(ROOT / "train.py"),
             *_common(cache_dir),
