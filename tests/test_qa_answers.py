@@ -12,12 +12,31 @@ from recipes.tasks.qa import QuestionAnswering
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 
 
-def _streamed(data, start_logits, end_logits, batch_size, n_best, max_len, v2, threshold):
-    """Run the project's path: padded batches -> top_candidates -> AnswerCollector."""
+def _streamed(
+    data,
+    start_logits,
+    end_logits,
+    batch_size,
+    n_best,
+    max_len,
+    v2,
+    threshold,
+    shuffle=False,
+    with_nbest=True,
+    **settings,
+):
+    """Run the project's path: padded batches -> top_candidates -> AnswerCollector.
+
+    ``shuffle``: feed the batches in a random order (as ranks' gathered batches may come);
+    ``settings``: AnswerCollector attributes (pending_windows, compact_rows)."""
     collector = AnswerCollector(data.eval_windows, n_best, max_len)
+    for name, value in settings.items():
+        setattr(collector, name, value)
     order = np.arange(len(start_logits))
-    for first in range(0, len(order), batch_size):
-        idx = order[first : first + batch_size]
+    batches = [order[first : first + batch_size] for first in range(0, len(order), batch_size)]
+    if shuffle:
+        np.random.default_rng(0).shuffle(batches)
+    for idx in batches:
         width = max(len(start_logits[i]) for i in idx) + 5  # extra padding must not matter
         start = torch.full((len(idx), width), 7.0)  # padding logits are high on purpose
         end = torch.full((len(idx), width), 7.0)
@@ -31,7 +50,7 @@ def _streamed(data, start_logits, end_logits, batch_size, n_best, max_len, v2, t
             mask[row, :n] = 1
         cands = top_candidates(start, end, mask, n_best)
         collector.add({k: v.numpy() for k, v in cands.items()}, idx)
-    return collector.answers(data.eval_examples, v2, threshold)
+    return collector.answers(data.eval_examples, v2, threshold, with_nbest=with_nbest)
 
 
 def _random_logits(windows, seed):
@@ -102,6 +121,35 @@ def test_v2_matches_reference(tokenizer, tmp_path_factory, threshold):
     assert 0 < sum(1 for v in got.values() if v == "") < len(got)  # both kinds of answers occur
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_chunks_compaction_and_batch_order_do_not_change_answers(
+    tokenizer, tmp_path_factory, version
+):
+    """Scoring a few windows at a time, cutting the buffer back to n_best per question as it
+    goes, and batches arriving out of order give the reference's answers and n-best lists."""
+    _, data = _data(tokenizer, tmp_path_factory, version)
+    windows = data.eval_windows
+    start, end = _random_logits(windows, seed=5)
+    v2 = version == 2
+    expected, expected_odds, expected_nbest = reference_answers(
+        data.eval_examples, windows, start, end, 7, 30, v2, 0.0, with_nbest=True
+    )
+    got, nbest, odds = _streamed(
+        data, start, end, 5, 7, 30, v2, 0.0, shuffle=True, pending_windows=11, compact_rows=40
+    )
+    assert got == expected
+    assert odds.keys() == expected_odds.keys()
+    assert nbest.keys() == expected_nbest.keys()
+    for qid, ranked in nbest.items():
+        want = expected_nbest[qid]
+        assert [c["text"] for c in ranked] == [c["text"] for c in want], qid
+        for ours, theirs in zip(ranked, want, strict=True):
+            assert abs(ours["probability"] - theirs["probability"]) < 1e-6
+            assert abs(ours["start_logit"] - theirs["start_logit"]) < 1e-6
+    plain, no_nbest, _ = _streamed(data, start, end, 5, 7, 30, v2, 0.0, with_nbest=False)
+    assert plain == expected and no_nbest == {}
+
+
 def test_true_answers_are_extracted(tokenizer, tmp_path_factory):
     """Logits that peak on the gold span give the gold answer text (through all windows)."""
     _, data = _data(tokenizer, tmp_path_factory, 1)
@@ -137,3 +185,22 @@ def test_full_dev_part1_matches_reference(tokenizer, shared_data, tmp_path):
     expected, _ = reference_answers(data.eval_examples, data.eval_windows, start, end)
     got, _, _ = _streamed(data, start, end, 64, 20, 30, False, 0.0)
     assert got == expected
+
+
+def test_left_padded_batches_give_the_same_candidates():
+    """Decoder tokenizers pad on the left; positions come back relative to the unpadded window."""
+    rng = np.random.default_rng(0)
+    lengths = [9, 5, 7]  # at least k = 5 real tokens each (past that, -inf ties are arbitrary)
+    width = max(lengths) + 2
+    start, end = rng.normal(size=(2, len(lengths), width)).astype(np.float32)
+    right_mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    left_start, left_end = np.zeros_like(start), np.zeros_like(end)
+    for row, n in enumerate(lengths):
+        left_start[row, width - n :], left_end[row, width - n :] = start[row, :n], end[row, :n]
+    right = top_candidates(torch.from_numpy(start), torch.from_numpy(end), right_mask, 5)
+    left = top_candidates(
+        torch.from_numpy(left_start), torch.from_numpy(left_end), right_mask.flip(1), 5, True
+    )
+    for key in right:
+        assert torch.equal(right[key], left[key]), key
+    assert torch.equal(right["null_start"], torch.from_numpy(start[:, 0]))

@@ -151,6 +151,8 @@ class QuestionAnswering(Task):
         max_answer_length: longest answer, in tokens.
         version_2_with_negative: SQuAD v2.0, where a question may have no answer.
         null_score_diff_threshold: v2: answer "" when null score - best span score exceeds this.
+        write_nbest: write ``nbest_predictions.json`` (every question's n_best candidates with
+            probabilities) beside ``predictions.json`` at each evaluation.
     """
 
     auto_model_class = AutoModelForQuestionAnswering
@@ -166,6 +168,7 @@ class QuestionAnswering(Task):
         max_answer_length: int = 30,
         version_2_with_negative: bool = False,
         null_score_diff_threshold: float = 0.0,
+        write_nbest: bool = True,
     ) -> None:
         if doc_stride >= max_seq_length:
             raise ConfigError(
@@ -192,6 +195,7 @@ class QuestionAnswering(Task):
         self.max_answer_length = max_answer_length
         self.version_2_with_negative = version_2_with_negative
         self.null_score_diff_threshold = null_score_diff_threshold
+        self.write_nbest = write_nbest
         self.data: QAData | None = None
         self.left_padded = False
 
@@ -398,8 +402,9 @@ class QuestionAnswering(Task):
     def _score(self, collector: AnswerCollector, output_dir: Path | None) -> dict[str, float]:
         assert self.data is not None
         examples = self.data.eval_examples
+        with_nbest = self.write_nbest and output_dir is not None
         predictions, nbest, null_odds = collector.answers(
-            examples, self.version_2_with_negative, self.null_score_diff_threshold
+            examples, self.version_2_with_negative, self.null_score_diff_threshold, with_nbest
         )
         references = {
             qid: answers["text"]
@@ -415,7 +420,8 @@ class QuestionAnswering(Task):
             scores = squad_v1(predictions, references)
         if output_dir is not None:
             write_json(output_dir / "predictions.json", predictions)
-            write_json(output_dir / "nbest_predictions.json", nbest)
+            if with_nbest:
+                write_json(output_dir / "nbest_predictions.json", nbest)
             if null_odds:
                 write_json(output_dir / "null_odds.json", null_odds)
         return {k: float(v) for k, v in scores.items() if k != "total"}

@@ -18,7 +18,6 @@ The predictions are the same as the straightforward loop's (a test checks it on 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,22 +43,21 @@ def top_candidates(
         and ``null_start``/``null_end`` (float, [B]): the logits of the window's first token (CLS),
         whose sum is the window's "no answer" score.
     """
-    start = start_logits.float().masked_fill(attention_mask == 0, float("-inf"))
-    end = end_logits.float().masked_fill(attention_mask == 0, float("-inf"))
-    k = min(n_best, start.shape[-1])
-    start_score, start_index = start.topk(k, dim=-1)
-    end_score, end_index = end.topk(k, dim=-1)
-    first = torch.zeros(start.shape[0], dtype=torch.long, device=start.device)
+    both = torch.stack((start_logits, end_logits)).float()  # a new tensor: one top-k for both
+    both.masked_fill_(attention_mask == 0, float("-inf"))
+    scores, index = both.topk(min(n_best, both.shape[-1]), dim=-1)
+    null = both[:, :, 0]
     if left_padded:
         pad = (attention_mask == 0).sum(dim=-1)
-        start_index, end_index, first = start_index - pad[:, None], end_index - pad[:, None], pad
+        index = index - pad[:, None]
+        null = both.gather(2, pad.expand(2, -1)[:, :, None]).squeeze(2)
     return {
-        "start_index": start_index,
-        "end_index": end_index,
-        "start_score": start_score,
-        "end_score": end_score,
-        "null_start": start.gather(1, first[:, None]).squeeze(1),
-        "null_end": end.gather(1, first[:, None]).squeeze(1),
+        "start_index": index[0],
+        "end_index": index[1],
+        "start_score": scores[0],
+        "end_score": scores[1],
+        "null_start": null[0],
+        "null_end": null[1],
     }
 
 
@@ -72,7 +70,14 @@ def _grouped_first(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the first ``limit`` rows of every group when each group is sorted by ``keys``
     (the last key most significant, as in ``np.lexsort``), and where each group's run starts."""
-    ranked = np.lexsort((*keys, group))
+    return _first_of_runs(np.lexsort((*keys, group)), group, limit)
+
+
+def _first_of_runs(
+    ranked: np.ndarray, group: np.ndarray, limit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ranked``: a permutation sorting ``group`` (then anything else); the indices of the first
+    ``limit`` rows of each group's run and where each kept run starts."""
     group = group[ranked]
     first = np.r_[True, group[1:] != group[:-1]] if len(group) else np.empty(0, bool)
     start = np.maximum.accumulate(np.where(first, np.arange(len(group)), 0))
@@ -82,6 +87,120 @@ def _grouped_first(
     return ranked[keep], bounds if len(kept_group) else np.zeros(1, np.int64)
 
 
+def _rank_spans(spans: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The permutation that sorts spans by question, then score (best first), then the order
+    the straightforward loop meets them in (its sort is stable).
+
+    One stable sort of a 64-bit key (question, then the score's bits turned into an integer
+    that sorts like the float) replaces a three-key ``lexsort``; ties keep the buffer's
+    order, which is the loop's order unless batches arrived out of order (then it is restored
+    first).
+    """
+    order = spans["order"]
+    by_order = None
+    if len(order) > 1 and not (order[1:] > order[:-1]).all():
+        by_order = np.argsort(order, kind="stable")
+    bits = (spans["score"].astype(np.float32) + np.float32(0.0)).view(np.int32)  # -0.0 -> 0.0
+    ascending = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as int32, in the floats' order
+    key = (spans["question"].astype(np.int64) << 32) - ascending  # best score first
+    if by_order is None:
+        return np.argsort(key, kind="stable")
+    return by_order[np.argsort(key[by_order], kind="stable")]
+
+
+def _grouped_softmax(scores: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Softmax within each run ``bounds[i]:bounds[i + 1]`` of best-first scores (float64, as
+    the n-best probabilities of v1)."""
+    scores = scores.astype(np.float64)
+    first, lengths = bounds[:-1], np.diff(bounds)
+    nonempty = lengths > 0
+    first, lengths = first[nonempty], lengths[nonempty]
+    if not len(first):
+        return scores
+    shifted = np.exp(scores - np.repeat(scores[first], lengths))  # best first: its max
+    return shifted / np.repeat(np.add.reduceat(shifted, first), lengths)
+
+
+class _WindowOffsets:
+    """The evaluation windows' question indices and token character offsets, looked up in place.
+
+    A ``Dataset`` (without an indices mapping) is read where it lies: the list offsets and values
+    of its memory-mapped Arrow columns are numpy views, so a lookup copies only the offsets of the
+    tokens it asks for, and nothing is held per window. Anything else (a selected ``Dataset``, a
+    list of rows) is read a batch of rows at a time.
+    """
+
+    def __init__(self, windows: Any) -> None:
+        self.windows = windows
+        table = getattr(getattr(windows, "data", None), "table", None)
+        self._parts: list[tuple[np.ndarray, ...]] | None = None
+        if table is not None and getattr(windows, "_indices", None) is None:
+            batches = table.select(["offset_mapping", "example_index"]).to_batches()
+            self._parts = [self._views(b) for b in batches]
+            self._bounds = np.cumsum([0] + [b.num_rows for b in batches])
+
+    @staticmethod
+    def _views(batch: Any) -> tuple[np.ndarray, ...]:
+        """(window -> first token, token -> its pair, flat offsets, window -> question) as numpy
+        views of one Arrow record batch (no copy for the memory-mapped cache)."""
+        windows = batch.column("offset_mapping")
+        pairs = windows.values  # every token's [start, end] list; ``windows.offsets`` index it
+        return (
+            windows.offsets.to_numpy(),
+            pairs.offsets.to_numpy(),
+            pairs.values.to_numpy(zero_copy_only=False),
+            batch.column("example_index").to_numpy(zero_copy_only=False),
+        )
+
+    def _rows(self, feature_index: np.ndarray) -> tuple[np.ndarray, ...]:
+        import pyarrow as pa
+
+        if hasattr(self.windows, "with_format"):
+            rows = self.windows.with_format("arrow")[feature_index.tolist()]
+        else:
+            picked = [self.windows[int(f)] for f in feature_index]
+            rows = pa.table(
+                {
+                    "example_index": [r["example_index"] for r in picked],
+                    "offset_mapping": [r["offset_mapping"] for r in picked],
+                }
+            )
+        return self._views(rows.combine_chunks().to_batches()[0])
+
+    def lookup(
+        self, feature_index: np.ndarray, start: np.ndarray, end: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For windows ``feature_index`` [n] and token positions ``start``/``end`` [n, k]: the
+        question of each window, the start character of each start token, and the start and end
+        characters of each end token; -1 where a token is not context (or past the window)."""
+        n, k = start.shape
+        question = np.empty(n, dtype=np.int64)
+        start_char = np.full((n, k), -1, dtype=np.int64)
+        end_first = np.full((n, k), -1, dtype=np.int64)
+        end_char = np.full((n, k), -1, dtype=np.int64)
+        if self._parts is None:
+            groups = [(np.arange(n), np.arange(n), self._rows(feature_index))]
+        else:
+            part = np.searchsorted(self._bounds, feature_index, side="right") - 1
+            groups = [
+                (rows, feature_index[rows] - self._bounds[p], self._parts[p])
+                for p in np.unique(part)
+                for rows in [np.flatnonzero(part == p)]
+            ]
+        for rows, local, (first, pair, flat, example) in groups:
+            question[rows] = example[local]
+            base, length = first[local][:, None], (first[local + 1] - first[local])[:, None]
+            for tokens, outputs in (
+                (start[rows], (start_char,)),
+                (end[rows], (end_first, end_char)),
+            ):
+                inside = (tokens >= 0) & (tokens < length)
+                at = pair[np.where(inside, base + tokens, 0)]
+                for offset, out in enumerate(outputs):
+                    out[rows] = np.where(inside, flat[at + offset], -1)
+        return question, start_char, end_first, end_char
+
+
 class AnswerCollector:
     """Accumulates the candidates of evaluation batches and turns them into answers.
 
@@ -89,58 +208,73 @@ class AnswerCollector:
         windows: the evaluation windows, indexable by a list of window indices (a ``Dataset``)
             and giving per window ``offset_mapping``, the (start, end) character offsets of each
             token in its context with (-1, -1) for tokens that are not context, and
-            ``example_index``, the index of its question. Only the rows of the current batch are
-            read, so the offsets of all windows are never held in memory at once.
+            ``example_index``, the index of its question. Only the offsets of each batch's
+            candidate tokens are read, so the offsets of all windows are never held in memory.
         n_best: how many candidates to keep and report per question.
         max_answer_length: longest span, in tokens.
     """
 
+    #: windows whose candidates wait to be scored together (numpy's per-call cost is paid once
+    #: per this many windows, not once per evaluation batch)
+    pending_windows = 2048
+    #: buffered spans beyond which each question's are cut back to its n_best
+    compact_rows = 500_000
+
     def __init__(self, windows: Any, n_best: int = 20, max_answer_length: int = 30) -> None:
-        self.windows = windows
-        # Rows as Arrow tables, not Python lists (a Dataset; plain sequences are read as they are).
-        self._arrow = windows.with_format("arrow") if hasattr(windows, "with_format") else None
+        self._offsets = _WindowOffsets(windows)
         self.n_best = n_best
         self.max_answer_length = max_answer_length
-        self._spans: list[dict[str, np.ndarray]] = []  # per batch: each window's n_best spans
-        self._nulls: list[dict[str, np.ndarray]] = []  # per batch: each window's null score
+        self._pending: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+        self._pending_count = 0
+        self._spans: list[dict[str, np.ndarray]] = []  # per scored chunk: its valid spans
+        self._nulls: list[dict[str, np.ndarray]] = []  # per scored chunk: each window's null
         self._buffered = self._compacted = 0
         self._seen = 0
 
     def add(self, batch: Mapping[str, np.ndarray], feature_index: np.ndarray) -> None:
         """Add one batch of :func:`top_candidates` output (as numpy) for windows ``feature_index``."""
+        if (
+            self._pending
+            and batch["start_index"].shape[1] != self._pending[0][0]["start_index"].shape[1]
+        ):
+            self._score_pending()  # a batch narrower than n_best tokens: chunks need one k
+        self._pending.append((batch, np.asarray(feature_index, dtype=np.int64)))
+        self._pending_count += len(feature_index)
+        if self._pending_count >= self.pending_windows:
+            self._score_pending()
+
+    def _score_pending(self) -> None:
+        """Turn the pending windows' candidates into their valid spans and null scores."""
+        if not self._pending:
+            return
+        batch = {k: np.concatenate([b[k] for b, _ in self._pending]) for k in self._pending[0][0]}
+        feature_index = np.concatenate([f for _, f in self._pending])
+        self._pending, self._pending_count = [], 0
         s_idx, e_idx = batch["start_index"], batch["end_index"]
-        n, k = s_idx.shape
-        feature_index = np.asarray(feature_index, dtype=np.int64)
-        example_index, table = self._offsets(feature_index, int(max(s_idx.max(), e_idx.max())) + 1)
-        rows = np.arange(n)[:, None]
-        start_char = table[rows, s_idx, 0]  # [n, k]; -1 where the token is not context
-        end_char = table[rows, e_idx, 1]
-        length = e_idx[:, None, :] - s_idx[:, :, None] + 1  # [n, k, k]
-        valid = (
-            (start_char >= 0)[:, :, None]
-            & (table[rows, e_idx, 0] >= 0)[:, None, :]
-            & (length >= 1)
-            & (length <= self.max_answer_length)
+        n = len(s_idx)
+        example_index, start_char, end_first, end_char = self._offsets.lookup(
+            feature_index, s_idx, e_idx
         )
+        # end - start in [0, max_answer_length): one unsigned comparison
+        span = (e_idx.astype(np.int32)[:, None, :] - s_idx.astype(np.int32)[:, :, None]).view(
+            np.uint32
+        )
+        valid = (
+            (span < self.max_answer_length)
+            & (start_char >= 0)[:, :, None]
+            & (end_first >= 0)[:, None, :]
+        )
+        # Every valid pair is kept (not only a window's n_best): the union's best n_best per
+        # question are the same, and a per-window sort costs more than the larger buffer.
+        r, i, j = np.nonzero(valid)
         start_score = batch["start_score"].astype(np.float32)
         end_score = batch["end_score"].astype(np.float32)
-        score = (start_score[:, :, None] + end_score[:, None, :]).reshape(n, k * k)
-        # A window's n_best spans (best score first, the earlier pair on ties) are all a
-        # question can keep from it.
-        ranked = np.argsort(
-            -np.where(valid.reshape(n, k * k), score, -np.inf), axis=1, kind="stable"
-        )
-        pick = ranked[:, : self.n_best]
-        r = np.repeat(np.arange(n), pick.shape[1])
-        c = pick.reshape(-1)
-        ok = valid.reshape(n, k * k)[r, c]
-        r, c = r[ok], c[ok]
-        i, j = c // k, c % k
         self._spans.append(
             {
                 "question": example_index[r],
-                "score": score[r, c],
-                "order": feature_index[r] * k * k + c,
+                "score": start_score[r, i] + end_score[r, j],
+                # the straightforward loop's order: window, then start rank, then end rank
+                "order": (feature_index[r] * self.n_best + i) * self.n_best + j,
                 "start_char": start_char[r, i],
                 "end_char": end_char[r, j],
                 "start_logit": start_score[r, i],
@@ -160,66 +294,52 @@ class AnswerCollector:
         )
         self._seen += n
         self._buffered += len(r)
-        if self._buffered > 2 * self._compacted + 500_000:  # memory: keep n_best per question
+        if self._buffered > 2 * self._compacted + self.compact_rows:
             self._compact()
 
     def _compact(self) -> None:
-        spans = {f: np.concatenate([p[f] for p in self._spans]) for f in _FIELDS}
-        keep, _ = _grouped_first(spans["question"], (spans["order"], -spans["score"]), self.n_best)
+        spans = self._merged_spans()
+        keep, _ = _first_of_runs(_rank_spans(spans), spans["question"], self.n_best)
+        keep.sort()  # the buffer stays in arrival order
         self._spans = [{f: v[keep] for f, v in spans.items()}]
+        self._nulls = [self._lowest_nulls()]
+        self._buffered = self._compacted = len(keep)
+
+    def _merged_spans(self) -> dict[str, np.ndarray]:
+        return {f: np.concatenate([p[f] for p in self._spans]) for f in _FIELDS}
+
+    def _lowest_nulls(self) -> dict[str, np.ndarray]:
+        """Each question's lowest null score (its first window's on a tie)."""
         nulls = {f: np.concatenate([p[f] for p in self._nulls]) for f in _NULL_FIELDS}
         keep, _ = _grouped_first(nulls["question"], (nulls["seen"], nulls["score"]), 1)
-        self._nulls = [{f: v[keep] for f, v in nulls.items()}]
-        self._buffered = self._compacted = len(self._spans[0]["score"])
+        return {f: v[keep] for f, v in nulls.items()}
 
-    def _offsets(self, feature_index: np.ndarray, min_width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's question indices and its windows' offsets as one [n, width, 2] array,
-        read straight from Arrow (no Python object per token)."""
-        import pyarrow.compute as pc
-
-        if self._arrow is not None:
-            rows = self._arrow[feature_index.tolist()]
-        else:
-            import pyarrow as pa
-
-            picked = [self.windows[int(f)] for f in feature_index]
-            rows = pa.table(
-                {
-                    "example_index": [r["example_index"] for r in picked],
-                    "offset_mapping": [r["offset_mapping"] for r in picked],
-                }
-            )
-        example_index = rows.column("example_index").to_numpy()
-        offsets = rows.column("offset_mapping").combine_chunks()
-        lengths = pc.list_value_length(offsets).to_numpy(zero_copy_only=False)
-        flat = pc.list_flatten(pc.list_flatten(offsets)).to_numpy(zero_copy_only=False)
-        n = len(feature_index)
-        table = np.full((n, max(int(lengths.max(initial=0)), min_width), 2), -1, dtype=np.int64)
-        row_of = np.repeat(np.arange(n), lengths)
-        position = np.arange(len(row_of)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        table[row_of, position] = flat.reshape(-1, 2)
-        return example_index, table
-
-    def _per_question(self) -> tuple[dict[int, tuple[int, int]], dict, dict[int, tuple]]:
-        """Every question's n_best spans (as Python lists, best first) and its null score."""
+    def _per_question(self) -> tuple[dict[int, tuple[int, int]], Any, dict[int, tuple]]:
+        """Where each question's n_best spans are (rows ``a:b``, best first), a function giving
+        those spans' columns as numpy arrays (each made when first asked for), and each
+        question's null score."""
+        self._score_pending()
         if not self._spans:
-            return {}, {}, {}
-        self._compact()
-        spans, nulls = self._spans[0], self._nulls[0]
-        keep, bounds = _grouped_first(
-            spans["question"], (spans["order"], -spans["score"]), self.n_best
+            return {}, None, {}
+        spans, nulls = self._merged_spans(), self._lowest_nulls()
+        keep, bounds = _first_of_runs(_rank_spans(spans), spans["question"], self.n_best)
+        ranked: dict[str, np.ndarray] = {}
+
+        def column(name: str) -> np.ndarray:
+            if name not in ranked:
+                ranked[name] = (
+                    _grouped_softmax(column("score"), bounds)  # v1's n-best probabilities
+                    if name == "probability"
+                    else spans[name][keep]
+                )
+            return ranked[name]
+
+        nonempty = np.diff(bounds) > 0
+        heads, tails = bounds[:-1][nonempty], bounds[1:][nonempty]
+        questions = spans["question"][keep[heads]]
+        where = dict(
+            zip(questions.tolist(), zip(heads.tolist(), tails.tolist(), strict=True), strict=True)
         )
-        columns = {f: spans[f][keep].tolist() for f in _FIELDS}
-        # Softmax over each question's spans (v1's n-best probabilities; v2 adds its null first).
-        scores = spans["score"][keep].astype(np.float64)
-        first, lengths = bounds[:-1], np.diff(bounds)
-        shifted = np.exp(scores - np.repeat(scores[first], lengths))  # best first: its max
-        columns["probability"] = (
-            shifted / np.repeat(np.add.reduceat(shifted, first), lengths)
-        ).tolist()
-        where = {
-            columns["question"][a]: (a, b) for a, b in itertools.pairwise(bounds.tolist()) if b > a
-        }
         null = {
             q: (sc, sl, el)
             for q, sc, sl, el in zip(
@@ -230,19 +350,22 @@ class AnswerCollector:
                 strict=True,
             )
         }
-        return where, columns, null
+        return where, column, null
 
     def answers(
         self,
         examples: Sequence[Mapping],
         version_2_with_negative: bool = False,
         null_score_diff_threshold: float = 0.0,
+        with_nbest: bool = True,
     ) -> tuple[dict[str, str], dict[str, list[dict]], dict[str, float]]:
         """The answer to every question, its n-best list and (v2) its null-score difference.
 
         Args:
             examples: the evaluation questions, indexable by example index, with ``id`` and
                 ``context``.
+            with_nbest: build the n-best lists (``nbest`` is empty otherwise; the predictions
+                are the same).
 
         Returns:
             ``predictions`` (id -> text), ``nbest`` (id -> candidates with text, probability,
@@ -258,38 +381,42 @@ class AnswerCollector:
         else:
             ids = [e["id"] for e in examples]
             contexts = [e["context"] for e in examples]
-        where, spans, nulls = self._per_question()
+        where, arrays, nulls = self._per_question()
+        spans: dict[str, list] = {}
+
+        def column(name: str) -> list:  # a column as a Python list, made when first needed
+            if name not in spans:
+                spans[name] = arrays(name).tolist() if arrays else []
+            return spans[name]
+
+        starts, ends = column("start_char"), column("end_char")
         for index, (qid, context) in enumerate(zip(ids, contexts, strict=True)):
             a, b = where.get(index, (0, 0))
-            if (
-                not version_2_with_negative
-                and b
-                and (b - a > 1 or spans["start_char"][a] < spans["end_char"][a])
-            ):
-                # v1 with spans: the n-best list as it stands (the general path below gives the
-                # same; this one skips its per-question bookkeeping)
-                ranked = [
-                    {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": pr}
-                    for s, e, sl, el, pr in zip(
-                        spans["start_char"][a:b],
-                        spans["end_char"][a:b],
-                        spans["start_logit"][a:b],
-                        spans["end_logit"][a:b],
-                        spans["probability"][a:b],
-                        strict=True,
-                    )
-                ]
-                nbest[qid] = ranked
-                predictions[qid] = ranked[0]["text"]
+            if not version_2_with_negative and b and (b - a > 1 or starts[a] < ends[a]):
+                # v1 with spans: the best one, and the n-best list as it stands (the general
+                # path below gives the same; this one skips its per-question bookkeeping)
+                predictions[qid] = context[starts[a] : ends[a]]
+                if with_nbest:
+                    nbest[qid] = [
+                        {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": p}
+                        for s, e, sl, el, p in zip(
+                            starts[a:b],
+                            ends[a:b],
+                            column("start_logit")[a:b],
+                            column("end_logit")[a:b],
+                            column("probability")[a:b],
+                            strict=True,
+                        )
+                    ]
                 continue
             ranked = [
                 {"text": context[s:e], "score": sc, "start_logit": sl, "end_logit": el}
                 for s, e, sc, sl, el in zip(
-                    spans["start_char"][a:b] if b else (),
-                    spans["end_char"][a:b] if b else (),
-                    spans["score"][a:b] if b else (),
-                    spans["start_logit"][a:b] if b else (),
-                    spans["end_logit"][a:b] if b else (),
+                    starts[a:b] if b else (),
+                    ends[a:b] if b else (),
+                    column("score")[a:b] if b else (),
+                    column("start_logit")[a:b] if b else (),
+                    column("end_logit")[a:b] if b else (),
                     strict=True,
                 )
             ]
@@ -320,7 +447,8 @@ class AnswerCollector:
                 candidate["probability"] = float(prob)
                 del candidate["score"]
                 candidate.pop("null", None)
-            nbest[qid] = ranked
+            if with_nbest:
+                nbest[qid] = ranked
             if not version_2_with_negative:
                 predictions[qid] = ranked[0]["text"]
                 continue
