@@ -24,12 +24,13 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point; returns the final F1 / main metric (for sweeps)."""
+    """Hydra entry point; returns the task's main metric of the final evaluation (F1 for QA,
+    perplexity for language modelling, ...), the objective of a Hydra sweeper."""
     from recipes.faults import Interrupted, TrainingError, peer_failure
     from recipes.loop import train  # imported late: `--help` and `--cfg` stay fast
 
     try:
-        metrics = train(cfg)
+        result = train(cfg)
     except (ConfigError, DataError) as err:
         sys.stderr.write(f"error: {err}\n")
         sys.exit(2)
@@ -50,7 +51,7 @@ def main(cfg: DictConfig) -> float | None:
         if stopped.main_process:
             sys.stderr.write(_resume_advice(cfg, stopped))
         sys.exit(stopped.exit_code)
-    return next((v for k, v in metrics.items() if k.endswith("/f1")), None)
+    return result.main_value
 
 
 def _resume_advice(cfg: DictConfig, stopped) -> str:

@@ -20,6 +20,7 @@ from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
     DataLoaderConfiguration,
     InitProcessGroupKwargs,
+    ProjectConfiguration,
     broadcast_object_list,
     gather_object,
     parse_flag_from_env,
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from recipes import checkpoint, device
+from recipes import checkpoint, device, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
@@ -38,7 +39,7 @@ from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
 from recipes.optim import build_optimizer
 from recipes.tasks.base import Task
-from recipes.tracking import MetricsLogger, tracker_init_kwargs
+from recipes.tracking import MetricsLogger
 
 log = get_logger(__name__)
 
@@ -161,8 +162,8 @@ class _Window:
         return [*self.loss_and_tokens.tolist(), self.micro_batches, self.samples]
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Run the recipe described by the composed config ``cfg``; returns the final eval metrics.
+def train(cfg: DictConfig) -> RunResult:
+    """Run the recipe described by the composed config ``cfg``; returns its final evaluation.
 
     Raises:
         ConfigError / DataError: bad settings or data, before any expensive work.
@@ -178,6 +179,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=settings.logger.trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # TensorBoard's folder; set again once all ranks agree on the run folder
+        project_config=ProjectConfiguration(logging_dir=str(Path(cfg.output_dir) / "tensorboard")),
         # A collective that waits this long (a rank died) raises instead of hanging forever.
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=timedelta(seconds=t.distributed_timeout_s))
@@ -279,7 +282,7 @@ class _Loop:
 
 def _run(
     cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerator, stop: StopRequest
-) -> dict:
+) -> RunResult:
     t = settings.trainer
     output_dir, resume_from = _open_run_folder(cfg, accelerator)
     setup_logging(accelerator.is_main_process, output_dir / "train.log")
@@ -378,11 +381,20 @@ def _run(
         keep_until_step = -1  # what an earlier attempt logged is logged again
 
     metrics_logger = MetricsLogger(accelerator, output_dir, keep_until_step=keep_until_step)
-    run_name = "-".join(output_dir.parts[-2:])
-    accelerator.init_trackers(
-        settings.logger.wandb.project,
-        config=resolved,
-        init_kwargs=tracker_init_kwargs(settings.logger, run_name, output_dir),
+    main_metric = f"eval/{task.main_metric}"
+    tracking.start_trackers(
+        accelerator,
+        settings.logger,
+        output_dir,
+        resolved,
+        tracking.run_tags(
+            tracking.hydra_context().get("recipe"),
+            settings.model.name_or_path,
+            accelerator.device.type,
+            accelerator.num_processes,
+        ),
+        main_metric,
+        task.greater_is_better,
     )
     loop = _Loop(
         accelerator=accelerator,
@@ -411,6 +423,16 @@ def _run(
     if t.save_final_model:
         _save_final(accelerator, model, tokenizer, output_dir / "final")
     metrics_logger.close()
+    result = RunResult(
+        output_dir=output_dir,
+        metrics=final,
+        main_metric=main_metric,
+        greater_is_better=task.greater_is_better,
+    )
+    tracking.finish_trackers(accelerator, settings.logger, final)
+    if accelerator.is_main_process:
+        tracking.write_results(output_dir, result.as_dict(state))
+        _plot(output_dir)
     log.info(
         "done: %d steps in %.1f s of training (%.3f s/step); %s",
         state.step,
@@ -418,7 +440,44 @@ def _run(
         state.train_seconds / max(state.step, 1),
         _fmt(final) if final else "no evaluation",
     )
-    return final
+    return result
+
+
+def _plot(output_dir: Path) -> None:
+    """``curves.png`` in the run folder; a missing plotting library only costs the picture."""
+    try:
+        from recipes.plots import plot_runs
+    except ImportError as err:
+        log.warning("no curves.png (%s); pip install matplotlib", err)
+        return
+    path = plot_runs([output_dir], output_dir / "curves.png")
+    log.info("curves: %s", path)
+
+
+@dataclass
+class RunResult:
+    """What a run ends with: its folder and the final evaluation."""
+
+    output_dir: Path
+    metrics: dict[str, float]  # the final evaluation (empty when there was none)
+    main_metric: str  # e.g. "eval/f1": what sweeps and `train.py` report
+    greater_is_better: bool
+
+    @property
+    def main_value(self) -> float | None:
+        return self.metrics.get(self.main_metric)
+
+    def as_dict(self, state: checkpoint.TrainerState) -> dict[str, Any]:
+        return {
+            "main_metric": self.main_metric,
+            "main_value": self.main_value,
+            "greater_is_better": self.greater_is_better,
+            "metrics": self.metrics,
+            "best": state.best,
+            "steps": state.step,
+            "train_seconds": state.train_seconds,
+            "overrides": tracking.hydra_context().get("overrides", []),
+        }
 
 
 def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict[str, Any]:
@@ -585,6 +644,7 @@ def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
                     )
                     state.train_seconds += elapsed
                     state.train_samples += logged["train/samples_per_second"] * elapsed
+                    logged["train/samples_seen"] = round(state.train_samples)
                     if state.skipped_steps:
                         logged["train/skipped_steps"] = state.skipped_steps
                     if step == loop.total_steps:
@@ -647,7 +707,8 @@ def _evaluate(loop: _Loop, step: int) -> tuple[dict[str, float], bool]:
     scores = loop.task.evaluate(loop.model, loop.eval_loader, loop.accelerator, loop.output_dir)
     scores = {f"eval/{k}": v for k, v in scores.items()}
     scores["eval/runtime_s"] = time.perf_counter() - started
-    loop.metrics.log(scores, step)
+    # samples seen: the charts' other x axis
+    loop.metrics.log({**scores, "train/samples_seen": round(loop.state.train_samples)}, step)
     log.info("eval at step %d: %s", step, _fmt(scores))
     loop.model.train()
     loop.state.last_eval_step = step
@@ -733,6 +794,9 @@ def _window_metrics(
     }
     if grad_norm is not None:
         metrics["train/grad_norm"] = float(grad_norm)
+    peak = device.max_memory_allocated(accelerator.device)  # None on CPU
+    if peak is not None:
+        metrics["train/peak_memory_gib"] = peak / 1024**3
     return metrics
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import time
 from pathlib import Path
 from typing import Any
@@ -35,19 +37,131 @@ def wandb_mode(requested: str) -> str:
         return "offline"
 
 
-def tracker_init_kwargs(cfg: LoggerConfig, run_name: str, output_dir: Path) -> dict[str, Any]:
-    """Keyword arguments for ``Accelerator.init_trackers`` per tracker."""
+def hydra_context() -> dict[str, Any]:
+    """What Hydra knows about this job: the recipe chosen, the command-line overrides, and
+    whether (and where) it is one job of a sweep. Empty when the loop runs outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized():
+            return {}
+        hydra = HydraConfig.get()
+    except (ImportError, ValueError):
+        return {}
+    multirun = hydra.mode == RunMode.MULTIRUN
+    return {
+        "recipe": hydra.runtime.choices.get("recipe"),
+        "overrides": list(hydra.overrides.task),
+        "sweep_dir": str(hydra.sweep.dir) if multirun else None,
+        "job_num": hydra.job.num if multirun else None,
+    }
+
+
+def run_tags(recipe: str | None, model: str, device_type: str, world_size: int) -> list[str]:
+    """Tags that let a dashboard filter and group runs: recipe, model, device type, world size."""
+    tags = [f"recipe:{recipe}"] if recipe else []
+    tags += [f"model:{Path(model).name}", f"device:{device_type}", f"world_size:{world_size}"]
+    return [tag[:64] for tag in tags]  # wandb's limit
+
+
+def wandb_run_id(output_dir: Path) -> str:
+    """The wandb run id of this run folder: made at its first start and kept in
+    ``wandb/run-id``, so a resumed run (``resume=auto``, a requeued job) continues the same
+    wandb run instead of starting another."""
+    path = output_dir / "wandb" / "run-id"
+    if path.exists():
+        return path.read_text().strip()
+    alphabet = string.ascii_lowercase + string.digits  # wandb's own id style: 8 of these
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def tracker_init_kwargs(
+    cfg: LoggerConfig, run_name: str, output_dir: Path, tags: list[str], group: str
+) -> dict[str, Any]:
+    """Keyword arguments for ``Accelerator.init_trackers`` per tracker (main process)."""
     kwargs: dict[str, Any] = {}
     if "wandb" in cfg.trackers:
         kwargs["wandb"] = {
             "name": run_name,
             "dir": str(output_dir),
             "mode": wandb_mode(cfg.wandb.mode),
-            "tags": list(cfg.wandb.tags),
-            "group": cfg.wandb.group,
+            "tags": [*cfg.wandb.tags, *tags],
+            "group": cfg.wandb.group or group,
             "entity": cfg.wandb.entity,
+            "id": wandb_run_id(output_dir),
+            "resume": "allow",
         }
     return kwargs
+
+
+def start_trackers(
+    accelerator: Accelerator,
+    cfg: LoggerConfig,
+    output_dir: Path,
+    config: dict[str, Any],
+    tags: list[str],
+    main_metric: str,
+    greater_is_better: bool,
+) -> None:
+    """Start the configured trackers: wandb gets the composed config, a name, tags and a group
+    (the sweep for a sweep's jobs, else the run); TensorBoard writes under
+    ``<output_dir>/tensorboard``."""
+    if not cfg.trackers:
+        return
+    context = hydra_context()
+    run_name = "-".join(output_dir.parts[-2:])
+    group = Path(context["sweep_dir"]).name if context.get("sweep_dir") else run_name
+    # accelerate puts TensorBoard event files under the project's logging folder.
+    accelerator.project_configuration.logging_dir = str(output_dir / "tensorboard")
+    init_kwargs = {}
+    if accelerator.is_main_process:
+        init_kwargs = tracker_init_kwargs(cfg, run_name, output_dir, tags, group)
+    accelerator.init_trackers(cfg.wandb.project, init_kwargs=init_kwargs)
+    if not accelerator.is_main_process:
+        return
+    if "wandb" in cfg.trackers:
+        run = accelerator.get_tracker("wandb", unwrap=True)
+        run.config.update(config, allow_val_change=True)  # nested, as composed
+        # Charts can use samples seen as their x axis (every record carries it); the summary
+        # keeps the best value of the main metric besides the last.
+        run.define_metric("train/samples_seen")
+        run.define_metric(main_metric, summary=("max" if greater_is_better else "min") + ",last")
+    if "tensorboard" in cfg.trackers:  # hparams take plain values only
+        accelerator.get_tracker("tensorboard").store_init_configuration(_flat(config))
+
+
+def finish_trackers(accelerator: Accelerator, cfg: LoggerConfig, final: dict[str, float]) -> None:
+    """Put the final model's metrics in the wandb summary (``final/...``)."""
+    if accelerator.is_main_process and "wandb" in cfg.trackers and final:
+        run = accelerator.get_tracker("wandb", unwrap=True)
+        run.summary.update({f"final/{k.split('/', 1)[-1]}": v for k, v in final.items()})
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config -> one level of ``a.b.c`` keys with plain values (TensorBoard's hparams
+    take nothing else)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = ",".join(map(str, value))
+        else:
+            flat[name] = "null" if value is None else value
+    return flat
+
+
+def write_results(output_dir: Path, results: dict[str, Any]) -> None:
+    """``results.json``: the run's final metrics and main metric (what sweeps summarise)."""
+    path = output_dir / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _step_of(line: str) -> int | None:

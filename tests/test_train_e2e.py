@@ -119,26 +119,6 @@ def test_v2_smoke_run_reports_no_answer_metrics(tmp_path, cache_dir):
     assert json.loads((run / "null_odds.json").read_text())
 
 
-def test_wandb_offline_run_is_written(tmp_path, cache_dir):
-    run = tmp_path / "run"
-    run_train(
-        "recipe=bert_squad",
-        "debug=smoke",
-        "logger=wandb",
-        f"output_dir={run}",
-        f"data.cache_dir={cache_dir}",
-        "trainer.max_steps=4",
-        "trainer.log_every_n_steps=2",
-        "trainer.eval_at_start=false",
-        "trainer.eval_at_end=false",
-        "trainer.save_final_model=false",
-        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-    )
-    offline = list((run / "wandb").glob("offline-run-*"))
-    assert len(offline) == 1
-    assert list(offline[0].glob("*.wandb"))
-
-
 def test_two_processes_agree_with_one(tmp_path, cache_dir):
     """Two gloo processes: one run folder, one log, and the evaluation of the untrained model
     scores exactly what one process scores (no duplicated or dropped windows)."""
