@@ -19,6 +19,7 @@ import importlib.util
 import os
 import re
 import types
+from pathlib import Path
 
 import torch
 
@@ -39,11 +40,39 @@ VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
     "MUSA_VISIBLE_DEVICES",
     "MTHREADS_VISIBLE_DEVICES",
     "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
 )
+# The ones read by the container runtimes (mt-container-toolkit, NVIDIA Container Toolkit), where
+# ``all`` exposes every card; the other two take device indices.
+CONTAINER_VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
+    "MTHREADS_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+)
+# Values of those variables that leave the process no device at all.
+HIDE_ALL_DEVICES_VALUES = frozenset({"", "-1", "none", "void"})
 
 # Vendor management tools: their presence on PATH says which driver stack the host has, even
 # when torch cannot see a device.
 VENDOR_TOOLS: dict[str, str] = {MUSA: "mthreads-gmi", CUDA: "nvidia-smi"}
+
+# Kernel drivers; ``/sys/module`` is the host kernel's, so a container sees them too, and a
+# loaded driver with no device in torch points at the container runtime, not at the host.
+KERNEL_MODULES: dict[str, str] = {MUSA: "mtgpu", CUDA: "nvidia"}
+_SYS_MODULE = "/sys/module"
+
+# The torch each torch_musa release is built against (MUSA.md): (release as Moore Threads names
+# it, its major.minor, torch). ``-pt25`` builds of v2.0.0 are the one suffix that changes torch.
+_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
+    ("v1.0-v1.2", (1, 0), "2.0.0"),
+    ("v1.0-v1.2", (1, 1), "2.0.0"),
+    ("v1.0-v1.2", (1, 2), "2.0.0"),
+    ("v1.3.x", (1, 3), "2.2.0"),
+    ("v2.0.x", (2, 0), "2.2.0"),
+    ("v2.0.0-pt25", (2, 0), "2.5.0"),
+    ("v2.1.x", (2, 1), "2.5.0"),
+    ("v2.5.0", (2, 5), "2.5.0"),
+    ("v2.7.x", (2, 7), "2.7.1"),
+)
 
 # Opt-in for the MUSA fused SDPA kernel, whose backward pass was missing in early torch_musa.
 MUSA_SDPA_ENV_VAR = "RECIPES_MUSA_SDPA"
@@ -94,6 +123,71 @@ def torch_musa_info() -> dict[str, str | bool | None]:
         "imported": imported,
         "version": None if version is None else str(version),
         "error": _torch_musa_error,
+    }
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+def torch_for_torch_musa(version: str) -> str | None:
+    """Name the torch release a torch_musa release is built against.
+
+    Args:
+        version: torch_musa's version (``"1.3.0"``, ``"2.0.0-pt25"``, ``"v2.7.0"``).
+
+    Returns:
+        ``"2.2.0"`` and the like; None for a release not in MUSA.md's table (not guessed).
+    """
+    key = _major_minor(version)
+    pt25 = "pt25" in version
+    for label, release, torch_version in _TORCH_MUSA_BUILDS:
+        if release == key and ("pt25" in label) == pt25:
+            return torch_version
+    return None
+
+
+def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
+    """List the torch_musa releases built against a torch release.
+
+    Args:
+        torch_version: A torch version (``torch.__version__``); compared by major.minor.
+
+    Returns:
+        Release names such as ``["v1.3.x", "v2.0.x"]``; empty when none matches.
+    """
+    key = _major_minor(torch_version)
+    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
+    return list(dict.fromkeys(releases))
+
+
+def torch_accelerator_build() -> str | None:
+    """Say which GPU toolkit this torch was built with.
+
+    Returns:
+        ``"CUDA 12.1"`` / ``"ROCm 6.0"``; None for a CPU-only build (the ``+cpu`` wheels). A MUSA
+        torch is a CPU torch plus torch_musa, so None is normal on MUSA hosts.
+    """
+    cuda = getattr(torch.version, CUDA, None)
+    if cuda:
+        return f"CUDA {cuda}"
+    hip = getattr(torch.version, "hip", None)
+    return f"ROCm {hip}" if hip else None
+
+
+def kernel_modules_loaded() -> dict[str, bool | None]:
+    """Say which vendor kernel drivers are loaded.
+
+    Returns:
+        ``{"musa": ..., "cuda": ...}`` from :data:`KERNEL_MODULES`; None where ``/sys/module``
+        cannot be read (not Linux).
+    """
+    if not os.path.isdir(_SYS_MODULE):
+        return dict.fromkeys(KERNEL_MODULES)
+    return {
+        name: os.path.isdir(os.path.join(_SYS_MODULE, module))
+        for name, module in KERNEL_MODULES.items()
     }
 
 
@@ -216,6 +310,77 @@ def device_total_memory(index: int = 0) -> int | None:
     return int(module.get_device_properties(index).total_memory)
 
 
+def device_supports_bf16(index: int) -> bool:
+    """Say whether one accelerator device has native bf16.
+
+    Args:
+        index: Device index of :func:`backend`.
+
+    Returns:
+        musa: capability >= 2.2; cuda: capability >= 8.0 (ROCm: torch's answer); False on cpu
+        and for a device that does not exist.
+    """
+    name = backend()
+    capability = device_capability(index)
+    if name == CPU or capability is None:
+        return False
+    if name == CUDA and getattr(torch.version, "hip", None):
+        return supports_bf16(CUDA)
+    return capability >= (_MUSA_BF16_CAPABILITY if name == MUSA else _CUDA_TF32_CAPABILITY)
+
+
+def device_supports_tf32(index: int) -> bool:
+    """Say whether one accelerator device has TF32 units.
+
+    Args:
+        index: Device index of :func:`backend`.
+
+    Returns:
+        True on S4000-class MUSA devices and NVIDIA Ampere or newer; False elsewhere.
+    """
+    name = backend()
+    capability = device_capability(index)
+    if name == CPU or capability is None:
+        return False
+    return capability >= (_MUSA_BF16_CAPABILITY if name == MUSA else _CUDA_TF32_CAPABILITY)
+
+
+def cpu_bf16_autocast() -> bool:
+    """Try bf16 autocast on the CPU for real.
+
+    Returns:
+        True when a matmul under ``torch.autocast("cpu", dtype=torch.bfloat16)`` yields bf16.
+    """
+    try:
+        with torch.autocast(CPU, dtype=torch.bfloat16):
+            out = torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return out.dtype == torch.bfloat16
+
+
+def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Say whether the CPU has bf16 instructions (AVX512-BF16, AMX, Arm BF16).
+
+    Without them bf16 autocast on CPU converts in software and is usually slower than fp32.
+
+    Args:
+        cpuinfo: The Linux CPU description to read.
+
+    Returns:
+        True or False from the CPU flags; None where they cannot be read.
+    """
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in {"flags", "features"}:
+            return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(value.split()))
+    return None
+
+
 def supports_bf16(name: str | None = None) -> bool:
     """Say whether bf16 runs natively.
 
@@ -257,11 +422,7 @@ def supports_tf32(name: str | None = None) -> bool:
     name = backend() if name is None else name
     if name != backend() or name == CPU:
         return False
-    capability = device_capability(device_module(name).current_device())
-    if capability is None:
-        return False
-    threshold = _MUSA_BF16_CAPABILITY if name == MUSA else _CUDA_TF32_CAPABILITY
-    return capability >= threshold
+    return device_supports_tf32(device_module(name).current_device())
 
 
 def default_mixed_precision() -> str:
@@ -370,18 +531,20 @@ def distributed_backend_reason() -> str:
     return _distributed_backend_and_reason()[1]
 
 
-def accelerate_distributed_type(num_processes: int) -> str:
-    """Map this machine to accelerate's ``distributed_type`` for a local launch.
+def accelerate_distributed_type(num_processes: int, name: str | None = None) -> str:
+    """Map a machine to accelerate's ``distributed_type`` for a local launch.
 
     Args:
         num_processes: Processes the launch would start.
+        name: The machine's backend; defaults to :func:`backend`.
 
     Returns:
         ``"NO"`` for one process, else ``"MULTI_MUSA"``, ``"MULTI_GPU"`` or ``"MULTI_CPU"``.
     """
     if num_processes <= 1:
         return "NO"
-    return {MUSA: "MULTI_MUSA", CUDA: "MULTI_GPU"}.get(backend(), "MULTI_CPU")
+    name = backend() if name is None else name
+    return {MUSA: "MULTI_MUSA", CUDA: "MULTI_GPU"}.get(name, "MULTI_CPU")
 
 
 def enable_tf32() -> None:

@@ -1,8 +1,8 @@
-"""Print the environment report; see ``recipes/env.py``.
+"""The environment doctor (the same as ``python -m recipes.env``); see ``recipes/env.py``.
 
-python scripts/env_check.py
-python scripts/env_check.py --json
-python scripts/env_check.py --write-accelerate-config conf/accelerate/local.yaml
+python scripts/env_check.py                  # report and advice
+python scripts/env_check.py --json           # the same, machine-readable
+python scripts/env_check.py --write-accelerate-config conf/accelerate/local.yaml [--force]
 """
 
 from __future__ import annotations

@@ -7,15 +7,19 @@ configs and the backend-name guard run everywhere.
 from __future__ import annotations
 
 import ast
+import copy
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import run_cpu_launch
+from conftest import free_port, run_cpu_launch
 
 from recipes import device, env
 
@@ -23,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = sorted((ROOT / "conf" / "accelerate").glob("*.yaml"))
 
 on_cpu = pytest.mark.skipif(device.backend() != device.CPU, reason="expectations for CPU machines")
+no_torch_musa = pytest.mark.skipif(
+    importlib.util.find_spec("torch_musa") is not None, reason="torch_musa is installed here"
+)
 
 
 @on_cpu
@@ -175,6 +182,598 @@ def test_reference_multi_musa_config() -> None:
     assert config.rdzv_backend == "static"
     assert config.same_network is True
     assert config.use_cpu is False
+
+
+# --- the doctor (recipes.env / scripts/env_check.py) ---------------------------------------
+
+# The environment of a doctor run with no device-hiding variables and no launcher leftovers, so
+# the CPU expectations hold whatever the calling shell exported.
+_CLEAN_ENV = {
+    key: value
+    for key, value in os.environ.items()
+    if key not in device.VISIBLE_DEVICES_ENV_VARS and not key.startswith("ACCELERATE_")
+}
+
+
+def _run_doctor(*args: str, env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python scripts/env_check.py <args>`` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "env_check.py"), *args],
+        cwd=ROOT,
+        env={**_CLEAN_ENV, **(env_vars or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _fake_tool(folder: Path, name: str) -> Path:
+    """An executable stand-in for a vendor tool, to put on PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tool = folder / name
+    tool.write_text("#!/bin/sh\necho 'no device'\n", encoding="utf-8")
+    tool.chmod(0o755)
+    return tool
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """In-process doctor runs without the caller's device-hiding variables."""
+    for var in device.VISIBLE_DEVICES_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@on_cpu
+@no_torch_musa
+def test_doctor_json_on_this_cpu_machine() -> None:
+    result = _run_doctor("--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["backend"] == "cpu"
+    assert report["device_count"] == 0 and report["devices"] == []
+    assert report["accelerate_distributed_type"] == "NO"
+    assert report["launch_num_processes"] == 1
+    assert report["distributed_backend"] == "gloo"
+    assert report["mccl_available"] is False
+    assert report["accelerate_sees_musa"] is False
+    assert report["torch_musa"]["installed"] is False
+    assert report["torch_musa"]["expected_torch"] is None
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["torch_gpu_build"] == device.torch_accelerator_build()
+    assert report["python_executable"] == sys.executable
+    # bf16 on CPU is autocast, tried for real; TF32 does not apply.
+    precision = report["precision"]
+    assert precision["bf16"] == {
+        "supported": device.cpu_bf16_autocast(),
+        "mode": "autocast on CPU",
+        "cpu_instructions": device.cpu_bf16_native(),
+    }
+    assert precision["tf32"] == {"applicable": False, "supported": None}
+    assert precision["default_mixed_precision"] == report["default_mixed_precision"] == "no"
+    assert set(report["vendor_tools"]) == set(report["kernel_modules"]) == {"musa", "cuda"}
+    assert report["visible_devices_env"] == dict.fromkeys(device.VISIBLE_DEVICES_ENV_VARS)
+    advice = "\n".join(report["advice"])
+    assert "No accelerator: the recipes run on the CPU" in advice
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --config_file conf/accelerate/cpu.yaml" in advice
+    assert "Precision on CPU: trainer.mixed_precision=auto" in advice
+    assert "TF32 does not apply" in advice
+    assert "hides every device" not in advice and "torch_musa" not in advice
+
+
+@on_cpu
+def test_doctor_text_report_on_this_cpu_machine() -> None:
+    result = _run_doctor()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for row in (
+        "backend                      cpu",
+        "MCCL available               no",
+        "mthreads-gmi on PATH         -",
+        "MTHREADS_VISIBLE_DEVICES     -",
+        "accelerate distributed_type  NO",
+        "tf32                         not applicable on CPU",
+    ):
+        assert row in out, row
+    assert "bf16                         yes, as autocast on CPU" in out or not (
+        device.cpu_bf16_autocast()
+    )
+    assert out.split("\nAdvice\n")[1].startswith("  - No accelerator")
+
+
+@on_cpu
+@pytest.mark.parametrize("value", ["", "-1", "none"])
+def test_advice_container_variable_hiding_every_device(
+    clean_env: pytest.MonkeyPatch, value: str
+) -> None:
+    clean_env.setenv("MTHREADS_VISIBLE_DEVICES", value)
+    report = env.collect()
+    assert report["visible_devices_env"]["MTHREADS_VISIBLE_DEVICES"] == value
+    assert (
+        f"MTHREADS_VISIBLE_DEVICES={value!r} hides every device from this process: "
+        "set MTHREADS_VISIBLE_DEVICES=all (or unset it)." in report["advice"]
+    )
+    assert report["advice"][0].startswith("MTHREADS_VISIBLE_DEVICES=")  # problems first
+
+
+@on_cpu
+def test_advice_index_variable_hiding_every_device(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("MUSA_VISIBLE_DEVICES", "-1")
+    clean_env.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # selects devices; hides nothing
+    advice = "\n".join(env.collect()["advice"])
+    assert "MUSA_VISIBLE_DEVICES='-1' hides every device" in advice
+    assert "unset it, or list the device indices to use (e.g. 0 or 0,1)" in advice
+    assert "CUDA_VISIBLE_DEVICES" not in advice
+
+
+@on_cpu
+@no_torch_musa
+def test_advice_mthreads_gmi_without_torch_musa(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    tool = _fake_tool(tmp_path / "bin", "mthreads-gmi")
+    clean_env.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    report = env.collect()
+    assert report["vendor_tools"]["musa"] == str(tool)
+    assert report["backend"] == "cpu"  # a tool on PATH is no device
+    first = report["advice"][0]
+    assert first.startswith(
+        "This looks like a MUSA host (mthreads-gmi is on PATH), but torch_musa is not installed "
+    )
+    assert sys.executable in first
+    assert "torch_musa is not on PyPI" in first
+    assert "registry.mthreads.com/mcconline/musa-pytorch-release-public" in first
+    assert "--runtime=mthreads --env MTHREADS_VISIBLE_DEVICES=all" in first
+    releases = device.torch_musa_releases_for_torch(torch.__version__)
+    if releases:
+        assert f"install torch_musa {' or '.join(releases)} (the releases built for" in first
+    else:
+        assert f"this torch {torch.__version__} has none) with its torch_musa from https" in first
+
+
+@on_cpu
+@no_torch_musa
+def test_doctor_subprocess_with_fake_mthreads_gmi_and_hidden_devices(tmp_path: Path) -> None:
+    tool = _fake_tool(tmp_path / "bin", "mthreads-gmi")
+    result = _run_doctor(
+        "--json",
+        env_vars={
+            "PATH": f"{tool.parent}{os.pathsep}{os.environ['PATH']}",
+            "MTHREADS_VISIBLE_DEVICES": "",
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["vendor_tools"]["musa"] == str(tool)
+    assert report["visible_devices_env"]["MTHREADS_VISIBLE_DEVICES"] == ""
+    advice = report["advice"]
+    assert advice[0].startswith("MTHREADS_VISIBLE_DEVICES='' hides every device")
+    assert "MTHREADS_VISIBLE_DEVICES is set" in advice[1]
+    assert "torch_musa is not installed" in advice[1]
+
+
+@on_cpu
+def test_advice_nvidia_smi_with_cpu_only_torch(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    tool = _fake_tool(tmp_path / "bin", "nvidia-smi")
+    clean_env.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    advice = "\n".join(env.collect()["advice"])
+    if device.torch_accelerator_build() is None:  # this venv's torch is the +cpu wheel
+        assert "This looks like an NVIDIA host (nvidia-smi is on PATH), but this torch" in advice
+        assert "is a CPU-only build" in advice
+        assert "--index-url https://download.pytorch.org/whl/cu" in advice
+    else:
+        assert "--gpus all" in advice
+
+
+# Report dicts for machines this one is not: the advice and configs are functions of the report.
+
+
+def _report(**changes: Any) -> dict[str, Any]:
+    """A report of a plain CPU machine, with top-level keys replaced by ``changes``."""
+    report: dict[str, Any] = {
+        "backend": "cpu",
+        "device_count": 0,
+        "devices": [],
+        "cpu": {"name": "x86_64", "logical_cores": 8},
+        "python_executable": "/usr/bin/python3",
+        "versions": {
+            "python": "3.10.12",
+            "torch": "2.2.0",
+            "torch_gpu_build": None,
+            "torch_musa": None,
+            "accelerate": "0.33.0",
+            "transformers": "4.40.0",
+            "torchada": None,
+        },
+        "torch_musa": {
+            "installed": False,
+            "imported": False,
+            "version": None,
+            "error": None,
+            "expected_torch": None,
+        },
+        "accelerate_sees_musa": False,
+        "precision": {
+            "bf16": {"supported": True, "mode": "autocast on CPU", "cpu_instructions": False},
+            "tf32": {"applicable": False, "supported": None},
+            "default_mixed_precision": "no",
+        },
+        "default_mixed_precision": "no",
+        "default_attn_implementation": "sdpa",
+        "distributed_backend": "gloo",
+        "distributed_backend_reason": "gloo (CPU processes)",
+        "mccl_available": False,
+        "vendor_tools": {"musa": None, "cuda": None},
+        "kernel_modules": {"musa": False, "cuda": False},
+        "visible_devices_env": dict.fromkeys(device.VISIBLE_DEVICES_ENV_VARS),
+    }
+    report.update(copy.deepcopy(changes))
+    report["launch_num_processes"], report["accelerate_distributed_type"] = env._launch_plan(report)
+    return report
+
+
+def _with_torch_musa(report: dict[str, Any], version: str, **info: Any) -> dict[str, Any]:
+    report["versions"]["torch_musa"] = version
+    report["torch_musa"].update(
+        installed=True,
+        imported=True,
+        version=version,
+        expected_torch=device.torch_for_torch_musa(version),
+        **info,
+    )
+    return report
+
+
+def _gpu(index: int, name: str, capability: str, bf16: bool, tf32: bool) -> dict[str, Any]:
+    return {
+        "index": index,
+        "name": name,
+        "capability": capability,
+        "total_memory_bytes": 48 * 1024**3,
+        "bf16": bf16,
+        "tf32": tf32,
+        "peak_flops": {d: device.peak_flops_by_name(name, d) for d in ("fp32", "bf16", "fp8")},
+    }
+
+
+def _musa_report(name: str, count: int, *, mccl: bool, bf16: bool) -> dict[str, Any]:
+    report = _report(
+        backend="musa",
+        device_count=count,
+        devices=[_gpu(i, name, "2.2" if bf16 else "2.1", bf16, bf16) for i in range(count)],
+        precision={
+            "bf16": {"supported": bf16, "mode": "native", "cpu_instructions": None},
+            "tf32": {"applicable": True, "supported": bf16},
+            "default_mixed_precision": "bf16" if bf16 else "fp16",
+        },
+        default_mixed_precision="bf16" if bf16 else "fp16",
+        default_attn_implementation="eager",
+        distributed_backend="mccl" if mccl else None,
+        distributed_backend_reason="MCCL (registered by torch_musa)" if mccl else "no MCCL",
+        mccl_available=mccl,
+        vendor_tools={"musa": "/usr/bin/mthreads-gmi", "cuda": None},
+        kernel_modules={"musa": True, "cuda": False},
+        accelerate_sees_musa=True,
+    )
+    return _with_torch_musa(report, "1.3.0")
+
+
+def _write_and_load(report: dict[str, Any], path: Path) -> Any:
+    env.write_accelerate_config(path, report)
+    return load_config_from_file(str(path))
+
+
+def test_s80_without_mccl_is_single_device(tmp_path: Path) -> None:
+    report = _musa_report("MTT S80", 2, mccl=False, bf16=False)
+    advice = "\n".join(env.advice(report))
+    assert "No MCCL in this torch_musa build (MTT S80/S3000 builds ship none)" in advice
+    assert "the 2 MUSA devices cannot train together" in advice
+    assert "MUSA_VISIBLE_DEVICES=<index>" in advice
+    assert "trainer.mixed_precision=auto picks fp16 with a grad scaler" in advice
+    assert "do not set bf16" in advice and "no TF32 units" in advice
+    assert "RECIPES_MUSA_SDPA=1" in advice
+    assert "built against torch" not in advice  # torch_musa 1.3.0 with torch 2.2.0 match
+    config = _write_and_load(report, tmp_path / "s80.yaml")
+    assert config.distributed_type.value == "NO"
+    assert config.num_processes == 1
+    assert config.use_cpu is False
+    assert config.mixed_precision == "fp16"
+    assert "no MCCL" in (tmp_path / "s80.yaml").read_text(encoding="utf-8")
+
+
+def test_s4000_with_mccl_is_multi_musa(tmp_path: Path) -> None:
+    report = _musa_report("MTT S4000", 8, mccl=True, bf16=True)
+    advice = "\n".join(env.advice(report))
+    assert "8 devices with MCCL" in advice
+    assert "MTT S4000 has native bf16; trainer.mixed_precision=auto (the default) picks bf16" in (
+        advice
+    )
+    assert "trainer.tf32=true (the default) lets the remaining fp32 matmuls use TF32" in advice
+    assert "No MCCL" not in advice and "hides every device" not in advice
+    config = _write_and_load(report, tmp_path / "s4000.yaml")
+    assert config.distributed_type.value == "MULTI_MUSA"
+    assert config.num_processes == 8
+    assert config.gpu_ids == "all"
+    assert config.mixed_precision == "bf16"
+    assert config.use_cpu is False
+
+
+@pytest.mark.parametrize(
+    ("torch_musa", "torch_version", "expected"),
+    [
+        ("1.3.0", "2.5.1", "torch_musa 1.3.0 is built against torch 2.2.0, but this Python has "),
+        ("2.0.0-pt25", "2.2.0", "is built against torch 2.5.0"),
+        ("2.7.0", "2.5.0", "--no-deps, or a constraints file with torch==2.7.1"),
+        ("9.9.0", "2.7.1", "torch_musa 9.9.0 is not in the known compatibility table"),
+        ("2.0.0-pt25", "2.5.0", None),
+        ("2.1.0", "2.5.1", None),
+        ("2.7.1", "2.7.1", None),
+    ],
+)
+def test_advice_torch_version_against_torch_musa(
+    torch_musa: str, torch_version: str, expected: str | None
+) -> None:
+    report = _with_torch_musa(_musa_report("MTT S4000", 1, mccl=True, bf16=True), torch_musa)
+    report["versions"]["torch"] = torch_version
+    advice = "\n".join(env.advice(report))
+    if expected is None:
+        assert "torch_musa" not in advice.replace("early torch_musa", "")
+    else:
+        assert expected in advice
+
+
+def test_advice_torch_musa_import_failure() -> None:
+    report = _report()
+    report["versions"]["torch_musa"] = "1.3.0"
+    report["torch_musa"].update(
+        installed=True,
+        error="OSError: libsrv_um_MUSA.so: cannot open shared object file",
+        expected_torch="2.2.0",
+    )
+    advice = env.advice(report)
+    assert advice[0].startswith("torch_musa is installed but failed to import (OSError: libsrv")
+    assert "--runtime=mthreads --env MTHREADS_VISIBLE_DEVICES=all" in advice[0]
+    assert "mt-container-toolkit" in advice[0]
+
+
+def test_advice_torch_musa_sees_no_device() -> None:
+    report = _with_torch_musa(
+        _report(vendor_tools={"musa": "/usr/bin/mthreads-gmi", "cuda": None}), "2.7.0"
+    )
+    report["versions"]["torch"] = "2.7.1"
+    advice = env.advice(report)
+    assert advice[0].startswith("torch_musa 2.7.0 is installed but sees no MUSA device")
+    assert "mthreads-gmi is on PATH" in advice[0]
+    assert "`lsmod | grep mtgpu`" in advice[0]
+    assert "--runtime=mthreads --env MTHREADS_VISIBLE_DEVICES=all" in advice[0]
+    assert any(line.startswith("No accelerator") for line in advice)
+
+
+def test_advice_musa_driver_without_torch_musa() -> None:
+    report = _report(kernel_modules={"musa": True, "cuda": False})
+    report["versions"]["torch"] = "2.5.1"
+    advice = env.advice(report)
+    assert advice[0].startswith(
+        "This looks like a MUSA host (the mtgpu kernel driver is loaded), but torch_musa is not "
+        "installed in this Python (/usr/bin/python3)"
+    )
+    assert (
+        "install torch_musa v2.0.0-pt25 or v2.1.x or v2.5.0 (the releases built for this torch "
+        "2.5.1) from https://github.com/MooreThreads/torch_musa/releases." in advice[0]
+    )
+
+
+def test_advice_cuda_machine(tmp_path: Path) -> None:
+    report = _report(
+        backend="cuda",
+        device_count=4,
+        devices=[_gpu(i, "NVIDIA A100-SXM4-80GB", "8.0", True, True) for i in range(4)],
+        precision={
+            "bf16": {"supported": True, "mode": "native", "cpu_instructions": None},
+            "tf32": {"applicable": True, "supported": True},
+            "default_mixed_precision": "bf16",
+        },
+        default_mixed_precision="bf16",
+        distributed_backend="nccl",
+        distributed_backend_reason="NCCL",
+        vendor_tools={"musa": None, "cuda": "/usr/bin/nvidia-smi"},
+    )
+    report["versions"]["torch_gpu_build"] = "CUDA 12.1"
+    advice = "\n".join(env.advice(report))
+    assert "NVIDIA GPU(s) through CUDA" in advice
+    assert "4 devices with NCCL" in advice and "MULTI_GPU config with 4 processes" in advice
+    assert "picks bf16" in advice
+    assert "torch_musa" not in advice and "MTHREADS" not in advice
+    config = _write_and_load(report, tmp_path / "a100.yaml")
+    assert (config.distributed_type.value, config.num_processes) == ("MULTI_GPU", 4)
+
+
+def test_advice_nvidia_driver_but_no_gpu_seen() -> None:
+    report = _report(kernel_modules={"musa": False, "cuda": True})
+    report["versions"]["torch_gpu_build"] = "CUDA 12.1"
+    advice = env.advice(report)
+    assert advice[0].startswith(
+        "This looks like an NVIDIA host (the nvidia kernel driver is loaded) and torch is a CUDA "
+        "12.1 build, but torch sees no GPU"
+    )
+    assert "--gpus all" in advice[0]
+
+
+@pytest.mark.parametrize(
+    ("instructions", "expected"),
+    [
+        (True, "may be faster: time a few steps of both"),
+        (False, "this CPU has no bf16 instructions, so it is slower than fp32: keep fp32"),
+        (None, "whether this CPU has bf16 instructions is unknown"),
+    ],
+)
+def test_advice_plain_cpu(instructions: bool | None, expected: str, tmp_path: Path) -> None:
+    report = _report()
+    report["precision"]["bf16"]["cpu_instructions"] = instructions
+    advice = env.advice(report)
+    assert len(advice) == 2
+    assert advice[0].startswith("No accelerator: the recipes run on the CPU.")
+    assert "conf/accelerate/cpu.yaml --multi_gpu" in advice[0]
+    assert expected in advice[1] and "TF32 does not apply to CPUs" in advice[1]
+    text = env.format_report({**report, "advice": advice})
+    assert "not applicable on CPU" in text
+    config = _write_and_load(report, tmp_path / "cpu.yaml")
+    assert (config.distributed_type.value, config.num_processes, config.use_cpu) == ("NO", 1, True)
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("1.0.0", "2.0.0"),
+        ("1.2.1", "2.0.0"),
+        ("1.3.0", "2.2.0"),
+        ("v2.0.1", "2.2.0"),
+        ("2.0.0-pt25", "2.5.0"),
+        ("2.0.0+pt25", "2.5.0"),
+        ("2.1.1", "2.5.0"),
+        ("2.5.0", "2.5.0"),
+        ("2.7.0", "2.7.1"),
+        ("2.3.0", None),
+        ("dev", None),
+    ],
+)
+def test_torch_for_torch_musa(version: str, expected: str | None) -> None:
+    assert device.torch_for_torch_musa(version) == expected
+
+
+def test_torch_musa_releases_for_torch() -> None:
+    assert device.torch_musa_releases_for_torch("2.2.0") == ["v1.3.x", "v2.0.x"]
+    assert device.torch_musa_releases_for_torch("2.7.1+cpu") == ["v2.7.x"]
+    assert device.torch_musa_releases_for_torch("2.0.1") == ["v1.0-v1.2"]
+    assert device.torch_musa_releases_for_torch("2.4.0") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n", True),
+        ("processor\t: 0\nflags\t\t: fpu sse amx_bf16 amx_tile\n", True),
+        ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n", False),
+        ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", True),  # Arm (Neoverse V1 and up)
+        ("processor\t: 0\nFeatures\t: fp asimd\n", False),
+        ("processor\t: 0\n", None),
+    ],
+)
+def test_cpu_bf16_native(tmp_path: Path, text: str, expected: bool | None) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text, encoding="utf-8")
+    assert device.cpu_bf16_native(str(cpuinfo)) is expected
+
+
+def test_cpu_bf16_native_without_cpuinfo(tmp_path: Path) -> None:
+    assert device.cpu_bf16_native(str(tmp_path / "missing")) is None
+
+
+def test_cpu_bf16_autocast_is_real() -> None:
+    # Whatever this torch answers must be what a bf16 autocast matmul really does here.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert device.cpu_bf16_autocast() is (out.dtype == torch.bfloat16)
+
+
+def test_accelerate_distributed_type_for_other_backends() -> None:
+    assert device.accelerate_distributed_type(8, device.MUSA) == "MULTI_MUSA"
+    assert device.accelerate_distributed_type(2, device.CUDA) == "MULTI_GPU"
+    assert device.accelerate_distributed_type(2, device.CPU) == "MULTI_CPU"
+    assert device.accelerate_distributed_type(1, device.MUSA) == "NO"
+
+
+# --write-accelerate-config: accepted by a real `accelerate launch`, never clobbers a file.
+
+_PROBE = (
+    "from pathlib import Path\n"
+    "from accelerate import Accelerator\n"
+    "a = Accelerator()\n"
+    "fields = [a.distributed_type.value, a.num_processes, a.device.type, a.mixed_precision]\n"
+    "print(*fields)\n"
+    "Path(f'rank{a.process_index}.txt').write_text(' '.join(map(str, fields)))\n"
+)
+
+
+@pytest.mark.slow
+@on_cpu
+def test_written_config_runs_under_accelerate_launch(tmp_path: Path) -> None:
+    config = tmp_path / "local.yaml"
+    result = _run_doctor("--write-accelerate-config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert f"wrote accelerate config: {config}" in result.stdout
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE, encoding="utf-8")
+    # The command the file's first line documents, with the probe for train.py.
+    first_line = config.read_text(encoding="utf-8").splitlines()[0]
+    assert first_line == f"# accelerate launch --config_file {config} train.py recipe=<name>"
+    launch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            str(script),
+        ],
+        cwd=tmp_path,
+        env=_CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert launch.returncode == 0, launch.stderr[-2000:]
+    probes = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
+    # One CPU process, not distributed, fp32: what the doctor reported for this machine.
+    assert probes == [["NO", "1", "cpu", "no"]]
+    assert "NO 1 cpu no" in launch.stdout
+
+
+def test_write_accelerate_config_refuses_to_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "local.yaml"
+    path.write_text("# mine\n", encoding="utf-8")
+    assert env.main(["--write-accelerate-config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before the report: nothing else happened
+    assert f"refusing to overwrite existing file {path}" in captured.err
+    assert "--force" in captured.err
+    assert path.read_text(encoding="utf-8") == "# mine\n"
+    with pytest.raises(FileExistsError):
+        env.write_accelerate_config(path, env.collect())
+    assert path.read_text(encoding="utf-8") == "# mine\n"
+
+    assert env.main(["--write-accelerate-config", str(path), "--force", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # stdout stays JSON; the note goes to stderr
+    assert f"wrote accelerate config: {path}" in captured.err
+    assert load_config_from_file(str(path)).num_processes >= 1
+
+
+def test_write_accelerate_config_refusal_exit_status(tmp_path: Path) -> None:
+    path = tmp_path / "local.yaml"
+    path.write_text("keep: me\n", encoding="utf-8")
+    result = _run_doctor("--write-accelerate-config", str(path))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert str(path) in result.stderr and "--force" in result.stderr
+    assert path.read_text(encoding="utf-8") == "keep: me\n"
+
+
+def test_write_accelerate_config_rejects_a_directory_and_lone_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert env.main(["--write-accelerate-config", str(tmp_path), "--force"]) == 1
+    assert f"{tmp_path} is a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        env.main(["--force"])
+    assert exit_info.value.code == 2
+    assert "--force only applies to --write-accelerate-config" in capsys.readouterr().err
 
 
 # Backend names that only recipes/device.py may spell (STYLE.md rule 6).
