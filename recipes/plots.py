@@ -94,6 +94,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None 
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(left=0)  # every panel from the start of training
         ax.grid(alpha=0.3)
         if key == "train/lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
