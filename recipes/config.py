@@ -47,6 +47,8 @@ class TrainerConfig:
     padding: str = "longest"
     group_by_length: bool = False
     dataloader_num_workers: int = 0
+    pin_memory: bool = False
+    compile: bool = False
     progress_bar: bool = True
     save_every_n_steps: int = 500
     save_at_epoch_end: bool = False

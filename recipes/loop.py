@@ -328,17 +328,21 @@ def _run(
         sampler=sampler,
         collate_fn=collator,
         num_workers=t.dataloader_num_workers,
+        pin_memory=t.pin_memory,
     )
     eval_loader = DataLoader(
         data.eval,
         batch_size=t.per_device_eval_batch_size,
         collate_fn=data.eval_collator or padding,
         num_workers=t.dataloader_num_workers,
+        pin_memory=t.pin_memory,
     )
     optimizer = build_optimizer(instantiate(cfg, "optimizer"), model, accelerator.device)
     flops = FlopCounter(
         model, accelerator.device, precision_for_peak(accelerator.mixed_precision, t.tf32)
     )
+    if t.compile:
+        _compile(model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
@@ -441,6 +445,18 @@ def _run(
         _fmt(final) if final else "no evaluation",
     )
     return result
+
+
+def _compile(model: torch.nn.Module) -> None:
+    """``torch.compile`` the model in place (``nn.Module.compile``), so that its state dict,
+    checkpoints and ``final/`` keep their usual keys (``torch.compile(model)`` would wrap it and
+    prefix every key with ``_orig_mod.``). Shapes that vary with dynamic padding are compiled as
+    dynamic after the first recompile."""
+    if hasattr(model, "compile"):
+        model.compile()
+    else:  # torch < 2.2
+        model.forward = torch.compile(model.forward)
+    log.info("trainer.compile: the model is compiled on its first batches (slow first steps)")
 
 
 def _plot(output_dir: Path) -> None:

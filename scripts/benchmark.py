@@ -85,6 +85,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
             f"trainer.group_by_length={str(args.group_by_length).lower()}",
             "trainer.pad_to_multiple_of=8",
         ]
+    if args.compile:
+        task_overrides.append("trainer.compile=true")
     overrides = [
         *task_overrides,
         f"model.name_or_path={args.model}",
@@ -275,6 +277,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
         "--doc-stride", str(args.doc_stride), "--padding", args.padding,
         *(["--group-by-length"] if args.group_by_length else []),
+        *(["--compile"] if args.compile else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
 
@@ -442,6 +445,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--group-by-length", action="store_true", help="qa: ours with trainer.group_by_length"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="ours with trainer.compile (warm-up compiles)"
     )
     parser.add_argument("--doc-stride", type=int, default=128, help="postprocess: window stride")
     parser.add_argument(

@@ -146,3 +146,34 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     assert two[0]["eval/f1"] == pytest.approx(one[0]["eval/f1"], abs=1e-9)
     assert two[0]["eval/exact_match"] == pytest.approx(one[0]["eval/exact_match"], abs=1e-9)
     assert "32 per device x 2 processes" in (double / "train.log").read_text()
+
+
+def test_compiled_model_trains_like_eager_and_saves_plain_keys(tmp_path, cache_dir):
+    """trainer.compile=true: the losses of eager training (within the difference of dropout
+    masks: inductor draws them from its own generator), and checkpoints / final/ keep the model's
+    own keys, so from_pretrained and resume read them."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    losses = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        run_train(
+            "recipe=gpt2_clm",
+            "debug=smoke",
+            "logger=none",
+            f"output_dir={run}",
+            f"data.cache_dir={cache_dir}",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=1",
+            "trainer.save_every_n_steps=4",
+            f"trainer.compile={str(compiled).lower()}",
+        )
+        losses[compiled] = [r["train/loss"] for r in _metrics(run) if "train/loss" in r]
+    assert len(losses[True]) == 4
+    assert losses[True] == pytest.approx(losses[False], rel=2e-3)
+    assert losses[True][-1] < losses[True][0] - 0.3  # it trains
+    with safe_open(str(run / "checkpoints" / "step-00000004" / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "_orig_mod" in k]  # noqa: SIM118 (not iterable)
+    AutoModelForCausalLM.from_pretrained(run / "final")
+    AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step-00000004")
