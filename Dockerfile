@@ -32,11 +32,11 @@ COPY scripts ./scripts
 
 # Install the project without ever letting pip replace the image's torch stack
 # (tests/test_docker.py runs this step, taken from this file, against an installed torch):
-# - every torch* / triton package of the image is pinned at its installed version as a pip
-#   constraint: a dependency that wants another torch fails the build instead of replacing it;
-# - the project goes in with --no-deps, then its requirements other than torch under the pins:
-#   vendor builds carry versions like 2.2.0a0+git8ac9b20, which pip does not count as meeting
-#   the project's torch>=2.2 (a pre-release), so it would refuse the project or replace torch;
+# - every torch* / triton package of the image, and numpy (torch and torch_musa are built
+#   against it), is pinned at its installed version as a pip constraint: a dependency that wants
+#   another torch or numpy fails the build (or picks an older release) instead of replacing it;
+# - the project goes in with --no-deps, then its requirements other than torch under the pins,
+#   so pip never weighs torch itself (vendor builds carry versions like 2.2.0a0+git8ac9b20);
 # - the floor is checked on the release number instead (2.2.0a0 passes, 2.0.0 fails the build),
 #   and the pins and torch's location are compared before and after: any change fails the build.
 # Nothing here imports torch (TORCH_DEVICE_BACKEND_AUTOLOAD=0 in case something does): newer
@@ -51,7 +51,7 @@ RUN set -eux; \
     fi; \
     torch_pins() { \
         python -m pip list --format=freeze \
-        | grep -iE '^(torch[^=]*|triton|pytorch[-_]triton[^=]*)==' | sort -f; \
+        | grep -iE '^(torch[^=]*|triton|pytorch[-_]triton[^=]*|numpy)==' | sort -f; \
     }; \
     torch_at() { python -c "import importlib.util as u; print(u.find_spec('torch').origin)"; }; \
     torch_pins > "$tmp/keep.txt"; \

@@ -32,11 +32,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         result = train(cfg)
     except (ConfigError, DataError) as err:
-        sys.stderr.write(f"error: {err}\n")
-        sys.exit(2)
+        return _failed(cfg, err, exit_code=2)
     except TrainingError as err:
-        sys.stderr.write(f"error: {err}\n")
-        sys.exit(1)
+        return _failed(cfg, err, exit_code=1)
     except RuntimeError as err:
         if not peer_failure(err):
             raise
@@ -52,6 +50,20 @@ def main(cfg: DictConfig) -> float | None:
             sys.stderr.write(_resume_advice(cfg, stopped))
         sys.exit(stopped.exit_code)
     return result.main_value
+
+
+def _failed(cfg: DictConfig, err: Exception, exit_code: int) -> None:
+    """Report a failed run and exit non-zero; in a sweep (-m), record the failure in the job's
+    folder and let the other jobs run (the summary lists it, and the sweep exits 1)."""
+    from pathlib import Path
+
+    from recipes.tracking import hydra_context, write_failure
+
+    sys.stderr.write(f"error: {err}\n")
+    if not hydra_context().get("sweep_dir"):
+        sys.exit(exit_code)
+    write_failure(Path(str(cfg.output_dir)), err)
+    return None
 
 
 def _resume_advice(cfg: DictConfig, stopped) -> str:

@@ -60,7 +60,7 @@ VENDOR_TOOLS: dict[str, str] = {MUSA: "mthreads-gmi", CUDA: "nvidia-smi"}
 KERNEL_MODULES: dict[str, str] = {MUSA: "mtgpu", CUDA: "nvidia"}
 _SYS_MODULE = "/sys/module"
 
-# The torch each torch_musa release is built against (MUSA.md): (release as Moore Threads names
+# The torch each torch_musa release is built against (Moore Threads' release notes): (release as Moore Threads names
 # it, its major.minor, torch). ``-pt25`` builds of v2.0.0 are the one suffix that changes torch.
 _TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
     ("v1.0-v1.2", (1, 0), "2.0.0"),
@@ -138,7 +138,7 @@ def torch_for_torch_musa(version: str) -> str | None:
         version: torch_musa's version (``"1.3.0"``, ``"2.0.0-pt25"``, ``"v2.7.0"``).
 
     Returns:
-        ``"2.2.0"`` and the like; None for a release not in MUSA.md's table (not guessed).
+        ``"2.2.0"`` and the like; None for a release not in the table (not guessed).
     """
     key = _major_minor(version)
     pt25 = "pt25" in version
@@ -618,7 +618,7 @@ def _tflops(**figures: float) -> dict[str, float]:
 _PEAK_FLOPS: tuple[tuple[re.Pattern[str], dict[str, float]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), figures)
     for pattern, figures in (
-        # Moore Threads (MUSA.md vendor figures).
+        # Moore Threads (vendor figures).
         (r"\bS5000\b", _tflops(fp8=1000)),  # about 1,000 FP8 (920 air-cooled); others unpublished
         (r"\bS4000\b", _tflops(fp32=25, tf32=50, fp16=100, bf16=100)),
         (r"\bS3000\b", _tflops(fp32=15.2)),

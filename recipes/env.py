@@ -252,7 +252,7 @@ def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
     expected = report["torch_musa"].get("expected_torch")
     if expected is None:
         return [
-            f"torch_musa {version} is not in the known compatibility table (MUSA.md): check its "
+            f"torch_musa {version} is not in the known compatibility table (recipes/device.py): check its "
             f"release notes for the torch it needs (this Python has torch {torch_version})."
         ]
     if _version_tuple(expected) == _version_tuple(torch_version):

@@ -193,6 +193,18 @@ def train(cfg: DictConfig) -> RunResult:
         stop.restore()
         # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
         accelerator.end_training()
+        if tracking.hydra_context().get("sweep_dir"):
+            _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    """Forget accelerate's process-wide state, so that the next job of a sweep (run in this
+    process by Hydra's launcher) builds its own Accelerator, with its own precision, say.
+    accelerate keeps this state in singletons and offers only these (private) resets."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Path | None]:
@@ -296,6 +308,7 @@ def _run(
     )
     if t.tf32:
         device.enable_tf32()
+    device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
     set_seed(t.seed)
 
     tokenizer = load_tokenizer(settings.model)
@@ -463,11 +476,10 @@ def _plot(output_dir: Path) -> None:
     """``curves.png`` in the run folder; a missing plotting library only costs the picture."""
     try:
         from recipes.plots import plot_runs
-    except ImportError as err:
-        log.warning("no curves.png (%s); pip install matplotlib", err)
-        return
-    path = plot_runs([output_dir], output_dir / "curves.png")
-    log.info("curves: %s", path)
+
+        log.info("curves: %s", plot_runs([output_dir], output_dir / "curves.png"))
+    except Exception as err:  # the model is saved; a picture must not fail the run
+        log.warning("no curves.png: %s", err)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,26 @@ class SweepSummary(Callback):
     """Writes the sweep's summary table when Hydra's multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:  # one writer under a multi-process launch
+            return
         sweep_dir = Path(str(config.hydra.sweep.dir))
         written = write_summary(sweep_dir)
-        if written:
-            log.info("sweep summary: %s", ", ".join(str(p) for p in written))
-            print((sweep_dir / "summary.md").read_text())
+        if not written:
+            return
+        log.info("sweep summary: %s", ", ".join(str(p) for p in written))
+        print((sweep_dir / "summary.md").read_text())
+        failed = [r["job"] for r in summarise(sweep_dir) if r["status"].startswith("failed")]
+        if failed:
+            log.error("sweep: job(s) %s failed (see summary.md and their failed.json)", failed)
+            raise SystemExit(1)
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
-    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / "config.yaml").exists()]
+    jobs = [
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and ((p / "config.yaml").exists() or (p / "failed.json").exists())
+    ]
     return sorted(
         jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
     )
@@ -52,6 +64,8 @@ def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
     jobs = []
     for folder in _job_dirs(sweep_dir):
         path = folder / "results.json"
+        if not path.exists():
+            path = folder / "failed.json"
         results = json.loads(path.read_text()) if path.exists() else None
         jobs.append((folder, results))
     overrides = [_overrides(r["overrides"]) if r else {} for _, r in jobs]
@@ -64,6 +78,8 @@ def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
         row.update({k: own.get(k, "") for k in swept})
         if results is None:
             row["status"] = "unfinished"
+        elif "error" in results:
+            row["status"] = "failed: " + results["error"].splitlines()[0][:120]
         else:
             row["status"] = "done"
             row[results["main_metric"]] = results["main_value"]
@@ -79,7 +95,7 @@ def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
-    return "" if value is None else str(value)
+    return "" if value is None else str(value).replace("|", "\\|")
 
 
 def write_summary(sweep_dir: Path) -> list[Path]:

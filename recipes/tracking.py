@@ -156,6 +156,13 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def write_failure(output_dir: Path, error: BaseException) -> None:
+    """``failed.json``: why a job of a sweep failed (the sweep goes on; its summary shows it)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"error": str(error), "overrides": hydra_context().get("overrides", [])}
+    (output_dir / "failed.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 def write_results(output_dir: Path, results: dict[str, Any]) -> None:
     """``results.json``: the run's final metrics and main metric (what sweeps summarise)."""
     path = output_dir / "results.json"

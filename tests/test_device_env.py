@@ -89,7 +89,7 @@ def test_lookup_peak_known(name: str, dtype: str, expected: float) -> None:
         ("NVIDIA A10G", "bf16"),  # not the A10, and not in the table
         ("NVIDIA GeForce RTX 4090 D", "bf16"),
         ("Tesla V100-SXM2-32GB", "bf16"),  # no native bf16: not guessed
-        ("MTT S80", "fp16"),  # figure not published in MUSA.md
+        ("MTT S80", "fp16"),  # no published figure
         ("MTT S5000", "bf16"),
     ],
 )

@@ -146,6 +146,7 @@ def test_chunks_compaction_and_batch_order_do_not_change_answers(
         for ours, theirs in zip(ranked, want, strict=True):
             assert abs(ours["probability"] - theirs["probability"]) < 1e-6
             assert abs(ours["start_logit"] - theirs["start_logit"]) < 1e-6
+            assert abs(ours["end_logit"] - theirs["end_logit"]) < 1e-6
     plain, no_nbest, _ = _streamed(data, start, end, 5, 7, 30, v2, 0.0, with_nbest=False)
     assert plain == expected and no_nbest == {}
 

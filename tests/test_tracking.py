@@ -166,3 +166,33 @@ def test_sweep_writes_a_folder_per_job_and_one_summary(tmp_path, cache_dir):
     table = (sweep / "summary.md").read_text().splitlines()
     assert len(table) == 2 + 3 and "optimizer.lr" in table[0]
     assert _png_size(sweep / "curves.png")[0] >= 800
+
+
+def test_sweep_goes_on_after_a_failed_job_and_each_job_gets_its_precision(tmp_path, cache_dir):
+    """A job with a bad setting is a 'failed' row (the others still run, the sweep exits 1);
+    jobs in one process build their own Accelerator (bf16, then fp32)."""
+    sweep = tmp_path / "sweep"
+    done = run_train(
+        "-m",
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        "logger=none",
+        "trainer.per_device_train_batch_size=0,4",
+        "trainer.mixed_precision=bf16,no",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.save_final_model=false",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.sweep.dir={sweep}",
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    with (sweep / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [row["job"] for row in rows] == ["0", "1", "2", "3"]
+    for row in rows[:2]:
+        assert row["status"].startswith("failed") and "per_device_train_batch_size" in row["status"]
+    assert [row["status"] for row in rows[2:]] == ["done", "done"]
+    assert [row["trainer.mixed_precision"] for row in rows] == ["bf16", "no", "bf16", "no"]
+    for job, precision in (("2", "bf16"), ("3", "no")):
+        assert f"mixed precision {precision}" in (sweep / job / "train.log").read_text()

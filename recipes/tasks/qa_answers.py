@@ -13,7 +13,8 @@ What differs is how it is computed:
 * per question only the ``n_best`` best spans seen so far are kept, so memory is bounded by the
   number of questions, not by the number of windows times the sequence length.
 
-The predictions are the same as the straightforward loop's (a test checks it on real data).
+The predictions are the same as the straightforward loop's (a test checks it on real data) where
+logits do not tie; among tied logits both orders are the sort's, not defined by the algorithm.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def top_candidates(
 
 
 _FIELDS = ("question", "score", "order", "start_char", "end_char", "start_logit", "end_logit")
-_NULL_FIELDS = ("question", "score", "seen", "start_logit", "end_logit")
+_NULL_FIELDS = ("question", "score", "window", "start_logit", "end_logit")
 
 
 def _grouped_first(
@@ -229,7 +230,6 @@ class AnswerCollector:
         self._spans: list[dict[str, np.ndarray]] = []  # per scored chunk: its valid spans
         self._nulls: list[dict[str, np.ndarray]] = []  # per scored chunk: each window's null
         self._buffered = self._compacted = 0
-        self._seen = 0
 
     def add(self, batch: Mapping[str, np.ndarray], feature_index: np.ndarray) -> None:
         """Add one batch of :func:`top_candidates` output (as numpy) for windows ``feature_index``."""
@@ -251,7 +251,6 @@ class AnswerCollector:
         feature_index = np.concatenate([f for _, f in self._pending])
         self._pending, self._pending_count = [], 0
         s_idx, e_idx = batch["start_index"], batch["end_index"]
-        n = len(s_idx)
         example_index, start_char, end_first, end_char = self._offsets.lookup(
             feature_index, s_idx, e_idx
         )
@@ -287,12 +286,11 @@ class AnswerCollector:
             {
                 "question": example_index,
                 "score": null_start + null_end,
-                "seen": self._seen + np.arange(n),  # the first window wins a tie
+                "window": feature_index,  # the question's first window wins a tie
                 "start_logit": null_start,
                 "end_logit": null_end,
             }
         )
-        self._seen += n
         self._buffered += len(r)
         if self._buffered > 2 * self._compacted + self.compact_rows:
             self._compact()
@@ -311,7 +309,7 @@ class AnswerCollector:
     def _lowest_nulls(self) -> dict[str, np.ndarray]:
         """Each question's lowest null score (its first window's on a tie)."""
         nulls = {f: np.concatenate([p[f] for p in self._nulls]) for f in _NULL_FIELDS}
-        keep, _ = _grouped_first(nulls["question"], (nulls["seen"], nulls["score"]), 1)
+        keep, _ = _grouped_first(nulls["question"], (nulls["window"], nulls["score"]), 1)
         return {f: v[keep] for f, v in nulls.items()}
 
     def _per_question(self) -> tuple[dict[int, tuple[int, int]], Any, dict[int, tuple]]:
