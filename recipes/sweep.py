@@ -35,8 +35,11 @@ class SweepSummary(Callback):
         written = write_summary(sweep_dir)
         if not written:
             return
-        log.info("sweep summary: %s", ", ".join(str(p) for p in written))
-        print((sweep_dir / "summary.md").read_text())
+        log.info(
+            "sweep summary: %s\n%s",
+            ", ".join(str(p) for p in written),
+            (sweep_dir / "summary.md").read_text(),
+        )
         failed = [r["job"] for r in summarise(sweep_dir) if r["status"].startswith("failed")]
         if failed:
             log.error("sweep: job(s) %s failed (see summary.md and their failed.json)", failed)

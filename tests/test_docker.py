@@ -109,20 +109,20 @@ def key_values(value: str) -> dict[str, str]:
     return pairs
 
 
-def args_before(items: list[Instruction], index: int | None = None) -> dict[str, str]:
+def _declared(keyword: str, items: list[Instruction], index: int | None) -> dict[str, str]:
     pairs: dict[str, str] = {}
     for ins in items[:index]:
-        if ins.keyword == "ARG":
+        if ins.keyword == keyword:
             pairs.update(key_values(ins.value))
     return pairs
+
+
+def args_before(items: list[Instruction], index: int | None = None) -> dict[str, str]:
+    return _declared("ARG", items, index)
 
 
 def env_before(items: list[Instruction], index: int | None = None) -> dict[str, str]:
-    pairs: dict[str, str] = {}
-    for ins in items[:index]:
-        if ins.keyword == "ENV":
-            pairs.update(key_values(ins.value))
-    return pairs
+    return _declared("ENV", items, index)
 
 
 def only(items: list[Instruction], keyword: str) -> Instruction:

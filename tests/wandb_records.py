@@ -49,14 +49,16 @@ def history(path: Path) -> list[dict]:
     rows = []
     for record in records(path):
         if record.WhichOneof("record_type") == "history":
-            row = {}
-            for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
+            row = _values(record.history.item)
             if record.history.HasField("step"):
                 row.setdefault("_step", record.history.step.num)
             rows.append(row)
     return rows
+
+
+def _values(items) -> dict:
+    """Key/value items of a record (history, config or summary) as a dict of decoded values."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
 
 
 def config(path: Path) -> dict:
@@ -64,13 +66,9 @@ def config(path: Path) -> dict:
     found: dict = {}
     for record in records(path):
         if record.WhichOneof("record_type") == "config":
-            for item in record.config.update:
-                key = item.key or "/".join(item.nested_key)
-                found[key] = json.loads(item.value_json)
+            found.update(_values(record.config.update))
         if record.WhichOneof("record_type") == "run":
-            for item in record.run.config.update:
-                key = item.key or "/".join(item.nested_key)
-                found[key] = json.loads(item.value_json)
+            found.update(_values(record.run.config.update))
     return found
 
 
@@ -84,7 +82,5 @@ def summary(path: Path) -> dict:
     found: dict = {}
     for record in records(path):
         if record.WhichOneof("record_type") == "summary":
-            for item in record.summary.update:
-                key = item.key or "/".join(item.nested_key)
-                found[key] = json.loads(item.value_json)
+            found.update(_values(record.summary.update))
     return found
