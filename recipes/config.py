@@ -45,7 +45,7 @@ class TrainerConfig:
     save_final_model: bool = True
     pad_to_multiple_of: int | None = 8
     padding: str = "longest"
-    group_by_length: bool = False
+    group_by_length: bool = True
     dataloader_num_workers: int = 0
     pin_memory: bool = False
     compile: bool = False

@@ -16,15 +16,16 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from torch.utils.data import Sampler
 
 from recipes.config import DataConfig
 from recipes.log import get_logger
@@ -292,23 +293,67 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
     return datasets.load_from_disk(str(folder))
 
 
-def feature_lengths(features: Any) -> list[int]:
+def feature_lengths(features: Any) -> np.ndarray:
     """Tokens per feature (``input_ids``), read from Arrow without a Python list per feature."""
     import pyarrow.compute as pc
 
     table = features.with_format("arrow")[:]
-    return pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
+    return pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
 
 
-class EpochLengthGroupedSampler(LengthGroupedSampler):
-    """transformers' length-grouped order (random megabatches of 50 batches, each sorted by
-    length, the longest batch first), drawn from ``(seed, epoch)`` instead of a running generator,
-    so an epoch's order is the same in every process and in a resumed run."""
+class EpochLengthGroupedSampler(Sampler[int]):
+    """Batches of similar lengths, in random order, drawn from ``(seed, epoch)``.
 
-    def __init__(self, batch_size: int, lengths: list[int], seed: int) -> None:
-        super().__init__(batch_size, lengths=lengths)
+    Like transformers' ``LengthGroupedSampler``, the epoch's permutation is cut into megabatches
+    of ``megabatch`` batches and each megabatch is sorted by length, so a batch holds features of
+    similar lengths and little padding. Unlike it, the batches are then shuffled across the
+    epoch: transformers keeps every megabatch in descending order, so an epoch runs long-to-short
+    several times over (with 2,000 features and batches of 24, four times), an order that a short
+    fine-tuning run and its learning-rate schedule feel. Here only the batch holding the longest
+    feature is moved first, so an out-of-memory shows at step 1. The order depends on
+    ``(seed, epoch)`` alone: every process and a resumed run draw the same one.
+
+    Args:
+        batch_size: The global batch (per device x processes x accumulation): consecutive slices
+            of this size are the optimizer steps, so every layout of the same global batch (more
+            processes, more accumulation) trains on the same examples at each step.
+        lengths: Tokens per feature.
+        seed: The run's seed.
+        megabatch: Batches per sorted group, at most a quarter of the epoch's (as transformers).
+    """
+
+    def __init__(
+        self, batch_size: int, lengths: Sequence[int] | np.ndarray, seed: int, megabatch: int = 50
+    ) -> None:
+        self.batch_size = batch_size
+        self.lengths = torch.as_tensor(lengths)
         self.seed = seed
-        self.set_epoch(0)
+        self.megabatch = max(1, min(megabatch, len(lengths) // (batch_size * 4)))
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator)
+        size = self.megabatch * self.batch_size
+        batches = []
+        for first in range(0, len(order), size):
+            group = order[first : first + size]
+            group = group[torch.sort(self.lengths[group], descending=True, stable=True).indices]
+            batches.extend(group.split(self.batch_size))
+        # A short batch (the epoch's remainder) can only come last, or every later batch shifts.
+        short = [batches.pop()] if batches and len(batches[-1]) < self.batch_size else []
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        if batches:
+            longest = max(range(len(batches)), key=lambda i: int(self.lengths[batches[i][0]]))
+            batches[0], batches[longest] = batches[longest], batches[0]
+            # The remainder is a sorted group's tail, or a whole small group: its first is its
+            # longest, and may be the epoch's. (The batches are views of one fresh tensor each.)
+            if short and self.lengths[short[0][0]] > self.lengths[batches[0][0]]:
+                batches[0][0], short[0][0] = short[0][0].item(), batches[0][0].item()
+        return iter(torch.cat([*batches, *short]).tolist() if batches or short else [])

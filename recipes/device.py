@@ -430,13 +430,30 @@ def default_mixed_precision() -> str:
 
     Returns:
         ``"bf16"`` on accelerators that have it, ``"fp16"`` on those that do not (S80/S3000,
-        pre-Ampere NVIDIA; accelerate adds the grad scaler), ``"no"`` on cpu, where autocast is
-        slow without AMX and fp32 is the honest baseline.
+        pre-Ampere NVIDIA; accelerate adds the grad scaler). On cpu, :func:`cpu_mixed_precision`.
     """
     name = backend()
     if name == CPU:
-        return "no"
+        return cpu_mixed_precision(cpu_bf16_native(), cpu_bf16_autocast())
     return "bf16" if supports_bf16(name) else "fp16"
+
+
+def cpu_mixed_precision(native: bool | None, autocast: bool) -> str:
+    """The CPU's default: bf16 autocast only where the CPU has bf16 instructions.
+
+    With AVX512-BF16 or AMX, oneDNN runs the matmuls in bf16 and a training step is faster
+    (1.6x for a 6-layer BERT at 384 tokens on a 2-core AMD EPYC with AVX512-BF16; see the
+    README's speed section). Without them autocast converts in software and is slower than fp32;
+    where the flags cannot be read, fp32 is the safe choice.
+
+    Args:
+        native: :func:`cpu_bf16_native`'s answer.
+        autocast: :func:`cpu_bf16_autocast`'s answer.
+
+    Returns:
+        ``"bf16"`` or ``"no"``.
+    """
+    return "bf16" if native and autocast else "no"
 
 
 def default_attn_implementation() -> str:

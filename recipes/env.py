@@ -339,12 +339,14 @@ def _advice_precision(report: dict[str, Any]) -> list[str]:
     precision = report["precision"]
     bf16 = precision["bf16"]
     if report["backend"] == device.CPU:
+        picked = report["default_mixed_precision"]
         if not bf16["supported"]:
-            how = "bf16 autocast fails with this CPU and torch: keep fp32"
-        elif bf16["cpu_instructions"]:
+            how = "bf16 autocast fails with this CPU and torch: fp32 is the only choice"
+        elif picked == "bf16":
             how = (
-                "bf16 autocast works and this CPU has bf16 instructions (AVX512-BF16/AMX), so "
-                "trainer.mixed_precision=bf16 may be faster: time a few steps of both"
+                "this CPU has bf16 instructions (AVX512-BF16/AMX) and bf16 autocast works, so "
+                "the matmuls run in bf16, which is faster; trainer.mixed_precision=no trains in "
+                "fp32"
             )
         elif bf16["cpu_instructions"] is None:
             how = (
@@ -356,10 +358,14 @@ def _advice_precision(report: dict[str, Any]) -> list[str]:
                 "bf16 autocast works but this CPU has no bf16 instructions, so it is slower "
                 "than fp32: keep fp32"
             )
+        mode = (
+            "bf16 autocast (accelerate mixed_precision 'bf16')"
+            if picked == "bf16"
+            else ("fp32 (accelerate mixed_precision 'no')")
+        )
         return [
-            "Precision on CPU: trainer.mixed_precision=auto (the default) trains in fp32 "
-            f"(accelerate mixed_precision 'no'); {how}. TF32 does not apply to CPUs "
-            "(trainer.tf32 is ignored)."
+            f"Precision on CPU: trainer.mixed_precision=auto (the default) trains in {mode}; "
+            f"{how}. TF32 does not apply to CPUs (trainer.tf32 is ignored)."
         ]
     names = ", ".join(sorted({dev["name"] for dev in report["devices"]})) or "this device"
     tf32 = (

@@ -53,13 +53,15 @@ def _agree_on_output_dir(proposed: str) -> Path:
     return Path(chosen)
 
 
-def _mixed_precision(requested: str) -> str:
+def resolve_mixed_precision(requested: str) -> str:
+    """``trainer.mixed_precision`` as accelerate takes it: ``auto`` becomes this machine's choice
+    (:func:`recipes.device.default_mixed_precision`; the CPU's under ``accelerate launch --cpu``)."""
     if requested != "auto":
         return requested
     # Decided before the Accelerator exists: creating accelerate's state here would fix the
     # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
     if parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return "no"
+        return device.cpu_mixed_precision(device.cpu_bf16_native(), device.cpu_bf16_autocast())
     return device.default_mixed_precision()
 
 
@@ -175,7 +177,7 @@ def train(cfg: DictConfig) -> RunResult:
     t: TrainerConfig = settings.trainer
 
     accelerator = Accelerator(
-        mixed_precision=_mixed_precision(t.mixed_precision),
+        mixed_precision=resolve_mixed_precision(t.mixed_precision),
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=settings.logger.trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -327,13 +329,15 @@ def _run(
     collator = data.train_collator or padding
     if data.random_collator:
         collator = checkpoint.SeededCollator(collator, t.seed)
+    global_batch = (
+        t.per_device_train_batch_size * accelerator.num_processes * t.gradient_accumulation_steps
+    )
     sampler = None
-    if t.group_by_length:  # neighbours of similar length: little padding, same randomness
-        sampler = data_lib.EpochLengthGroupedSampler(
-            t.per_device_train_batch_size * accelerator.num_processes,
-            data_lib.feature_lengths(data.train),
-            t.seed,
-        )
+    if t.group_by_length and not fixed:  # padded to max_length, grouping would save nothing
+        lengths = data_lib.feature_lengths(data.train)
+        if len(lengths) and lengths.min() < lengths.max():  # packed blocks: plain shuffle
+            # One sampler batch per optimizer step: the same examples in every layout of it.
+            sampler = data_lib.EpochLengthGroupedSampler(global_batch, lengths, t.seed)
     train_loader = DataLoader(
         data.train,
         batch_size=t.per_device_train_batch_size,
@@ -370,9 +374,6 @@ def _run(
     )
     scheduler = accelerator.prepare(scheduler)
 
-    global_batch = (
-        t.per_device_train_batch_size * accelerator.num_processes * t.gradient_accumulation_steps
-    )
     log.info(
         "%d training features, global batch %d (%d per device x %d processes x %d "
         "accumulation), %d steps per epoch, %d optimizer steps",
@@ -387,7 +388,8 @@ def _run(
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     state = checkpoint.TrainerState(
-        guarded=_guarded(settings, global_batch, len(data.train)), config=resolved
+        guarded=_guarded(settings, global_batch, len(data.train), sampler is not None),
+        config=resolved,
     )
     keep_until_step = None
     if resume_from is not None:
@@ -508,8 +510,12 @@ class RunResult:
         }
 
 
-def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict[str, Any]:
-    """Settings that decide which batches the steps see: a resumed run must share them."""
+def _guarded(
+    settings: Settings, global_batch: int, train_features: int, grouped: bool
+) -> dict[str, Any]:
+    """Settings that decide which batches the steps see: a resumed run must share them.
+    ``grouped``: whether batches are length-grouped (``trainer.group_by_length`` with dynamic
+    padding on data whose lengths differ; packed blocks are shuffled either way)."""
     data = {
         k: v
         for k, v in vars(settings.data).items()
@@ -520,7 +526,9 @@ def _guarded(settings: Settings, global_batch: int, train_features: int) -> dict
         "global_batch": global_batch,
         "train_features": train_features,
         "trainer.seed": settings.trainer.seed,
-        "trainer.group_by_length": settings.trainer.group_by_length,  # the batches' order
+        # The batches' order; this sampler's order differs from the transformers one that
+        # earlier releases used under the same setting, so a grouped checkpoint says which.
+        "trainer.group_by_length": "length-grouped, batches shuffled" if grouped else False,
         "model.name_or_path": settings.model.name_or_path,
         "data": data,
     }

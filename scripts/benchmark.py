@@ -3,18 +3,22 @@
 ``clm`` and ``qa``: training throughput of this project's loop (``train.py recipe=gpt2_clm`` /
 ``recipe=bert_squad``) against a plain ``transformers.Trainer`` on the same features. For ``qa``
 the peer pads every window to ``--block-size`` (``run_qa.py``'s default); ``--padding
-max_length`` makes ours do the same (equal settings), ``--padding longest`` (ours' default) pads
-each batch to its longest window.
+max_length --no-group-by-length`` makes ours do the same in the same kind of order (equal
+settings); by default ours pads each batch to its longest window and groups windows of similar
+lengths (the project's defaults).
 
 Both sides train the same model (same initial weights) on the same packed blocks, with the same
-block size, batch, optimizer (AdamW), learning rate, clipping and precision, on the same device,
-each in a fresh process, alternating ``--rounds`` times. Only the steps after ``--warmup`` count.
+block size, batch, optimizer (AdamW), learning rate, clipping and precision (``--mixed-precision
+auto``: each side's own default, ours ``trainer.mixed_precision=auto`` and the Trainer's fp32), on
+the same device, each in a fresh process, alternating ``--rounds`` times. Only the steps after
+``--warmup`` count.
 Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and writes it as JSON.
 
     python scripts/benchmark.py clm                              # bundled tiny GPT-2 and text
     python scripts/benchmark.py clm --model PATH --data FILE --block-size 512 --batch-size 8
     python scripts/benchmark.py qa --padding max_length          # bundled tiny BERT, SQuAD slice
     python scripts/benchmark.py qa --train-file ../shared/data/squad/train-v1.1-subset.json
+    python scripts/benchmark.py qa --train-file ... --mixed-precision auto  # defaults vs defaults
     python scripts/benchmark.py postprocess                      # SQuAD answer extraction
 
 ``postprocess``: turning start/end logits into answers for every question of a SQuAD dev file
@@ -82,9 +86,10 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
             f"task.max_seq_length={args.block_size}",
             f"task.doc_stride={args.doc_stride}",
             f"trainer.padding={args.padding}",
-            f"trainer.group_by_length={str(args.group_by_length).lower()}",
             "trainer.pad_to_multiple_of=8",
         ]
+        if args.group_by_length is not None:  # else the project's default
+            task_overrides.append(f"trainer.group_by_length={str(args.group_by_length).lower()}")
     if args.compile:
         task_overrides.append("trainer.compile=true")
     overrides = [
@@ -120,6 +125,15 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         s_per_step=elapsed / args.steps,
     )
     return result
+
+
+def _precisions(args: argparse.Namespace) -> dict[str, str]:
+    """The mixed precision each side trains in (``auto`` resolved as train.py resolves it)."""
+    from recipes.loop import resolve_mixed_precision
+
+    if args.mixed_precision != "auto":
+        return {"ours": args.mixed_precision, "peer": args.mixed_precision}
+    return {"ours": resolve_mixed_precision("auto"), "peer": "no"}
 
 
 def _window_seconds(record: dict, args: argparse.Namespace) -> float:
@@ -213,7 +227,7 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
         save_strategy="no",
         report_to=[],
         seed=42,
-        bf16=args.mixed_precision == "bf16",
+        bf16=args.mixed_precision == "bf16",  # auto: TrainingArguments' default, fp32
         fp16=args.mixed_precision == "fp16",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -276,7 +290,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
         "--doc-stride", str(args.doc_stride), "--padding", args.padding,
-        *(["--group-by-length"] if args.group_by_length else []),
+        *({True: ["--group-by-length"], False: ["--no-group-by-length"]}.get(args.group_by_length, [])),
         *(["--compile"] if args.compile else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
@@ -436,7 +450,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first")
     parser.add_argument("--rounds", type=int, default=2, help="ours/peer alternations")
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    parser.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=["no", "bf16", "fp16", "auto"],
+        help="both sides; auto: each side's default (ours trainer.mixed_precision=auto, the "
+        "Trainer fp32)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     parser.add_argument("--eval-file", type=Path, default=None, help="postprocess: SQuAD file")
     parser.add_argument("--train-file", type=Path, default=None, help="qa: SQuAD training file")
@@ -444,7 +464,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--padding", default="longest", choices=["longest", "max_length"], help="qa: ours"
     )
     parser.add_argument(
-        "--group-by-length", action="store_true", help="qa: ours with trainer.group_by_length"
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="qa: ours with trainer.group_by_length true / false (default: the project's)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="ours with trainer.compile (warm-up compiles)"
@@ -495,15 +518,17 @@ def main(argv: list[str]) -> None:
     }
     key = "samples_per_second" if args.task == "qa" else "tokens_per_second"
     ratio = summary["ours"][key] / summary["peer"][key]
+    precisions = _precisions(args)
     report = {
         "task": args.task,
         "settings": {k: str(v) for k, v in vars(args).items()},
+        "mixed_precision": precisions,
         "ours": summary["ours"],
         "peer": summary["peer"],
         f"ratio_{key}": ratio,
         "rounds": results,
     }
-    print(_table(summary, ratio, key))
+    print(_table(summary, ratio, key, precisions))
     out = args.out or ROOT / "outputs" / "benchmark" / f"{args.task}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -533,14 +558,18 @@ def _resized_model(source: Path, changes: str, folder: Path, task: str) -> Path:
     return folder
 
 
-def _table(summary: dict, ratio: float, key: str) -> str:
+def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str]) -> str:
     rows = [
         ("tokens/s", "tokens_per_second", "{:.0f}"),
         ("samples/s", "samples_per_second", "{:.2f}"),
         ("s/step", "s_per_step", "{:.3f}"),
         ("peak memory (MiB)", "peak_memory_mb", "{:.0f}"),
     ]
-    lines = ["| | ours | Trainer | ours/Trainer |", "|---|---:|---:|---:|"]
+    lines = [
+        "| | ours | Trainer | ours/Trainer |",
+        "|---|---:|---:|---:|",
+        f"| mixed precision | {precisions['ours']} | {precisions['peer']} | |",
+    ]
     for label, name, fmt in rows:
         ours, peer = summary["ours"][name], summary["peer"][name]
         lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(peer)} | {ours / peer:.3f} |")

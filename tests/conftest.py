@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -36,8 +37,10 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("feature-cache")
 
 
-# Five logged fp32 steps and nothing else: what the golden-loss tests run on each recipe.
+# Five logged fp32 steps in plain shuffled order and nothing else: what the golden-loss tests run
+# on each recipe.
 GOLDEN_RUN = (
+    "trainer.group_by_length=false",
     "trainer.max_steps=5",
     "trainer.log_every_n_steps=1",
     "trainer.per_device_train_batch_size=8",
@@ -50,6 +53,21 @@ GOLDEN_RUN = (
 )
 
 
+# Tests train in fp32 unless they say otherwise: trainer.mixed_precision=auto
+# picks bf16 on CPUs with bf16 instructions, and the exact comparisons (golden losses, resume,
+# one process against two) must do the same arithmetic on every machine.
+FP32 = "trainer.mixed_precision=no"
+
+
+def _fp32_first(overrides: tuple[str, ...]) -> list[str]:
+    """``FP32`` before the overrides (after Hydra's flags, such as ``-m``, which must lead),
+    unless they choose a precision themselves."""
+    if any(o.startswith("trainer.mixed_precision=") for o in overrides):
+        return list(overrides)
+    flags = len(list(itertools.takewhile(lambda arg: arg.startswith("-"), overrides)))
+    return [*overrides[:flags], FP32, *overrides[flags:]]
+
+
 def run_train(
     *overrides: str,
     cwd: Path = ROOT,
@@ -57,10 +75,10 @@ def run_train(
     env: dict | None = None,
     timeout: int = 600,
 ) -> subprocess.CompletedProcess:
-    """``python train.py <overrides>`` in a subprocess, as a user runs it."""
+    """``python train.py <overrides>`` in a subprocess, as a user runs it (in fp32 unless told)."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
+        [sys.executable, str(ROOT / "train.py"), *_fp32_first(overrides)],
         cwd=cwd,
         env=full_env,
         capture_output=True,
@@ -75,7 +93,7 @@ def run_train(
 def start_train(*overrides: str, env: dict | None = None) -> subprocess.Popen:
     """``python train.py <overrides>`` started in the background (to be signalled or killed)."""
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
+        [sys.executable, str(ROOT / "train.py"), *_fp32_first(overrides)],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -112,7 +130,10 @@ def cpu_launch_command(*args: str) -> list[str]:
 def run_cpu_launch(
     script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents."""
+    """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents (train.py
+    in fp32 unless told)."""
+    if script.name == "train.py":
+        args = (FP32, *args)
     command = cpu_launch_command("--main_process_port", str(free_port()), str(script), *args)
     return subprocess.run(
         command,

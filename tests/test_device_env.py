@@ -32,13 +32,37 @@ no_torch_musa = pytest.mark.skipif(
 )
 
 
+# What auto picks on this CPU, from its flags read independently of the project's reader.
+_FLAGS = {
+    word
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    )
+    if line.split(":")[0].strip() in {"flags", "Features"}
+    for word in line.split(":", 1)[1].split()
+}
+CPU_DEFAULT_PRECISION = (
+    "bf16" if _FLAGS & {"avx512_bf16", "amx_bf16", "bf16"} and device.cpu_bf16_autocast() else "no"
+)
+
+
+@pytest.mark.parametrize(
+    ("native", "autocast", "expected"),
+    [(True, True, "bf16"), (True, False, "no"), (False, True, "no"), (None, True, "no")],
+)
+def test_cpu_default_precision_needs_bf16_instructions(
+    native: bool | None, autocast: bool, expected: str
+) -> None:
+    assert device.cpu_mixed_precision(native, autocast) == expected
+
+
 @on_cpu
 def test_cpu_backend_defaults() -> None:
     assert device.backend() == "cpu"
     assert device.device_module() is None
     assert device.device_count() == 0
     assert device.device_names() == []
-    assert device.default_mixed_precision() == "no"
+    assert device.default_mixed_precision() == CPU_DEFAULT_PRECISION
     assert device.default_attn_implementation() == "sdpa"
     assert device.distributed_backend() == "gloo"
     assert device.accelerate_distributed_type(1) == "NO"
@@ -250,13 +274,16 @@ def test_doctor_json_on_this_cpu_machine() -> None:
         "cpu_instructions": device.cpu_bf16_native(),
     }
     assert precision["tf32"] == {"applicable": False, "supported": None}
-    assert precision["default_mixed_precision"] == report["default_mixed_precision"] == "no"
+    assert precision["default_mixed_precision"] == report["default_mixed_precision"]
+    assert report["default_mixed_precision"] == CPU_DEFAULT_PRECISION
     assert set(report["vendor_tools"]) == set(report["kernel_modules"]) == {"musa", "cuda"}
     assert report["visible_devices_env"] == dict.fromkeys(device.VISIBLE_DEVICES_ENV_VARS)
     advice = "\n".join(report["advice"])
     assert "No accelerator: the recipes run on the CPU" in advice
     assert "ACCELERATE_USE_CPU=1 accelerate launch --config_file conf/accelerate/cpu.yaml" in advice
     assert "Precision on CPU: trainer.mixed_precision=auto" in advice
+    trains_in = "bf16 autocast" if CPU_DEFAULT_PRECISION == "bf16" else "fp32"
+    assert f"(the default) trains in {trains_in}" in advice
     assert "TF32 does not apply" in advice
     assert "hides every device" not in advice and "torch_musa" not in advice
 
@@ -604,7 +631,7 @@ def test_advice_nvidia_driver_but_no_gpu_seen() -> None:
 @pytest.mark.parametrize(
     ("instructions", "expected"),
     [
-        (True, "may be faster: time a few steps of both"),
+        (True, "trains in bf16 autocast (accelerate mixed_precision 'bf16'); this CPU has bf16"),
         (False, "this CPU has no bf16 instructions, so it is slower than fp32: keep fp32"),
         (None, "whether this CPU has bf16 instructions is unknown"),
     ],
@@ -612,6 +639,8 @@ def test_advice_nvidia_driver_but_no_gpu_seen() -> None:
 def test_advice_plain_cpu(instructions: bool | None, expected: str, tmp_path: Path) -> None:
     report = _report()
     report["precision"]["bf16"]["cpu_instructions"] = instructions
+    picked = device.cpu_mixed_precision(instructions, autocast=True)
+    report["default_mixed_precision"] = report["precision"]["default_mixed_precision"] = picked
     advice = env.advice(report)
     assert len(advice) == 2
     assert advice[0].startswith("No accelerator: the recipes run on the CPU.")
@@ -621,6 +650,7 @@ def test_advice_plain_cpu(instructions: bool | None, expected: str, tmp_path: Pa
     assert "not applicable on CPU" in text
     config = _write_and_load(report, tmp_path / "cpu.yaml")
     assert (config.distributed_type.value, config.num_processes, config.use_cpu) == ("NO", 1, True)
+    assert config.mixed_precision == ("bf16" if instructions else "no")
 
 
 @pytest.mark.parametrize(
@@ -728,9 +758,9 @@ def test_written_config_runs_under_accelerate_launch(tmp_path: Path) -> None:
     )
     assert launch.returncode == 0, launch.stderr[-2000:]
     probes = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
-    # One CPU process, not distributed, fp32: what the doctor reported for this machine.
-    assert probes == [["NO", "1", "cpu", "no"]]
-    assert "NO 1 cpu no" in launch.stdout
+    # One CPU process, not distributed, the precision the doctor reported for this machine.
+    assert probes == [["NO", "1", "cpu", CPU_DEFAULT_PRECISION]]
+    assert f"NO 1 cpu {CPU_DEFAULT_PRECISION}" in launch.stdout
 
 
 def test_write_accelerate_config_refuses_to_overwrite(

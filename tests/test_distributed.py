@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cpu_launch_command, free_port, read_metrics, run_train
+from conftest import FP32, ROOT, cpu_launch_command, free_port, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,7 @@ def _common(cache_dir: Path) -> tuple[str, ...]:
         "recipe=llama_clm",
         "debug=smoke",
         "logger=none",
+        FP32,
         f"data.cache_dir={cache_dir}",
         "trainer.max_steps=6",
         "trainer.log_every_n_steps=1",

@@ -145,6 +145,19 @@ def test_resume_refuses_a_different_batch_and_keeps_the_run(reference, tmp_path,
     assert "global_batch: 16 then, 8 now" in proc.stderr.splitlines()[-1]
     assert (reference / "metrics.jsonl").read_text() == before
 
+    # Packed blocks all have one length, so trainer.group_by_length changes no batch there: a
+    # checkpoint continues with it off, and ends with the reference's weights.
+    ungrouped = tmp_path / "ungrouped"
+    run_train(
+        *_common(cache_dir),
+        f"output_dir={ungrouped}",
+        f"resume={reference / 'checkpoints' / 'step-00000035'}",
+        "trainer.group_by_length=false",
+    )
+    ours = load_file(ungrouped / "final" / "model.safetensors")
+    theirs = load_file(reference / "final" / "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
     unfinished = tmp_path / "unfinished"  # the reference run as a kill before final/ leaves it
     shutil.copytree(reference, unfinished, ignore=shutil.ignore_patterns("final"))
     older = run_train(  # an older checkpoint continued in its own folder would mix two runs

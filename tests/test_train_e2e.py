@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import GOLDEN_RUN, run_train
 
+from recipes import device
+
 pytestmark = pytest.mark.slow
 
 # First losses of the bundled tiny BERT on the bundled SQuAD slice: seed 42, fp32, CPU, batch 8,
@@ -57,7 +59,10 @@ def test_smoke_run_trains_evaluates_and_saves(tmp_path, cache_dir):
         "trainer.log_every_n_steps=5",
         "trainer.eval_every_n_steps=30",
         "data.max_eval_examples=120",
+        "trainer.mixed_precision=auto",  # the default, as a user runs it: bf16 on bf16 CPUs
     )
+    log = (run / "train.log").read_text()
+    assert f"mixed precision {device.default_mixed_precision()}," in log
     records = _metrics(run)
     train = [m for m in records if "train/loss" in m]
     assert [m["step"] for m in train] == list(range(5, 61, 5))
@@ -73,7 +78,7 @@ def test_smoke_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     predictions = json.loads((run / "predictions.json").read_text())
     assert len(predictions) == 120
     assert (run / "nbest_predictions.json").exists() and (run / "config.yaml").exists()
-    assert "eval at step 60" in (run / "train.log").read_text()
+    assert "eval at step 60" in log
 
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
