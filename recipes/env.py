@@ -361,7 +361,7 @@ def _advice_precision(report: dict[str, Any]) -> list[str]:
         mode = (
             "bf16 autocast (accelerate mixed_precision 'bf16')"
             if picked == "bf16"
-            else ("fp32 (accelerate mixed_precision 'no')")
+            else "fp32 (accelerate mixed_precision 'no')"
         )
         return [
             f"Precision on CPU: trainer.mixed_precision=auto (the default) trains in {mode}; "

@@ -61,7 +61,7 @@ def resolve_mixed_precision(requested: str) -> str:
     # Decided before the Accelerator exists: creating accelerate's state here would fix the
     # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
     if parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return device.cpu_mixed_precision(device.cpu_bf16_native(), device.cpu_bf16_autocast())
+        return device.default_mixed_precision(device.CPU)
     return device.default_mixed_precision()
 
 
