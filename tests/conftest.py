@@ -133,7 +133,7 @@ def run_cpu_launch(
     """Two gloo processes, started the way conf/accelerate/cpu.yaml's header documents (train.py
     in fp32 unless told)."""
     if script.name == "train.py":
-        args = (FP32, *args)
+        args = tuple(_fp32_first(args))
     command = cpu_launch_command("--main_process_port", str(free_port()), str(script), *args)
     return subprocess.run(
         command,

@@ -32,17 +32,9 @@ no_torch_musa = pytest.mark.skipif(
 )
 
 
-# What auto picks on this CPU, from its flags read independently of the project's reader.
-_FLAGS = {
-    word
-    for line in (
-        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    )
-    if line.split(":")[0].strip() in {"flags", "Features"}
-    for word in line.split(":", 1)[1].split()
-}
-CPU_DEFAULT_PRECISION = (
-    "bf16" if _FLAGS & {"avx512_bf16", "amx_bf16", "bf16"} and device.cpu_bf16_autocast() else "no"
+# What auto picks on this CPU (the flag reader is tested on its own below, with cpuinfo files).
+CPU_DEFAULT_PRECISION = device.cpu_mixed_precision(
+    device.cpu_bf16_native(), device.cpu_bf16_autocast()
 )
 
 
