@@ -46,6 +46,7 @@ class TrainerConfig:
     pad_to_multiple_of: int | None = 8
     padding: str = "longest"
     group_by_length: bool = True
+    length_group_size: int = 8
     dataloader_num_workers: int = 0
     pin_memory: bool = False
     compile: bool = False
@@ -186,6 +187,11 @@ def validate(cfg: DictConfig) -> Settings:
         )
     if t.max_grad_norm is not None and t.max_grad_norm <= 0:
         raise ConfigError("trainer.max_grad_norm must be > 0, or null to disable clipping.")
+    if t.length_group_size < 1:
+        raise ConfigError(
+            f"trainer.length_group_size={t.length_group_size}: must be >= 1 (global batches "
+            "per length-sorted group; 8 is the default)."
+        )
     if t.padding not in ("longest", "max_length"):
         raise ConfigError(
             f"trainer.padding={t.padding!r}: choose longest (each batch to its longest "

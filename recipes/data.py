@@ -326,7 +326,7 @@ class EpochLengthGroupedSampler(Sampler[int]):
         self, batch_size: int, lengths: Sequence[int] | np.ndarray, seed: int, megabatch: int = 50
     ) -> None:
         self.batch_size = batch_size
-        self.lengths = torch.as_tensor(lengths)
+        self.lengths = torch.tensor(np.asarray(lengths))  # a copy: Arrow's arrays are read-only
         self.seed = seed
         self.megabatch = max(1, min(megabatch, len(lengths) // (batch_size * 4)))
         self.epoch = 0

@@ -337,7 +337,9 @@ def _run(
         lengths = data_lib.feature_lengths(data.train)
         if len(lengths) and lengths.min() < lengths.max():  # packed blocks: plain shuffle
             # One sampler batch per optimizer step: the same examples in every layout of it.
-            sampler = data_lib.EpochLengthGroupedSampler(global_batch, lengths, t.seed)
+            sampler = data_lib.EpochLengthGroupedSampler(
+                global_batch, lengths, t.seed, megabatch=t.length_group_size
+            )
     train_loader = DataLoader(
         data.train,
         batch_size=t.per_device_train_batch_size,
@@ -528,10 +530,19 @@ def _guarded(
         "trainer.seed": settings.trainer.seed,
         # The batches' order; this sampler's order differs from the transformers one that
         # earlier releases used under the same setting, so a grouped checkpoint says which.
-        "trainer.group_by_length": "length-grouped, batches shuffled" if grouped else False,
+        "trainer.group_by_length": _batch_order(settings.trainer.length_group_size)
+        if grouped
+        else False,
         "model.name_or_path": settings.model.name_or_path,
         "data": data,
     }
+
+
+def _batch_order(group_size: int) -> str:
+    # Groups of 50 were the only size before trainer.length_group_size: their checkpoints say so.
+    if group_size == 50:
+        return "length-grouped, batches shuffled"
+    return f"length-grouped by {group_size} batches, batches shuffled"
 
 
 def _resume(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -258,8 +259,15 @@ class QuestionAnswering(Task):
         if len(train) == 0:
             raise DataError("train data: no features could be built (all contexts empty?).")
         model_inputs = [c for c in tokenizer.model_input_names if c in windows.column_names]
-        eval_inputs = windows.select_columns(model_inputs).add_column(
-            "feature_index", list(range(len(windows)))
+        # Longest windows first: batches of similar lengths carry little padding, which makes
+        # evaluation about twice as fast as file order on a CPU. Answers are collected by
+        # feature_index, so the order changes no score; the longest batch comes first, so an
+        # out-of-memory shows at once.
+        by_length = np.argsort(-data_lib.feature_lengths(windows), kind="stable")
+        eval_inputs = (
+            windows.select_columns(model_inputs)
+            .add_column("feature_index", list(range(len(windows))))
+            .select(by_length, keep_in_memory=True)  # an index map in memory, no cache file
         )
         log.info(
             "train: %d questions -> %d features; eval: %d questions -> %d features",
