@@ -1,24 +1,42 @@
 """Speed of this project against the common peer, side by side, on the same machine in one run.
 
-``clm`` and ``qa``: training throughput of this project's loop (``train.py recipe=gpt2_clm`` /
-``recipe=bert_squad``) against a plain ``transformers.Trainer`` on the same features. For ``qa``
-the peer pads every window to ``--block-size`` (``run_qa.py``'s default); ``--padding
-max_length --no-group-by-length`` makes ours do the same in the same kind of order (equal
-settings); by default ours pads each batch to its longest window and groups windows of similar
-lengths (the project's defaults).
+``clm``: training throughput of ``train.py recipe=gpt2_clm`` against a plain
+``transformers.Trainer`` (as ``run_clm.py``) on the same packed blocks.
 
-Both sides train the same model (same initial weights) on the same packed blocks, with the same
-block size, batch, optimizer (AdamW), learning rate, clipping and precision (``--mixed-precision
-auto``: each side's own default, ours ``trainer.mixed_precision=auto`` and the Trainer's fp32), on
-the same device, each in a fresh process, alternating ``--rounds`` times. Only the steps after
-``--warmup`` count.
-Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and writes it as JSON.
+``qa``: training throughput of ``train.py recipe=bert_squad`` against a peer that behaves as one of
+the Hugging Face question-answering examples (``examples/pytorch/question-answering`` of
+transformers, read for their defaults, not copied), on the same windows:
+
+* ``--peer run_qa_no_trainer`` (the default): an accelerate loop that pads each batch to its
+  longest window (``DataCollatorWithPadding``, to a multiple of 8 only under mixed precision),
+  draws batches in plain random order (``DataLoader(shuffle=True)``), does not clip gradients,
+  and uses ``torch.optim.AdamW`` with no decay on biases and LayerNorm weights (weight decay 0 by
+  default), a linear schedule and no warm-up; precision is accelerate's (fp32 unless configured).
+* ``--peer run_qa``: ``transformers.Trainer`` with every window padded to ``max_seq_length``
+  (``pad_to_max_length=True``, ``default_data_collator``), random order, clipping at 1.0,
+  AdamW, linear schedule, no warm-up, fp32 unless ``--bf16``.
+
+``--padding max_length --no-group-by-length`` makes ours pad and order as ``run_qa`` does (equal
+settings); by default ours pads each batch to its longest window and groups windows of similar
+lengths (the project's defaults). ``--mixed-precision auto`` runs each side at its own default
+(ours ``trainer.mixed_precision=auto``, the peers fp32).
+
+``qa-eval``: evaluation of the same model on the same windows: ours is ``train.py``'s own
+evaluation (``eval/runtime_s``: forward passes, answer extraction, EM / F1, predictions files);
+the peer does what ``run_qa_no_trainer.py`` does after training: a forward pass over the windows
+in file order with dynamic padding, logits gathered into one -100-filled array, then the
+per-window n-best search of ``postprocess_qa_predictions`` (``tests/qa_reference.py``) and the
+SQuAD score. Both report EM / F1, which must agree when both run in the same precision.
+
+Each side runs in a fresh process, alternating ``--rounds`` times; only the steps after
+``--warmup`` count. Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and
+writes it as JSON.
 
     python scripts/benchmark.py clm                              # bundled tiny GPT-2 and text
     python scripts/benchmark.py clm --model PATH --data FILE --block-size 512 --batch-size 8
-    python scripts/benchmark.py qa --padding max_length          # bundled tiny BERT, SQuAD slice
     python scripts/benchmark.py qa --train-file ../shared/data/squad/train-v1.1-subset.json
-    python scripts/benchmark.py qa --train-file ... --mixed-precision auto  # defaults vs defaults
+    python scripts/benchmark.py qa --peer run_qa --padding max_length --no-group-by-length
+    python scripts/benchmark.py qa-eval --eval-file ../shared/data/squad/dev-v1.1-part1.json
     python scripts/benchmark.py postprocess                      # SQuAD answer extraction
 
 ``postprocess``: turning start/end logits into answers for every question of a SQuAD dev file
@@ -167,13 +185,110 @@ def _device_name() -> str:
 # ------------------------------------------------------------------------------------ the peer
 
 
+def _qa_data(args: argparse.Namespace, tokenizer, eval_file: Path | None = None):
+    """The project's QA windows (the same for both sides; cached once per benchmark)."""
+    from recipes.config import DataConfig
+    from recipes.tasks.qa import QuestionAnswering
+
+    cfg = DataConfig(
+        path=str(ASSETS / "squad" / "v1"),
+        train_file=str(args.train_file or ASSETS / "squad" / "v1" / "train.json"),
+        eval_file=str(eval_file) if eval_file else None,
+        cache_dir=str(args.cache),
+    )
+    task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
+    return task, task.build_data(cfg, tokenizer)
+
+
+def _peer_precision(args: argparse.Namespace) -> str:
+    return "no" if args.mixed_precision == "auto" else args.mixed_precision  # the examples' default
+
+
 def _peer_child(args: argparse.Namespace, out: Path) -> None:
-    """A plain ``transformers.Trainer`` on the same blocks, model and settings."""
+    """The peer on the same windows or blocks, model and settings."""
+    if args.task == "qa" and args.peer == "run_qa_no_trainer":
+        result = _no_trainer_peer(args)
+    else:
+        result = _trainer_peer(args, out)
+    (out / "peer.json").write_text(json.dumps(result))
+
+
+def _no_trainer_peer(args: argparse.Namespace) -> dict:
+    """What ``run_qa_no_trainer.py`` does with its defaults: an accelerate loop over randomly
+    ordered, dynamically padded batches, AdamW without decay on biases and LayerNorm weights,
+    a linear schedule without warm-up, and no gradient clipping."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import (
+        AutoModelForQuestionAnswering,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        get_scheduler,
+    )
+
+    from recipes import device as device_lib
+
+    precision = _peer_precision(args)
+    accelerator = Accelerator(mixed_precision=precision)
+    set_seed(42)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    _, data = _qa_data(args, tokenizer)
+    model = AutoModelForQuestionAnswering.from_pretrained(args.model)
+    collate = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=None if precision == "no" else 8
+    )
+    loader = DataLoader(data.train, shuffle=True, collate_fn=collate, batch_size=args.batch_size)
+    no_decay = ("bias", "LayerNorm.weight")
+    groups = [
+        {
+            "params": [
+                p for n, p in model.named_parameters() if any(k in n for k in no_decay) == nd
+            ],
+            "weight_decay": 0.0,
+        }
+        for nd in (False, True)
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr)
+    total = args.warmup + args.steps
+    scheduler = get_scheduler(
+        "linear", optimizer=optimizer, num_warmup_steps=0, num_training_steps=total
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    step, tokens, started = 0, 0, 0.0
+    while step < total:
+        for batch in loader:
+            if step == args.warmup:
+                device_lib.synchronize(accelerator.device)
+                started = time.perf_counter()
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if step >= args.warmup:
+                tokens += int(batch["attention_mask"].sum())
+            step += 1
+            if step == total:
+                break
+    device_lib.synchronize(accelerator.device)
+    elapsed = time.perf_counter() - started
+    return {
+        "tokens_per_second": tokens / elapsed,
+        "samples_per_second": args.steps * args.batch_size / elapsed,
+        "s_per_step": elapsed / args.steps,
+        "peak_memory_mb": _peak_memory_mb(accelerator.device),
+    }
+
+
+def _trainer_peer(args: argparse.Namespace, out: Path) -> dict:
+    """A plain ``transformers.Trainer``, as ``run_clm.py`` and ``run_qa.py`` use it."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForQuestionAnswering,
         AutoTokenizer,
-        DataCollatorWithPadding,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -182,7 +297,6 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
 
     from recipes.config import DataConfig
     from recipes.tasks.lm import CausalLanguageModeling
-    from recipes.tasks.qa import QuestionAnswering
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.task == "clm":
@@ -190,21 +304,13 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
         data = CausalLanguageModeling(block_size=args.block_size).build_data(data_cfg, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(args.model)
         collate = _with_labels(default_data_collator)
-        scheduler, weight_decay = "linear", 0.01  # recipe=gpt2_clm's
+        weight_decay = 0.01  # recipe=gpt2_clm's
     else:
-        data_cfg = DataConfig(
-            path=str(ASSETS / "squad" / "v1"),
-            train_file=str(args.train_file or ASSETS / "squad" / "v1" / "train.json"),
-            cache_dir=str(args.cache),
-        )
-        task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
-        data = task.build_data(data_cfg, tokenizer)
+        _, data = _qa_data(args, tokenizer)
         model = AutoModelForQuestionAnswering.from_pretrained(args.model)
         # run_qa.py's default (pad_to_max_length=True): every window padded to max_seq_length
-        collate = DataCollatorWithPadding(
-            tokenizer, padding="max_length", max_length=args.block_size
-        )
-        scheduler, weight_decay = "cosine", 0.0  # recipe=bert_squad's
+        collate = _padded_to(tokenizer, args.block_size)
+        weight_decay = 0.0  # TrainingArguments' default, which run_qa.py keeps
 
     class Clock(TrainerCallback):
         start = end = 0.0
@@ -215,20 +321,21 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
             if state.global_step == args.warmup + args.steps:
                 Clock.end = time.perf_counter()
 
+    precision = _peer_precision(args)
     training_args = TrainingArguments(
         output_dir=str(out / "peer"),
         per_device_train_batch_size=args.batch_size,
         max_steps=args.warmup + args.steps,
         learning_rate=args.lr,
-        lr_scheduler_type=scheduler,
+        lr_scheduler_type="linear",
         weight_decay=weight_decay,
         max_grad_norm=1.0,
         logging_steps=args.warmup,
         save_strategy="no",
         report_to=[],
         seed=42,
-        bf16=args.mixed_precision == "bf16",  # auto: TrainingArguments' default, fp32
-        fp16=args.mixed_precision == "fp16",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -244,13 +351,18 @@ def _peer_child(args: argparse.Namespace, out: Path) -> None:
     tokens = args.steps * args.batch_size * args.block_size  # peer's (padded) windows are full
     if args.task == "qa":  # count real tokens, as ours does: the same windows in the same order
         tokens = _real_tokens(trainer, args)
-    result = {
+    return {
         "tokens_per_second": tokens / elapsed,
         "samples_per_second": args.steps * args.batch_size / elapsed,
         "s_per_step": elapsed / args.steps,
         "peak_memory_mb": _peak_memory_mb(trainer.args.device),
     }
-    (out / "peer.json").write_text(json.dumps(result))
+
+
+def _padded_to(tokenizer, length: int):
+    from transformers import DataCollatorWithPadding
+
+    return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=length)
 
 
 def _real_tokens(trainer, args: argparse.Namespace) -> float:
@@ -289,11 +401,124 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--block-size", str(args.block_size), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
         "--mixed-precision", args.mixed_precision, "--cache", str(args.cache),
-        "--doc-stride", str(args.doc_stride), "--padding", args.padding,
+        "--doc-stride", str(args.doc_stride), "--padding", args.padding, "--peer", args.peer,
+        "--eval-batch-size", str(args.eval_batch_size),
+        *(["--eval-file", str(args.eval_file)] if args.eval_file else []),
         *({True: ["--group-by-length"], False: ["--no-group-by-length"]}.get(args.group_by_length, [])),
         *(["--compile"] if args.compile else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ qa-eval
+
+
+def _eval_file(args: argparse.Namespace) -> Path:
+    shared = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1-part1.json"
+    return args.eval_file or (shared if shared.exists() else ASSETS / "squad/v1/dev.json")
+
+
+def run_ours_eval(args: argparse.Namespace, out: Path) -> dict:
+    """``train.py``'s evaluation of the model after one training step (its ``final/``)."""
+    run_dir = out / "ours"
+    overrides = [
+        "recipe=bert_squad",
+        f"model.name_or_path={args.model}",
+        f"data.path={ASSETS / 'squad' / 'v1'}",
+        f"data.train_file={args.train_file or ASSETS / 'squad' / 'v1' / 'train.json'}",
+        f"data.eval_file={_eval_file(args)}",
+        f"data.cache_dir={args.cache}",
+        f"task.max_seq_length={args.block_size}",
+        f"task.doc_stride={args.doc_stride}",
+        f"trainer.per_device_train_batch_size={args.batch_size}",
+        f"trainer.per_device_eval_batch_size={args.eval_batch_size}",
+        "trainer.max_steps=1",
+        f"trainer.mixed_precision={args.mixed_precision}",
+        "trainer.save_every_n_steps=0",
+        "trainer.progress_bar=false",
+        "logger=none",
+        f"output_dir={run_dir}",
+    ]
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_ours", *overrides],
+        check=True,
+        cwd=ROOT,
+    )
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scores = next(r for r in records if "eval/runtime_s" in r)
+    model = args.cache.parent / "evaluated-model"
+    if not model.exists():  # the peer evaluates the very same weights
+        (run_dir / "final").rename(model)
+    seconds = scores["eval/runtime_s"]
+    return {
+        "seconds": seconds,
+        "exact_match": scores["eval/exact_match"],
+        "f1": scores["eval/f1"],
+        **json.loads((run_dir / "benchmark.json").read_text()),
+    }
+
+
+def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
+    """What ``run_qa_no_trainer.py`` does after training, on the same windows and weights."""
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from qa_reference import reference_answers
+
+    from recipes import device as device_lib
+    from recipes.metrics.squad import squad_v1
+
+    model_dir = args.cache.parent / "evaluated-model"
+    precision = _peer_precision(args)
+    accelerator = Accelerator(mixed_precision=precision)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task, data = _qa_data(args, tokenizer, _eval_file(args))
+    # The example's evaluation set is in file order (ours runs longest-first).
+    file_order = np.argsort(np.asarray(data.eval["feature_index"]))
+    windows = data.eval.select(file_order, keep_in_memory=True).remove_columns("feature_index")
+    collate = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=None if precision == "no" else 8
+    )
+    loader = DataLoader(windows, collate_fn=collate, batch_size=args.eval_batch_size)
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model, loader = accelerator.prepare(model, loader)
+    model.eval()
+    device_lib.synchronize(accelerator.device)
+    started = time.perf_counter()
+    starts, ends = [], []
+    for batch in loader:
+        with torch.no_grad():
+            outputs = model(**batch)
+            for logits, kept in ((outputs.start_logits, starts), (outputs.end_logits, ends)):
+                logits = accelerator.pad_across_processes(logits, dim=1, pad_index=-100)
+                kept.append(accelerator.gather_for_metrics(logits).cpu().numpy())
+    width = max(x.shape[1] for x in starts)
+    filled = []
+    for kept in (starts, ends):
+        array = np.full((len(windows), width), -100, dtype=np.float64)
+        row = 0
+        for part in kept:
+            array[row : row + len(part), : part.shape[1]] = part
+            row += len(part)
+        filled.append(array)
+    examples = data.eval_examples
+    predictions, _ = reference_answers(
+        examples, data.eval_windows, filled[0], filled[1], task.n_best_size, task.max_answer_length
+    )
+    references = dict(zip(examples["id"], (a["text"] for a in examples["answers"]), strict=True))
+    scores = squad_v1(predictions, references)
+    seconds = time.perf_counter() - started
+    result = {
+        "seconds": seconds,
+        "exact_match": scores["exact_match"],
+        "f1": scores["f1"],
+        "peak_memory_mb": _peak_memory_mb(accelerator.device),
+    }
+    (out / "peer.json").write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------------------ postprocess
@@ -435,7 +660,14 @@ def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("task", choices=["clm", "qa", "postprocess"])
+    parser.add_argument("task", choices=["clm", "qa", "qa-eval", "postprocess"])
+    parser.add_argument(
+        "--peer",
+        default="run_qa_no_trainer",
+        choices=["run_qa_no_trainer", "run_qa"],
+        help="qa: which Hugging Face example the peer behaves as",
+    )
+    parser.add_argument("--eval-batch-size", type=int, default=64, help="qa-eval: both sides")
     parser.add_argument("--model", type=Path, default=None, help="default: the bundled tiny one")
     parser.add_argument(
         "--resize",
@@ -458,7 +690,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "Trainer fp32)",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
-    parser.add_argument("--eval-file", type=Path, default=None, help="postprocess: SQuAD file")
+    parser.add_argument(
+        "--eval-file", type=Path, default=None, help="postprocess, qa-eval: SQuAD dev file"
+    )
     parser.add_argument("--train-file", type=Path, default=None, help="qa: SQuAD training file")
     parser.add_argument(
         "--padding", default="longest", choices=["longest", "max_length"], help="qa: ours"
@@ -484,6 +718,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     defaults = {  # per task: model, sequence length, batch
         "clm": (ASSETS / "tiny-gpt2", 128, 16),
         "qa": (ASSETS / "tiny-bert", 384, 24),
+        "qa-eval": (ASSETS / "tiny-bert", 384, 24),
         "postprocess": (ASSETS / "tiny-bert", 384, 64),
     }[args.task]
     args.model = args.model or defaults[0]
@@ -507,7 +742,12 @@ def main(argv: list[str]) -> None:
         if args.resize:
             args.model = _resized_model(args.model, args.resize, Path(tmp) / "model", args.task)
         for round_ in range(args.rounds):
-            for side, run in (("ours", run_ours), ("peer", run_peer)):
+            sides = (
+                (("ours", run_ours_eval), ("peer", run_peer))
+                if args.task == "qa-eval"
+                else (("ours", run_ours), ("peer", run_peer))
+            )
+            for side, run in sides:
                 out = Path(tmp) / f"{side}{round_}"
                 out.mkdir()
                 results[side].append(run(args, out))
@@ -516,8 +756,10 @@ def main(argv: list[str]) -> None:
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         for side, runs in results.items()
     }
-    key = "samples_per_second" if args.task == "qa" else "tokens_per_second"
+    key = {"qa": "samples_per_second", "qa-eval": "seconds"}.get(args.task, "tokens_per_second")
     ratio = summary["ours"][key] / summary["peer"][key]
+    if key == "seconds":
+        ratio = 1 / ratio  # a speed-up, as the other tasks' ratios
     precisions = _precisions(args)
     report = {
         "task": args.task,
@@ -528,7 +770,7 @@ def main(argv: list[str]) -> None:
         f"ratio_{key}": ratio,
         "rounds": results,
     }
-    print(_table(summary, ratio, key, precisions))
+    print(_table(summary, ratio, key, precisions, _peer_name(args)))
     out = args.out or ROOT / "outputs" / "benchmark" / f"{args.task}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -558,22 +800,38 @@ def _resized_model(source: Path, changes: str, folder: Path, task: str) -> Path:
     return folder
 
 
-def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str]) -> str:
-    rows = [
-        ("tokens/s", "tokens_per_second", "{:.0f}"),
-        ("samples/s", "samples_per_second", "{:.2f}"),
-        ("s/step", "s_per_step", "{:.3f}"),
-        ("peak memory (MiB)", "peak_memory_mb", "{:.0f}"),
-    ]
+def _peer_name(args: argparse.Namespace) -> str:
+    if args.task == "qa":
+        return args.peer
+    return "run_qa_no_trainer" if args.task == "qa-eval" else "Trainer"
+
+
+def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str], peer: str) -> str:
+    if key == "seconds":
+        rows = [
+            ("evaluation s", "seconds", "{:.1f}"),
+            ("exact match", "exact_match", "{:.2f}"),
+            ("F1", "f1", "{:.2f}"),
+            ("peak memory (MiB)", "peak_memory_mb", "{:.0f}"),
+        ]
+    else:
+        rows = [
+            ("tokens/s", "tokens_per_second", "{:.0f}"),
+            ("samples/s", "samples_per_second", "{:.2f}"),
+            ("s/step", "s_per_step", "{:.3f}"),
+            ("peak memory (MiB)", "peak_memory_mb", "{:.0f}"),
+        ]
     lines = [
-        "| | ours | Trainer | ours/Trainer |",
+        f"| | ours | {peer} | ours/{peer} |",
         "|---|---:|---:|---:|",
         f"| mixed precision | {precisions['ours']} | {precisions['peer']} | |",
     ]
     for label, name, fmt in rows:
-        ours, peer = summary["ours"][name], summary["peer"][name]
-        lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(peer)} | {ours / peer:.3f} |")
-    lines.append(f"\nours/Trainer {key.replace('_per_second', '/s')}: {ratio:.3f}")
+        ours, other = summary["ours"][name], summary["peer"][name]
+        share = f"{ours / other:.3f}" if other else ""
+        lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(other)} | {share} |")
+    what = "evaluation speed-up" if key == "seconds" else key.replace("_per_second", "/s")
+    lines.append(f"\nours/{peer} {what}: {ratio:.3f}")
     return "\n".join(lines)
 
 
@@ -581,6 +839,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_ours":
         _ours_child(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "_peer":
-        _peer_child(parse(sys.argv[2:-1]), Path(sys.argv[-1]))
+        peer_args = parse(sys.argv[2:-1])
+        if peer_args.task == "qa-eval":
+            _peer_eval_child(peer_args, Path(sys.argv[-1]))
+        else:
+            _peer_child(peer_args, Path(sys.argv[-1]))
     else:
         main(sys.argv[1:])
