@@ -2,9 +2,10 @@
 
 ``data.path`` may be a hub data set name, a folder of files, one file, or a ``save_to_disk``
 folder; ``data.train_file`` / ``data.eval_file`` name files directly. Reading a file is done by
-``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader for
-a format of its own (the official nested SQuAD JSON). When the source has no evaluation split, a
-seeded fraction of the training examples is held out (``data.eval_fraction``) and the log says so.
+``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader
+for a format of its own (the QA task reads and checks SQuAD JSON and JSON lines itself). When the
+source has no evaluation split, a seeded fraction of the training examples is held out
+(``data.eval_fraction``) and the log says so.
 Features built from the splits are cached on disk, keyed by the content of the data, the tokenizer
 and the feature settings.
 """
@@ -272,7 +273,7 @@ def _hold_out(train: Split, cfg: DataConfig, reason: str) -> tuple[Split, Split]
             f"{reason}, and data.eval_fraction=0. Give evaluation data with "
             "data.eval_file=... (or data.eval_split=...), or hold out part of the "
             "training data with data.eval_fraction=0.05."
-        )
+        ) from None
     total = len(train.examples)
     try:
         parts = train.examples.train_test_split(

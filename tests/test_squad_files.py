@@ -438,6 +438,14 @@ def test_other_layouts_load_the_same_questions(tmp_path, name, write):
     _same_questions(loaded.examples, expected.select(range(len(loaded.examples))))
 
 
+def test_json_lines_keep_line_separators_inside_strings(tmp_path):
+    """JSON may hold U+2028 unescaped in a string: it does not end a JSON line."""
+    row = _with(ROW, question="Where\u2028is Paris?")
+    path = tmp_path / "train.jsonl"
+    path.write_text(_jsonl([ROW]).replace("q1", "q0") + json.dumps(row, ensure_ascii=False) + "\n")
+    assert read_squad_json(path)["question"] == [ROW["question"], row["question"]]
+
+
 def test_nested_answers_given_as_columns_load(tmp_path):
     raw = _dev()
     for article in raw["data"]:

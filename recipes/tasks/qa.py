@@ -177,7 +177,9 @@ def _is_json_lines(text: str) -> bool:
 
 
 def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    for n, line in enumerate(text.splitlines(), start=1):
+    # Split at newlines only: splitlines() also splits at U+2028 and friends, which JSON allows
+    # unescaped inside strings.
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
