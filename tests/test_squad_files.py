@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import ASSETS, DataConfig
 from recipes.data import DataError
-from recipes.tasks.qa import QAData, QuestionAnswering, check_examples, read_squad_json
+from recipes.tasks.qa import QAData, QuestionAnswering
+from recipes.tasks.qa_examples import check_examples, read_squad_json
 
 V1 = ASSETS / "squad" / "v1"
 V2 = ASSETS / "squad" / "v2"
@@ -283,7 +284,7 @@ def test_json_syntax_error_names_line_and_column(tokenizer, tmp_path):
 def test_file_not_in_utf8_names_the_byte(tokenizer, tmp_path):
     data = json.dumps(_dev(), indent=1).encode()
     at = data.index(b"igneous")
-    latin1 = data[:at] + "\xe9".encode("latin-1") + data[at + 1 :]  # "égneous", as Windows saves it
+    latin1 = data[:at] + b"\xe9" + data[at + 1 :]  # "égneous" as Windows-1252 writes it
     bad = tmp_path / "train.json"
     bad.write_bytes(latin1)
     message = _refused(tokenizer, tmp_path, bad)
