@@ -2,15 +2,17 @@
 
 ``data.path`` may be a hub data set name, a folder of files, one file, or a ``save_to_disk``
 folder; ``data.train_file`` / ``data.eval_file`` name files directly. Reading a file is done by
-``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader for
-a format of its own (the official nested SQuAD JSON). When the source has no evaluation split, a
-seeded fraction of the training examples is held out (``data.eval_fraction``) and the log says so.
+``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader
+for a format of its own (the QA task reads and checks SQuAD JSON and JSON lines itself). When the
+source has no evaluation split, a seeded fraction of the training examples is held out
+(``data.eval_fraction``) and the log says so.
 Features built from the splits are cached on disk, keyed by the content of the data, the tokenizer
 and the feature settings.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import json
@@ -65,6 +67,7 @@ class Split:
     examples: Dataset
     fingerprint: str
     source: str
+    held_out: bool = False  # split off the training data (data.eval_fraction), not its own file
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -99,11 +102,34 @@ def _unnamed_files(folder: Path) -> list[Path]:
     return files
 
 
+def read_text(path: Path) -> str:
+    """The file's text as UTF-8 (a leading byte-order mark is dropped, as editors on Windows
+    write one); any other encoding is refused, naming the first byte that is not UTF-8."""
+    raw = path.read_bytes()
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise DataError(
+            f"{path}: is UTF-16 text; save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8 "
+            f"{path.name} > utf8-{path.name})."
+        )
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[bom:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = bom + err.start
+        line = raw.count(b"\n", 0, at) + 1
+        column = at - raw.rfind(b"\n", 0, at)
+        raise DataError(
+            f"{path}: not UTF-8: byte {at} (line {line}, column {column}) is {raw[at]:#04x}. "
+            f"Save the file as UTF-8 (from Latin-1 / Windows-1252: iconv -f CP1252 -t UTF-8 "
+            f"{path.name} > utf8-{path.name})."
+        ) from None
+
+
 def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Dataset:
-    if reader is not None and len(paths) == 1:
-        dataset = reader(paths[0])
-        if dataset is not None:
-            return dataset
+    if reader is not None:
+        read = [reader(p) for p in paths]
+        if all(d is not None for d in read):
+            return read[0] if len(read) == 1 else datasets.concatenate_datasets(read)
     suffix = paths[0].suffix
     builder = EXTENSIONS.get(suffix)
     where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} ({len(paths)} files)"
@@ -124,7 +150,19 @@ def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Da
             builder, data_files=[str(p) for p in paths], split="train", **options
         )
     except Exception as err:  # datasets raises many types for unreadable files
-        raise DataError(f"{where}: could not be read as {builder}: {_first_line(err)}") from None
+        cause = _root_cause(err)
+        if isinstance(cause, UnicodeDecodeError):
+            for path in paths:
+                read_text(path)  # raises, naming the byte and line
+        raise DataError(f"{where}: could not be read as {builder}: {_first_line(cause)}") from None
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The error behind ``err``: datasets wraps the parser's error (which says what and where,
+    e.g. Arrow's "JSON parse error ... in row 3") in a generic "error while generating"."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
 
 
 def _first_line(err: BaseException) -> str:
@@ -204,43 +242,64 @@ def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Spli
     (chosen with ``data.split_seed``) are held out for evaluation and the log reports it.
     """
     train = load_split(cfg, "train", reader)
+    _require_examples(train, "train", cfg)
     try:
         held = load_split(cfg, "eval", reader)
     except MissingSplit as err:
-        if not cfg.eval_fraction:
-            raise DataError(
-                f"{err}, and data.eval_fraction=0. Give evaluation data with "
-                "data.eval_file=... (or data.eval_split=...), or hold out part of the "
-                "training data with data.eval_fraction=0.05."
-            ) from None
-        parts = train.examples.train_test_split(
-            test_size=cfg.eval_fraction, seed=cfg.split_seed, shuffle=True
-        )
-        tag = f"held out {cfg.eval_fraction} seed {cfg.split_seed}"
-        log.info(
-            "%s; holding out %d of its %d examples for evaluation (data.eval_fraction=%s, "
-            "data.split_seed=%d)",
-            err,
-            len(parts["test"]),
-            len(train.examples),
-            cfg.eval_fraction,
-            cfg.split_seed,
-        )
-        held = Split(parts["test"], f"{train.fingerprint} {tag} test", f"{train.source} ({tag})")
-        train = Split(parts["train"], f"{train.fingerprint} {tag} train", f"{train.source} ({tag})")
+        held, train = _hold_out(train, cfg, reason=str(err))
     splits = {"train": train, "eval": held}
     for role, limit in (("train", cfg.max_train_examples), ("eval", cfg.max_eval_examples)):
         split = splits[role]
-        if len(split.examples) == 0:
-            key = f"data.{role}_file" if getattr(cfg, f"{role}_file") else "data.path"
-            raise DataError(
-                f"{role} data {split.source}: holds no examples. Point {key} at a file or "
-                "folder with data (and check data.train_split / data.eval_split)."
-            )
+        _require_examples(split, role, cfg)
         if limit is not None and limit < len(split.examples):
             split.examples = split.examples.select(range(limit))
             split.fingerprint = f"{split.fingerprint} first {limit}"
     return splits
+
+
+def _require_examples(split: Split, role: str, cfg: DataConfig) -> None:
+    if len(split.examples) == 0:
+        key = f"data.{role}_file" if getattr(cfg, f"{role}_file") else "data.path"
+        raise DataError(
+            f"{role} data {split.source}: holds no examples. Point {key} at a file or "
+            "folder with data (and check data.train_split / data.eval_split)."
+        )
+
+
+def _hold_out(train: Split, cfg: DataConfig, reason: str) -> tuple[Split, Split]:
+    """(eval, train): ``data.eval_fraction`` of ``train`` held out for evaluation, the rest."""
+    if not cfg.eval_fraction:
+        raise DataError(
+            f"{reason}, and data.eval_fraction=0. Give evaluation data with "
+            "data.eval_file=... (or data.eval_split=...), or hold out part of the "
+            "training data with data.eval_fraction=0.05."
+        ) from None
+    total = len(train.examples)
+    try:
+        parts = train.examples.train_test_split(
+            test_size=cfg.eval_fraction, seed=cfg.split_seed, shuffle=True
+        )
+    except ValueError:  # one of the two parts would be empty
+        raise DataError(
+            f"train data {train.source}: {total} example(s) are too few to hold out "
+            f"data.eval_fraction={cfg.eval_fraction} of them for evaluation and train on the "
+            "rest. Give evaluation data with data.eval_file=..., or use more training data."
+        ) from None
+    tag = f"held out {cfg.eval_fraction} seed {cfg.split_seed}"
+    log.info(
+        "%s; holding out %d of its %d examples for evaluation (data.eval_fraction=%s, "
+        "data.split_seed=%d)",
+        reason,
+        len(parts["test"]),
+        total,
+        cfg.eval_fraction,
+        cfg.split_seed,
+    )
+    source = f"{train.source} ({tag})"
+    return (
+        Split(parts["test"], f"{train.fingerprint} {tag} test", source, held_out=True),
+        Split(parts["train"], f"{train.fingerprint} {tag} train", source, held_out=True),
+    )
 
 
 def _file_digest(path: Path) -> str:

@@ -1,13 +1,13 @@
 """Extractive question answering (SQuAD v1.1 and v2.0).
 
-What the task adds to the shared loop: reading and checking SQuAD data, turning questions and
-contexts into windowed features with labels, and turning the model's logits back into answers and
-EM / F1. Everything else (devices, precision, batching, logging, saving) is the loop's.
+What the task adds to the shared loop: reading and checking SQuAD data (``qa_examples``), turning
+questions and contexts into windowed features with labels, and turning the model's logits back
+into answers and EM / F1. Everything else (devices, precision, batching, logging, saving) is the
+loop's.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,110 +27,11 @@ from recipes.log import get_logger
 from recipes.metrics.squad import squad_v1, squad_v2
 from recipes.tasks.base import Task, TaskData, write_json
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
+from recipes.tasks.qa_examples import check_disjoint, check_examples, read_squad_json
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
-COLUMNS = ("id", "context", "question", "answers")
-MAX_REPORTED_PROBLEMS = 5
-
-
-def read_squad_json(path: Path) -> Dataset | None:
-    """Flatten an official nested SQuAD JSON file (v1.1 or v2.0) into one row per question.
-
-    Returns None when the file is not in that layout (so the generic JSON reader takes it).
-    The rows have the columns of the hub's ``squad`` / ``squad_v2`` data sets; unanswerable
-    v2.0 questions get empty answer lists (their ``plausible_answers`` are not answers).
-    """
-    if path.suffix != ".json":
-        return None
-    with path.open(encoding="utf-8") as handle:
-        try:
-            raw = json.load(handle)
-        except json.JSONDecodeError:
-            return None  # JSON lines, or broken: let the generic reader report it
-    if not (isinstance(raw, dict) and isinstance(raw.get("data"), list)):
-        return None
-    rows: dict[str, list[Any]] = {
-        "id": [],
-        "title": [],
-        "context": [],
-        "question": [],
-        "answers": [],
-    }
-    for a, article in enumerate(raw["data"]):
-        for p, paragraph in enumerate(article.get("paragraphs", [])):
-            if "context" not in paragraph or "qas" not in paragraph:
-                raise DataError(
-                    f"{path}: data[{a}].paragraphs[{p}] lacks 'context' or 'qas'; "
-                    "is this an official SQuAD file?"
-                )
-            for q, qa in enumerate(paragraph["qas"]):
-                missing = [key for key in ("id", "question", "answers") if key not in qa]
-                if missing:
-                    raise DataError(
-                        f"{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get('id', '?')}) "
-                        f"lacks {', '.join(missing)}."
-                    )
-                answers = [] if qa.get("is_impossible") else qa["answers"]
-                rows["id"].append(str(qa["id"]))
-                rows["title"].append(article.get("title", ""))
-                rows["context"].append(paragraph["context"])
-                rows["question"].append(qa["question"])
-                rows["answers"].append(
-                    {
-                        "text": [answer["text"] for answer in answers],
-                        "answer_start": [int(answer["answer_start"]) for answer in answers],
-                    }
-                )
-    return Dataset.from_dict(rows)
-
-
-def check_examples(dataset: Dataset, source: str, allow_unanswerable: bool) -> None:
-    """Refuse data whose labels are broken, naming the question and the field.
-
-    Training on an answer whose ``answer_start`` does not point at its text silently teaches the
-    model wrong spans, so every offset is checked once, before any feature is built.
-    """
-    missing = [c for c in COLUMNS if c not in dataset.column_names]
-    if missing:
-        raise DataError(
-            f"{source}: missing column(s) {', '.join(missing)} (has "
-            f"{', '.join(dataset.column_names)}); SQuAD data needs {', '.join(COLUMNS)}."
-        )
-    if len(dataset) == 0:
-        raise DataError(f"{source}: holds no questions.")
-    problems: list[str] = []
-    for row in dataset.select_columns(list(COLUMNS)):
-        qid, context, answers = row["id"], row["context"], row["answers"]
-        if not context or not context.strip():
-            problems.append(f"id {qid}: empty context")
-        if not row["question"] or not row["question"].strip():
-            problems.append(f"id {qid}: empty question")
-        texts, starts = answers.get("text", []), answers.get("answer_start", [])
-        if len(texts) != len(starts):
-            problems.append(f"id {qid}: {len(texts)} answer texts but {len(starts)} answer_start")
-            continue
-        if not texts and not allow_unanswerable:
-            problems.append(
-                f"id {qid}: no answer (SQuAD v2.0 data? use recipe=bert_squad_v2 or "
-                "task.version_2_with_negative=true)"
-            )
-        for n, (text, start) in enumerate(zip(texts, starts, strict=True)):
-            found = context[start : start + len(text)] if start >= 0 else None
-            if found != text:
-                problems.append(
-                    f"id {qid}: answers.answer_start[{n}]={start} points at {found!r}, "
-                    f"not at the answer text {text!r}"
-                )
-    if problems:
-        shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
-        more = len(problems) - MAX_REPORTED_PROBLEMS
-        raise DataError(
-            f"{source}: {len(problems)} broken example(s): {shown}"
-            + (f"; and {more} more" if more > 0 else "")
-            + ". Fix the file or remove those questions."
-        )
 
 
 @dataclass
@@ -218,6 +119,7 @@ class QuestionAnswering(Task):
             check_examples(
                 split.examples, f"{role} data {split.source}", self.version_2_with_negative
             )
+        check_disjoint(splits["train"], splits["eval"])
 
         tokenizer_hash = data_lib.tokenizer_fingerprint(tokenizer)
         root = data_lib.cache_root(cfg)
