@@ -444,33 +444,42 @@ def default_attn_implementation() -> str:
     return "sdpa"
 
 
-def _fused_kernel_devices() -> frozenset[str]:
+def _fused_kernel_devices(release: tuple[int, int]) -> frozenset[str]:
     # torch/utils/_foreach_utils.py::_get_fused_kernels_supported_devices: torch 2.2 and 2.3 list
     # cuda, xpu and the PrivateUse1 backend; torch 2.4 adds cpu and mps. AdamW(fused=True)
     # checks its parameters against this list when it is built, not when it steps.
     kinds = {CUDA, "xpu", torch._C._get_privateuse1_backend_name()}
-    if torch_version() >= (2, 4):
+    if release >= (2, 4):
         kinds |= {CPU, "mps"}
     return frozenset(kinds)
 
 
-def fused_adamw_ok(target: torch.device | str, params_on: torch.device | str) -> bool:
+def fused_adamw_ok(
+    target: torch.device | str,
+    params_on: torch.device | str,
+    release: tuple[int, int] | None = None,
+) -> bool:
     """Whether ``torch.optim.AdamW(fused=True)`` can be built and stepped for this run.
 
     Args:
         target: The device the parameters train on.
         params_on: Where the parameters are when the optimizer is built (before
             ``accelerator.prepare``: the CPU).
+        release: torch's major.minor; defaults to this torch's.
 
     Returns:
-        True where this torch accepts the parameters' current device and the target has the
+        True where that torch accepts the parameters' current device and the target has the
         kernel; False on MUSA, where torch's fused AdamW fails and torch_musa has its own
         (:func:`musa_fused_adamw`).
     """
-    target_kind, params_kind = torch.device(target).type, torch.device(params_on).type
+    # Device types as strings: "musa" only parses as a torch.device once torch_musa is loaded.
+    target_kind, params_kind = (
+        where.type if isinstance(where, torch.device) else str(where).partition(":")[0]
+        for where in (target, params_on)
+    )
     if target_kind not in (CUDA, CPU):
         return False
-    kinds = _fused_kernel_devices()
+    kinds = _fused_kernel_devices(torch_version() if release is None else release)
     return target_kind in kinds and params_kind in kinds
 
 
