@@ -480,9 +480,21 @@ def _advice_launch(report: dict[str, Any]) -> list[str]:
             f"{count} devices with {report['distributed_backend'].upper()}: `python -m "
             "recipes.env --write-accelerate-config conf/accelerate/local.yaml` writes a "
             f"{distributed_type} config with {processes} processes; "
-            "`python train.py` alone uses one device."
+            "`python train.py` alone uses one device. A model too large for one device: "
+            f"{_fsdp_config(report)}."
         ]
     return []
+
+
+def _fsdp_config(report: dict[str, Any]) -> str:
+    """FSDP2 where accelerate (>= 1.6, ``fsdp_version: 2``) and torch (>= 2.6) have it."""
+    accelerate = _version_tuple(report["versions"].get("accelerate") or "0.0")
+    if _version_tuple(report["versions"]["torch"]) >= (2, 6) and accelerate >= (1, 6):
+        return "conf/accelerate/fsdp2.yaml (FSDP2)"
+    return (
+        "conf/accelerate/fsdp.yaml (FSDP1; FSDP2, conf/accelerate/fsdp2.yaml, needs torch >= 2.6 "
+        "and accelerate >= 1.6)"
+    )
 
 
 def _advice_precision(report: dict[str, Any]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import free_port, run_cpu_launch
 
@@ -171,6 +173,7 @@ def test_accelerate_configs_exist() -> None:
         "multi_musa.yaml",
         "multi_musa_2nodes.yaml",
         "fsdp.yaml",
+        "fsdp2.yaml",
         "cpu.yaml",
     } <= names
 
@@ -188,6 +191,26 @@ def test_accelerate_config_parses(path: Path) -> None:
     if config.num_machines > 1:  # processes of all machines, the same number on each
         assert config.num_processes == 8 * config.num_machines
         assert config.distributed_type.value == "MULTI_MUSA"
+
+
+@pytest.mark.skipif(
+    env._version_tuple(importlib.metadata.version("accelerate")) < (1, 6)
+    or env._version_tuple(torch.__version__) < (2, 6),
+    reason="FSDP2 needs accelerate >= 1.6 and torch >= 2.6",
+)
+def test_fsdp2_config_builds_accelerates_fsdp2_plugin() -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    text = (ROOT / "conf/accelerate/fsdp2.yaml").read_text(encoding="utf-8")
+    found = yaml.safe_load(text)["fsdp_config"]
+    # The launcher passes these as FSDP_* variables; the plugin takes the same values.
+    renamed = {"fsdp_version": "fsdp_version", "fsdp_offload_params": "cpu_offload"}
+    plugin = FullyShardedDataParallelPlugin(
+        **{renamed.get(k, k.removeprefix("fsdp_")): v for k, v in found.items()}
+    )
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    assert "TORCH_MUSA_FSDP2_OVERLAP_LEVEL" in text
 
 
 def test_reference_multi_musa_config() -> None:
@@ -512,6 +535,7 @@ def test_s4000_with_mccl_is_multi_musa(tmp_path: Path) -> None:
     report = _musa_report("MTT S4000", 8, mccl=True, bf16=True)
     advice = "\n".join(env.advice(report))
     assert "8 devices with MCCL" in advice
+    assert "conf/accelerate/fsdp.yaml (FSDP1" in advice  # the report's torch 2.2
     assert "MTT S4000 has native bf16; trainer.mixed_precision=auto (the default) picks bf16" in (
         advice
     )
