@@ -916,3 +916,47 @@ def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr[-2000:]
     probes = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
     assert probes == [["0", "2", "MULTI_CPU", "gloo"], ["1", "2", "MULTI_CPU", "gloo"]]
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S4000-py310",
+            "S4000",
+        ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc4.2.0-v2.1.0-S80-py310",
+            "S80",
+        ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S3000-py38",
+            "S3000",
+        ),
+        ("registry.mthreads.com/mcconline/musa-pytorch-release-public:latest", None),
+        ("python:3.11-slim", None),
+        (None, None),
+    ],
+)
+def test_image_gpu_from_the_vendor_tag(image: str | None, expected: str | None) -> None:
+    assert env.image_gpu(image) == expected
+
+
+def test_dockerfile_default_image_is_an_s4000_build() -> None:
+    text = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    default = next(
+        line.partition("=")[2] for line in text.splitlines() if line.startswith("ARG BASE_IMAGE=")
+    )
+    assert env.image_gpu(default) == "S4000"
+    assert "RECIPES_BASE_IMAGE=${BASE_IMAGE}" in text
+
+
+def test_advice_names_the_image_build_and_a_mismatch() -> None:
+    image = "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc4.2.0-v2.1.0-S80-py310"
+    s80 = _musa_report("MTT S80", 1, mccl=False, bf16=False)
+    s80.update(image=image, image_gpu="S80")
+    assert f"This container's base image is the S80 build ({image})." in env.advice(s80)
+    s4000 = _musa_report("MTT S4000", 1, mccl=True, bf16=True)
+    s4000.update(image=image, image_gpu="S80")
+    advice = "\n".join(env.advice(s4000))
+    assert "but the devices are MTT S4000: rebuild with --build-arg BASE_IMAGE=" in advice
