@@ -47,17 +47,19 @@ def build_optimizer(
     keywords = dict(getattr(make_optimizer, "keywords", {}))
     groups = parameter_groups(model, keywords.get("weight_decay", 0.0))
     func = getattr(make_optimizer, "func", None)
-    adam = func in (torch.optim.AdamW, torch.optim.Adam)
-    if keywords.get("fused") is not None or target is None or not adam:
+    fused = keywords.get("fused")
+    if fused is False or target is None or func not in (torch.optim.AdamW, torch.optim.Adam):
         return _portable(make_optimizer(params=groups))
     on_musa = func is torch.optim.AdamW and target.type == device.MUSA
     musa_fused = device.musa_fused_adamw() if on_musa else None
-    if musa_fused is not None:
+    if musa_fused is not None:  # also for fused: true, which torch's AdamW fails with on MUSA
         hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
         return _portable(musa_fused(groups, **hyper))
+    if fused:  # asked for explicitly: torch's own error if this torch cannot
+        return _portable(make_optimizer(params=groups))
     params_on = next(model.parameters()).device
-    fused = device.fused_adamw_ok(target, params_on)
-    return _portable(make_optimizer(params=groups, **({"fused": True} if fused else {})))
+    extra = {"fused": True} if device.fused_adamw_ok(target, params_on) else {}
+    return _portable(make_optimizer(params=groups, **extra))
 
 
 def _portable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

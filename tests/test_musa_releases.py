@@ -39,6 +39,9 @@ peak_off = device.peak_flops(musa, precision_for_peak("no", off))
 on = device.set_tf32(True)
 peak_on = device.peak_flops(musa, precision_for_peak("no", on))
 model = torch.nn.Linear(4, 4)
+explicit = build_optimizer(
+    functools.partial(torch.optim.AdamW, lr=1e-3, fused=True), torch.nn.Linear(4, 4), musa
+)
 optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3, fused=None), model, musa)
 
 def steps(opt, net, count):
@@ -75,6 +78,7 @@ print(json.dumps({
     "peak_off": peak_off, "peak_on": peak_on,
     "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
     "optimizer_fused": optimizer.defaults.get("fused"),
+    "explicit_fused": type(explicit).__name__,
     "doctor": {k: report[k] for k in ("torch_musa", "sdpa_probe", "default_attn_implementation")},
     "advice": report["advice"],
 }))
@@ -167,6 +171,8 @@ def test_mfu_uses_the_tf32_setting_in_effect(tag: str) -> None:
 def test_fused_optimizer_choice(tag: str, optimizer: str, fused: bool | None) -> None:
     found = decisions(tag)
     assert (found["optimizer"], found["optimizer_fused"]) == (optimizer, fused)
+    # optimizer.fused=true on MUSA also means torch_musa's kernel where there is one.
+    assert found["explicit_fused"] == optimizer.rpartition(".")[2]
 
 
 @pytest.mark.parametrize("tag", sorted(CASES))
