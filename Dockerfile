@@ -6,8 +6,15 @@
 #
 # CPU-only variant (no MUSA needed; torch comes from TORCH_INDEX_URL, the CPU wheels):
 #   docker build --build-arg BASE_IMAGE=python:3.11-slim -t musa-recipes:cpu .
-ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:latest
+# The base is an explicit MTT S4000 build: torch_musa 1.3.0 on torch 2.2, Python 3.10, the tag
+# the vendor's torch_musa README lists (commit aa63a73, "Docker Image for User"). `:latest` is
+# whatever the vendor last pushed (its own example runs it as an S80 image). S80 / S3000 hosts:
+#   --build-arg BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S80-py310
+# (or -S3000-py310). `python -m recipes.env` in the container names the build (RECIPES_BASE_IMAGE).
+ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S4000-py310
 FROM ${BASE_IMAGE}
+# An ARG before FROM is not visible after it unless declared again.
+ARG BASE_IMAGE
 
 # Used only when the base image has no torch (the CPU variant). MUSA images bring torch and the
 # torch_musa built against it, and those must stay exactly as they are.
@@ -20,6 +27,7 @@ ARG EXTRA_REQUIREMENTS=""
 ARG USER_UID=1000
 
 ENV PYTHONUNBUFFERED=1 \
+    RECIPES_BASE_IMAGE=${BASE_IMAGE} \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore

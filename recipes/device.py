@@ -20,6 +20,7 @@ import os
 import re
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,22 +61,11 @@ VENDOR_TOOLS: dict[str, str] = {MUSA: "mthreads-gmi", CUDA: "nvidia-smi"}
 KERNEL_MODULES: dict[str, str] = {MUSA: "mtgpu", CUDA: "nvidia"}
 _SYS_MODULE = "/sys/module"
 
-# The torch each torch_musa release is built against (Moore Threads' release notes): (release as Moore Threads names
-# it, its major.minor, torch). ``-pt25`` builds of v2.0.0 are the one suffix that changes torch.
-_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
-    ("v1.0-v1.2", (1, 0), "2.0.0"),
-    ("v1.0-v1.2", (1, 1), "2.0.0"),
-    ("v1.0-v1.2", (1, 2), "2.0.0"),
-    ("v1.3.x", (1, 3), "2.2.0"),
-    ("v2.0.x", (2, 0), "2.2.0"),
-    ("v2.0.0-pt25", (2, 0), "2.5.0"),
-    ("v2.1.x", (2, 1), "2.5.0"),
-    ("v2.5.0", (2, 5), "2.5.0"),
-    ("v2.7.x", (2, 7), "2.7.1"),
-)
-
-# Opt-in for the MUSA fused SDPA kernel, whose backward pass was missing in early torch_musa.
-MUSA_SDPA_ENV_VAR = "RECIPES_MUSA_SDPA"
+# torch_musa releases from which MuDNN's flash SDPA has a backward pass (``MuDNNFlashSDPABwd`` in
+# torch_musa/csrc/aten/ops/attention/mudnn/SDP.cpp, first in v1.2.1); before it only eager
+# attention trains. Where flash does not apply (arch < 2.2, fp32, head_dim > 128) torch_musa
+# dispatches SDPA to its math kernel, which has a backward in those releases too.
+_MUSA_SDPA_BACKWARD = (1, 2, 1)
 
 # MUSA compute capability from which bf16 and TF32 are native (MTT S4000, arch QY2).
 _MUSA_BF16_CAPABILITY = (2, 2)
@@ -126,40 +116,17 @@ def torch_musa_info() -> dict[str, str | bool | None]:
     }
 
 
-def _major_minor(version: str) -> tuple[int, int] | None:
-    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
-    return None if match is None else (int(match[1]), int(match[2]))
+def _release(version: str) -> tuple[int, ...] | None:
+    """``(1, 3, 0)`` from ``"1.3.0+abc1234"`` / ``"v2.0.0-pt25"``; None when unreadable."""
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    return None if match is None else tuple(int(part or 0) for part in match.groups())
 
 
-def torch_for_torch_musa(version: str) -> str | None:
-    """Name the torch release a torch_musa release is built against.
-
-    Args:
-        version: torch_musa's version (``"1.3.0"``, ``"2.0.0-pt25"``, ``"v2.7.0"``).
-
-    Returns:
-        ``"2.2.0"`` and the like; None for a release not in the table (not guessed).
-    """
-    key = _major_minor(version)
-    pt25 = "pt25" in version
-    for label, release, torch_version in _TORCH_MUSA_BUILDS:
-        if release == key and ("pt25" in label) == pt25:
-            return torch_version
-    return None
-
-
-def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
-    """List the torch_musa releases built against a torch release.
-
-    Args:
-        torch_version: A torch version (``torch.__version__``); compared by major.minor.
-
-    Returns:
-        Release names such as ``["v1.3.x", "v2.0.x"]``; empty when none matches.
-    """
-    key = _major_minor(torch_version)
-    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
-    return list(dict.fromkeys(releases))
+def torch_version() -> tuple[int, int]:
+    """This torch's major.minor (vendor builds such as ``2.2.0a0+git8ac9b20`` count as 2.2)."""
+    release = _release(torch.__version__)
+    assert release is not None, torch.__version__
+    return release[0], release[1]
 
 
 def torch_accelerator_build() -> str | None:
@@ -458,33 +425,107 @@ def cpu_mixed_precision(native: bool | None, autocast: bool) -> str:
     return "bf16" if native and autocast else "no"
 
 
+def musa_sdpa_trains(version: str | None) -> bool:
+    """Whether a torch_musa release has SDPA kernels with a backward pass (v1.2.1 and later)."""
+    release = None if version is None else _release(version)
+    return release is not None and release >= _MUSA_SDPA_BACKWARD
+
+
 def default_attn_implementation() -> str:
     """Choose the transformers ``attn_implementation`` for this machine.
 
     Returns:
-        ``"eager"`` on MUSA, because the fused SDPA kernel had no backward pass in early
-        torch_musa releases (set ``RECIPES_MUSA_SDPA=1`` when the installed one has it);
-        ``"sdpa"`` elsewhere.
+        ``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1, whose SDPA had no
+        backward pass (``"eager"`` there). ``python -m recipes.env`` checks SDPA against eager on
+        the device, so a torch_musa build whose kernels are wrong is caught before a run.
     """
     if backend() == MUSA:
-        opted_in = os.environ.get(MUSA_SDPA_ENV_VAR, "").strip().lower() in {"1", "true", "yes"}
-        return "sdpa" if opted_in else "eager"
+        return "sdpa" if musa_sdpa_trains(torch_musa_info()["version"]) else "eager"
     return "sdpa"
 
 
-def supports_fused_adamw(device: torch.device | str) -> bool:
-    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch.
+def _fused_kernel_devices(release: tuple[int, int]) -> frozenset[str]:
+    # torch/utils/_foreach_utils.py::_get_fused_kernels_supported_devices: torch 2.2 and 2.3 list
+    # cuda, xpu and the PrivateUse1 backend; torch 2.4 adds cpu and mps. AdamW(fused=True)
+    # checks its parameters against this list when it is built, not when it steps.
+    kinds = {CUDA, "xpu", torch._C._get_privateuse1_backend_name()}
+    if release >= (2, 4):
+        kinds |= {CPU, "mps"}
+    return frozenset(kinds)
 
-    CUDA has had the fused kernel since torch 2.0 and the CPU since 2.4. MUSA is left on the
-    default (foreach) implementation until a torch_musa release is known to ship the kernel.
+
+def fused_adamw_ok(
+    target: torch.device | str,
+    params_on: torch.device | str,
+    release: tuple[int, int] | None = None,
+) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` can be built and stepped for this run.
+
+    Args:
+        target: The device the parameters train on.
+        params_on: Where the parameters are when the optimizer is built (before
+            ``accelerator.prepare``: the CPU).
+        release: torch's major.minor; defaults to this torch's.
+
+    Returns:
+        True where that torch accepts the parameters' current device and the target has the
+        kernel; False on MUSA, where torch's fused AdamW fails and torch_musa has its own
+        (:func:`musa_fused_adamw`).
     """
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return True
-    if kind == "cpu":
-        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-        return (major, minor) >= (2, 4)
-    return False
+    # Device types as strings: "musa" only parses as a torch.device once torch_musa is loaded.
+    target_kind, params_kind = (
+        where.type if isinstance(where, torch.device) else str(where).partition(":")[0]
+        for where in (target, params_on)
+    )
+    if target_kind not in (CUDA, CPU):
+        return False
+    kinds = _fused_kernel_devices(torch_version() if release is None else release)
+    return target_kind in kinds and params_kind in kinds
+
+
+def musa_fused_adamw() -> type[torch.optim.Optimizer] | None:
+    """torch_musa's ``FusedAdamW`` (v2.5 and later; the vendor's recommendation on MUSA), or None.
+
+    It takes AdamW's hyper-parameters (no ``fused`` / ``foreach``) and keeps the same state
+    (``step``, ``exp_avg``, ``exp_avg_sq``), so its checkpoints load into ``torch.optim.AdamW``.
+    """
+    if not _import_torch_musa():
+        return None
+    try:
+        optim = importlib.import_module("torch_musa.optim")
+    except ImportError:
+        return None
+    return getattr(optim, "FusedAdamW", None)
+
+
+def compile_unsupported_reason(name: str | None = None) -> str | None:
+    """Why ``torch.compile`` cannot train on this backend, or None when it can.
+
+    torch_musa registers its dynamo device interface and inductor backend from v2.0
+    (``torch_musa/_dynamo``, ``torch_musa/_inductor``); v1.3 has neither.
+    """
+    name = backend() if name is None else name
+    if name != MUSA or importlib.util.find_spec("torch_musa._dynamo") is not None:
+        return None
+    version = torch_musa_info()["version"] or "this version"
+    return (
+        f"torch_musa {version} has no torch.compile (dynamo/inductor) backend for MUSA; it "
+        "first ships in torch_musa v2.0"
+    )
+
+
+def pin_memory_kwargs(pin: bool, target: torch.device) -> dict[str, Any]:
+    """DataLoader arguments that page-lock batches for ``target``'s copies (none on cpu).
+
+    torch before 2.6 pins for CUDA only unless ``pin_memory_device`` names the backend; later
+    releases pin for the current accelerator and deprecate the argument.
+    """
+    kind = torch.device(target).type
+    if not pin or kind == CPU:
+        return {"pin_memory": False}
+    if hasattr(torch, "accelerator"):  # torch >= 2.6
+        return {"pin_memory": True}
+    return {"pin_memory": True, "pin_memory_device": kind}
 
 
 def mccl_available() -> bool:
@@ -566,20 +607,52 @@ def accelerate_distributed_type(num_processes: int, name: str | None = None) -> 
     return {MUSA: "MULTI_MUSA", CUDA: "MULTI_GPU"}.get(name, "MULTI_CPU")
 
 
-def enable_tf32() -> None:
-    """Let fp32 matmuls and convolutions use TF32 where the hardware has it.
+def _has_fp32_precision() -> bool:
+    # torch >= 2.9: the fine-grained ``fp32_precision`` settings; setting the older
+    # ``allow_tf32`` flags there is deprecated and warns (pytorch/pytorch#166387).
+    try:
+        torch.backends.cuda.matmul.fp32_precision  # noqa: B018
+        torch.backends.cudnn.conv.fp32_precision  # noqa: B018
+    except AttributeError:
+        return False
+    return True
 
-    Uses the legacy ``allow_tf32`` flags because the newer ``fp32_precision`` API does not exist
-    in torch 2.2, the oldest torch a MUSA image ships. No-op on cpu.
+
+def set_tf32(enabled: bool) -> bool:
+    """Turn TF32 for fp32 matmuls and convolutions on or off, on every backend.
+
+    Both ways matter: torch_musa 2.7 enables TF32 by default (``allow_tf32_ = true`` in
+    ``csrc/aten/utils/Context.h``; false up to 2.5), so ``trainer.tf32=false`` must switch it off.
+
+    Returns:
+        Whether fp32 matmuls now run in TF32 (read back from the backend), for MFU.
     """
     name = backend()
     if name == MUSA:
         mudnn = getattr(torch.backends, "mudnn", None)
         if mudnn is not None:
-            mudnn.allow_tf32 = True
+            mudnn.allow_tf32 = enabled
     elif name == CUDA:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        if _has_fp32_precision():
+            precision = "tf32" if enabled else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = precision
+            torch.backends.cudnn.conv.fp32_precision = precision
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = enabled
+            torch.backends.cudnn.allow_tf32 = enabled
+    return tf32_enabled()
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on this machine's accelerator run in TF32 now (False on cpu)."""
+    name = backend()
+    if name == MUSA:
+        return bool(getattr(getattr(torch.backends, "mudnn", None), "allow_tf32", False))
+    if name == CUDA:
+        if _has_fp32_precision():
+            return torch.backends.cuda.matmul.fp32_precision == "tf32"
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return False
 
 
 def _module_for(device: torch.device | str) -> tuple[torch.device, types.ModuleType | None]:

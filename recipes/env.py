@@ -16,13 +16,21 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":
+    # torch_musa >= 2.0 built for torch 2.5 registers a ``torch.backends`` entry point, so from
+    # torch 2.5 ``import torch`` loads it and a broken one raises before any advice is given. The
+    # doctor imports torch without autoloading and loads torch_musa itself, catching the error.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 import yaml
@@ -37,6 +45,57 @@ _CPU_LAUNCH = (
     "ACCELERATE_USE_CPU=1 accelerate launch --config_file conf/accelerate/cpu.yaml --multi_gpu "
     "train.py recipe=<name>"
 )
+
+
+# The torch each torch_musa release is built against (the ``TORCH_MIN_VERSION`` / "torch version
+# should be" check in each tag's torch_musa/__init__.py): (release as Moore Threads names it, the
+# version prefix it reports, torch). v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>`` (setup.py
+# writes version.txt plus the commit), so 2.0 maps to two torch releases and either one matches.
+_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
+    ("v1.0-v1.2", (1, 0), "2.0.0"),
+    ("v1.0-v1.2", (1, 1), "2.0.0"),
+    ("v1.0-v1.2", (1, 2), "2.0.0"),
+    ("v1.3.x", (1, 3), "2.2.0"),
+    ("v2.0.x", (2, 0), "2.2.0"),
+    ("v2.0.0-pt25", (2, 0), "2.5.0"),
+    ("v2.1.x", (2, 1), "2.5.0"),
+    ("v2.5.0", (2, 5), "2.5.0"),
+    ("v2.7.x", (2, 7), "2.7.1"),
+)
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+def torch_for_torch_musa(version: str) -> tuple[str, ...]:
+    """The torch releases a torch_musa version may be built against.
+
+    Args:
+        version: torch_musa's ``__version__`` (``"2.0.0+8b583b3"``) or a release name
+            (``"v2.0.0-pt25"``).
+
+    Returns:
+        ``("2.2.0",)``; ``("2.2.0", "2.5.0")`` for a 2.0 build that does not say which; empty
+        for a release not in the table (not guessed).
+    """
+    key = _major_minor(version)
+    found = [built for _, release, built in _TORCH_MUSA_BUILDS if release == key]
+    if "pt25" in version:
+        found = [built for built in found if built == "2.5.0"]
+    return tuple(dict.fromkeys(found))
+
+
+def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
+    """List the torch_musa releases built against a torch release (compared by major.minor).
+
+    Returns:
+        Release names such as ``["v1.3.x", "v2.0.x"]``; empty when none matches.
+    """
+    key = _major_minor(torch_version)
+    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
+    return list(dict.fromkeys(releases))
 
 
 def _dist_version(name: str) -> str | None:
@@ -106,6 +165,92 @@ def _launch_plan(report: dict[str, Any]) -> tuple[int, str]:
     return processes, device.accelerate_distributed_type(processes, report["backend"])
 
 
+def sdpa_probe(where: str, dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
+    """One training step of attention through SDPA, checked against eager attention.
+
+    Forward and backward of ``scaled_dot_product_attention`` with a padding mask, as BERT
+    uses it, at head_dim 64 (MUSA's flash kernel for fp16/bf16 on arch >= 2.2; its math kernel
+    otherwise): outputs and gradients must be finite and close to an fp32 eager reference, so a
+    torch_musa build with a wrong kernel is caught here rather than as a diverging run.
+
+    Returns:
+        ``ok``, and per dtype the largest error relative to the reference's magnitude (or the
+        exception that the step raised).
+    """
+    tolerance = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, 4, 32, 64)  # batch, heads, positions, head_dim
+    base = [torch.randn(shape, generator=generator) for _ in range(3)]
+    keep = torch.ones(2, 1, 1, 32, dtype=torch.bool)
+    keep[1, ..., 24:] = False  # the second sequence is padded
+    results: dict[str, Any] = {"device": where, "ok": True, "dtypes": {}}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        try:
+            error = _sdpa_error(base, keep, where, dtype)
+        except Exception as err:  # any failure of the kernels is the finding
+            results["dtypes"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            results["ok"] = False
+            continue
+        ok = error <= tolerance.get(dtype, 5e-3)
+        results["dtypes"][name] = {"ok": ok, "relative_error": error}
+        results["ok"] = results["ok"] and ok
+    return results
+
+
+def _sdpa_error(
+    base: list[torch.Tensor], keep: torch.Tensor, where: str, dtype: torch.dtype
+) -> float:
+    def step(fn: Any, cast: torch.dtype, on: str) -> list[torch.Tensor]:
+        q, k, v = (t.to(on, cast).requires_grad_() for t in base)
+        out = fn(q, k, v, keep.to(on))
+        out.float().pow(2).sum().backward()
+        return [t.detach().float().cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+    def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    # The reference sees the same rounded inputs, in fp32 on the CPU.
+    base = [t.to(dtype).float() for t in base]
+    got, want = step(sdpa, dtype, where), step(eager, torch.float32, device.CPU)
+    if not all(torch.isfinite(t).all() for t in got):
+        return math.inf
+    return max(
+        float((g - w).abs().max() / w.abs().max().clamp_min(1e-6))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def _probe_dtypes(backend: str) -> list[torch.dtype]:
+    if backend == device.CPU:
+        return [torch.float32]
+    half = torch.bfloat16 if device.supports_bf16() else torch.float16
+    return [half, torch.float32]
+
+
+def _probe_device(backend: str) -> str:
+    module = device.device_module(backend)
+    return backend if module is None else f"{backend}:{module.current_device()}"
+
+
+# The Dockerfile passes its base image on (``RECIPES_BASE_IMAGE``); the vendor's tags name the
+# GPU family they are built for (``rc3.1.0-v1.3.0-S4000-py310``).
+BASE_IMAGE_ENV_VAR = "RECIPES_BASE_IMAGE"
+
+
+def image_gpu(image: str | None) -> str | None:
+    """The GPU family a MUSA image tag is built for (``"S4000"``, ``"S80"``), None if unnamed."""
+    if not image:
+        return None
+    tag = image.rpartition(":")[2]
+    match = re.search(r"(?:^|-)(S\d{2,4})(?:-|$)", tag, re.IGNORECASE)
+    return None if match is None else match[1].upper()
+
+
 def collect() -> dict[str, Any]:
     """Gather the environment facts.
 
@@ -120,7 +265,7 @@ def collect() -> dict[str, Any]:
     musa = device.torch_musa_info()
     torch_musa_version = musa["version"] or _dist_version("torch_musa")
     musa["expected_torch"] = (
-        None if torch_musa_version is None else device.torch_for_torch_musa(torch_musa_version)
+        None if torch_musa_version is None else list(torch_for_torch_musa(torch_musa_version))
     )
     backend = device.backend()
     precision = _precision(backend)
@@ -147,6 +292,9 @@ def collect() -> dict[str, Any]:
         "precision": precision,
         "default_mixed_precision": precision["default_mixed_precision"],
         "default_attn_implementation": device.default_attn_implementation(),
+        "sdpa_probe": sdpa_probe(_probe_device(backend), _probe_dtypes(backend)),
+        "image": os.environ.get(BASE_IMAGE_ENV_VAR),
+        "image_gpu": image_gpu(os.environ.get(BASE_IMAGE_ENV_VAR)),
         "distributed_backend": device.distributed_backend(),
         "distributed_backend_reason": device.distributed_backend_reason(),
         "mccl_available": device.mccl_available(),
@@ -194,7 +342,7 @@ def _musa_signals(report: dict[str, Any]) -> list[str]:
 
 def _install_torch_musa(torch_version: str) -> str:
     """The clause saying which torch_musa wheel fits ``torch_version``."""
-    releases = device.torch_musa_releases_for_torch(torch_version)
+    releases = torch_musa_releases_for_torch(torch_version)
     if releases:
         return (
             f"install torch_musa {' or '.join(releases)} (the releases built for this torch "
@@ -249,20 +397,22 @@ def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
     if not version:
         return []
     torch_version = report["versions"]["torch"]
-    expected = report["torch_musa"].get("expected_torch")
-    if expected is None:
+    expected = report["torch_musa"].get("expected_torch") or []
+    if not expected:
         return [
-            f"torch_musa {version} is not in the known compatibility table (recipes/device.py): check its "
-            f"release notes for the torch it needs (this Python has torch {torch_version})."
+            f"torch_musa {version} is not in the known compatibility table (recipes/env.py): check "
+            f"its release notes for the torch it needs (this Python has torch {torch_version})."
         ]
-    if _version_tuple(expected) == _version_tuple(torch_version):
+    if _version_tuple(torch_version) in {_version_tuple(built) for built in expected}:
         return []
+    wanted = " or ".join(expected)
+    pin = expected[0]
     return [
-        f"torch_musa {version} is built against torch {expected}, but this Python has torch "
+        f"torch_musa {version} is built against torch {wanted}, but this Python has torch "
         f"{torch_version}: a mismatched pair fails at import (undefined symbols) or at run time. "
-        f"Install the torch {expected} wheel published with that torch_musa release "
+        f"Install the torch wheel published with that torch_musa release "
         f"({_TORCH_MUSA_RELEASES}) or use the MUSA image that ships the pair, and keep pip from "
-        f"replacing it (pip install --no-deps, or a constraints file with torch=={expected})."
+        f"replacing it (pip install --no-deps, or a constraints file with torch=={pin})."
     ]
 
 
@@ -272,7 +422,7 @@ def _advice_cuda(report: dict[str, Any]) -> list[str]:
         return [
             "NVIDIA GPU(s) through CUDA: the recipes run unchanged through accelerate (MULTI_GPU "
             "with NCCL for several GPUs); the MUSA-only settings (MCCL, "
-            f"{device.MUSA_SDPA_ENV_VAR}) do not apply."
+            "TORCH_MUSA_FSDP2_OVERLAP_LEVEL) do not apply."
         ]
     tool = device.VENDOR_TOOLS[device.CUDA]
     signals = []
@@ -330,9 +480,21 @@ def _advice_launch(report: dict[str, Any]) -> list[str]:
             f"{count} devices with {report['distributed_backend'].upper()}: `python -m "
             "recipes.env --write-accelerate-config conf/accelerate/local.yaml` writes a "
             f"{distributed_type} config with {processes} processes; "
-            "`python train.py` alone uses one device."
+            "`python train.py` alone uses one device. A model too large for one device: "
+            f"{_fsdp_config(report)}."
         ]
     return []
+
+
+def _fsdp_config(report: dict[str, Any]) -> str:
+    """FSDP2 where accelerate (>= 1.6, ``fsdp_version: 2``) and torch (>= 2.6) have it."""
+    accelerate = _version_tuple(report["versions"].get("accelerate") or "0.0")
+    if _version_tuple(report["versions"]["torch"]) >= (2, 6) and accelerate >= (1, 6):
+        return "conf/accelerate/fsdp2.yaml (FSDP2)"
+    return (
+        "conf/accelerate/fsdp.yaml (FSDP1; FSDP2, conf/accelerate/fsdp2.yaml, needs torch >= 2.6 "
+        "and accelerate >= 1.6)"
+    )
 
 
 def _advice_precision(report: dict[str, Any]) -> list[str]:
@@ -386,13 +548,55 @@ def _advice_precision(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _advice_attention(report: dict[str, Any]) -> list[str]:
+    probe = report.get("sdpa_probe") or {}
+    if probe and not probe["ok"]:
+        failed = ", ".join(
+            f"{dtype}: {found.get('error') or 'error {:.2g}'.format(found['relative_error'])}"
+            for dtype, found in probe["dtypes"].items()
+            if not found["ok"]
+        )
+        return [
+            f"SDPA attention failed its check on {probe['device']} ({failed}): train with "
+            "model.attn_implementation=eager, and install a torch_musa / torch build whose "
+            "attention kernels pass (python -m recipes.env repeats the check)."
+        ]
+    if report["backend"] == device.MUSA and report["default_attn_implementation"] == "eager":
+        return [
+            f"Attention defaults to eager: torch_musa {report['versions']['torch_musa'] or ''} "
+            "predates SDPA with a backward pass (v1.2.1)."
+        ]
+    return []
+
+
+def _advice_image(report: dict[str, Any]) -> list[str]:
+    built_for = report.get("image_gpu")
+    if built_for is None:
+        return []
+    names = {dev["name"] for dev in report["devices"]}
+    if report["backend"] != device.MUSA or any(built_for in name.upper() for name in names):
+        return [f"This container's base image is the {built_for} build ({report['image']})."]
+    return [
+        f"This container's base image is the {built_for} build ({report['image']}), but the "
+        f"devices are {', '.join(sorted(names))}: rebuild with --build-arg BASE_IMAGE=<the tag "
+        "for your GPU> (README.md, Docker)."
+    ]
+
+
+def _advice_grad_scaler(report: dict[str, Any]) -> list[str]:
+    version = report["versions"].get("accelerate")
+    if report["backend"] != device.MUSA or not version or _version_tuple(version) >= (1, 0):
+        return []
+    # accelerate 0.33-0.34 assign the MUSA scaler to ``self.scalar`` (fixed by PR #3116).
+    return [
+        f"accelerate {version} creates no fp16 grad scaler on MUSA (fixed in 1.0), so fp16 runs "
+        "are refused: pip install 'accelerate>=1.0', or train in bf16 / fp32 "
+        "(trainer.mixed_precision=bf16 on S4000, no elsewhere)."
+    ]
+
+
 def _advice_other(report: dict[str, Any]) -> list[str]:
     lines = []
-    if report["backend"] == device.MUSA and report["default_attn_implementation"] == "eager":
-        lines.append(
-            "Attention defaults to eager on MUSA (the fused SDPA kernel lacked a backward pass in "
-            f"early torch_musa); set {device.MUSA_SDPA_ENV_VAR}=1 if yours has it."
-        )
     unlisted = {
         dev["name"]
         for dev in report["devices"]
@@ -424,7 +628,10 @@ def advice(report: dict[str, Any]) -> list[str]:
         *_advice_torch_musa_version(report),
         *_advice_cuda(report),
         *_advice_launch(report),
+        *_advice_grad_scaler(report),
         *_advice_precision(report),
+        *_advice_attention(report),
+        *_advice_image(report),
         *_advice_other(report),
     ]
 
@@ -548,6 +755,15 @@ def _tf32_text(report: dict[str, Any]) -> str:
     return "yes (trainer.tf32=true uses it)" if tf32["supported"] else "no"
 
 
+def _probe_text(probe: dict[str, Any]) -> str:
+    parts = [
+        f"{dtype} {'ok' if found['ok'] else 'FAILED'}"
+        + (f" (error {found['relative_error']:.1e})" if "relative_error" in found else "")
+        for dtype, found in probe["dtypes"].items()
+    ]
+    return f"{probe['device']}: {', '.join(parts)}"
+
+
 def _device_row(dev: dict[str, Any]) -> tuple[str, str]:
     memory = dev["total_memory_bytes"]
     peak_text = ", ".join(
@@ -573,6 +789,7 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("devices", report["device_count"]),
                 *(_device_row(dev) for dev in report["devices"]),
                 ("cpu", f"{cpu['name']} ({cpu['logical_cores']} logical cores)"),
+                ("base image", report["image"]),
             ],
         ),
         ("Versions", list(report["versions"].items())),
@@ -582,7 +799,7 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("installed", musa["installed"]),
                 ("imported", musa["imported"]),
                 ("import error", musa["error"]),
-                ("built for torch", musa["expected_torch"]),
+                ("built for torch", " or ".join(musa["expected_torch"] or []) or None),
                 ("accelerate sees MUSA", report["accelerate_sees_musa"]),
             ],
         ),
@@ -593,6 +810,7 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("tf32", _tf32_text(report)),
                 ("default mixed_precision", report["default_mixed_precision"]),
                 ("default attn_implementation", report["default_attn_implementation"]),
+                ("SDPA check", _probe_text(report["sdpa_probe"])),
             ],
         ),
         (

@@ -180,7 +180,10 @@ def train(cfg: DictConfig) -> RunResult:
         mixed_precision=resolve_mixed_precision(t.mixed_precision),
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=settings.logger.trackers or None,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking lets pinned batches copy to the device while it computes.
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, non_blocking=t.pin_memory
+        ),
         # TensorBoard's folder; set again once all ranks agree on the run folder
         project_config=ProjectConfiguration(logging_dir=str(Path(cfg.output_dir) / "tensorboard")),
         # A collective that waits this long (a rank died) raises instead of hanging forever.
@@ -308,8 +311,10 @@ def _run(
         accelerator.mixed_precision,
         accelerator.distributed_type,
     )
-    if t.tf32:
-        device.enable_tf32()
+    _check_grad_scaler(accelerator)
+    if t.compile and (reason := device.compile_unsupported_reason(accelerator.device.type)):
+        raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
+    tf32 = device.set_tf32(t.tf32)  # both ways: torch_musa 2.7 turns TF32 on by default
     device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
     set_seed(t.seed)
 
@@ -347,18 +352,18 @@ def _run(
         sampler=sampler,
         collate_fn=collator,
         num_workers=t.dataloader_num_workers,
-        pin_memory=t.pin_memory,
+        **device.pin_memory_kwargs(t.pin_memory, accelerator.device),
     )
     eval_loader = DataLoader(
         data.eval,
         batch_size=t.per_device_eval_batch_size,
         collate_fn=data.eval_collator or padding,
         num_workers=t.dataloader_num_workers,
-        pin_memory=t.pin_memory,
+        **device.pin_memory_kwargs(t.pin_memory, accelerator.device),
     )
     optimizer = build_optimizer(instantiate(cfg, "optimizer"), model, accelerator.device)
     flops = FlopCounter(
-        model, accelerator.device, precision_for_peak(accelerator.mixed_precision, t.tf32)
+        model, accelerator.device, precision_for_peak(accelerator.mixed_precision, tf32)
     )
     if t.compile:
         _compile(model)
@@ -462,6 +467,19 @@ def _run(
         _fmt(final) if final else "no evaluation",
     )
     return result
+
+
+def _check_grad_scaler(accelerator: Accelerator) -> None:
+    """Refuse fp16 on a GPU without a loss scaler: small gradients underflow to zero unseen.
+
+    accelerate 0.33-0.34 assign the MUSA scaler to ``self.scalar`` (a typo, fixed in 1.0 by
+    PR #3116), so ``accelerator.scaler`` stays None there."""
+    if accelerator.native_amp and accelerator.mixed_precision == "fp16" and not accelerator.scaler:
+        raise ConfigError(
+            "trainer.mixed_precision=fp16: this accelerate creates no grad scaler on "
+            f"{accelerator.device.type} (accelerate 0.33-0.34 on MUSA). Install accelerate>=1.0, "
+            "or set trainer.mixed_precision=no (or bf16 where the device has it)."
+        )
 
 
 def _compile(model: torch.nn.Module) -> None:

@@ -39,20 +39,46 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Call the ``optimizer`` config's partial with decay / no-decay parameter groups.
 
-    Adam / AdamW with ``fused: null`` (the default) use the fused kernel where the ``target``
-    device has one, as ``transformers.Trainer`` does; ``fused: false`` keeps the foreach one.
+    AdamW with ``fused: null`` (the default) gets a fused kernel where ``target`` has one, as
+    ``transformers.Trainer`` does: torch's on CUDA (and the CPU from torch 2.4), torch_musa's
+    ``FusedAdamW`` on MUSA (torch's ``fused=True`` fails there). ``fused: false`` keeps the
+    foreach implementation. Whichever is built, checkpoints load into the others.
     """
     keywords = dict(getattr(make_optimizer, "keywords", {}))
-    weight_decay = keywords.get("weight_decay", 0.0)
-    extra = {}
-    if (
-        getattr(make_optimizer, "func", None) in (torch.optim.AdamW, torch.optim.Adam)
-        and keywords.get("fused") is None
-        and target is not None
-        and device.supports_fused_adamw(target)
-    ):
-        extra["fused"] = True
-    return make_optimizer(params=parameter_groups(model, weight_decay), **extra)
+    groups = parameter_groups(model, keywords.get("weight_decay", 0.0))
+    func = getattr(make_optimizer, "func", None)
+    fused = keywords.get("fused")
+    if fused is False or target is None or func not in (torch.optim.AdamW, torch.optim.Adam):
+        return _portable(make_optimizer(params=groups))
+    on_musa = func is torch.optim.AdamW and target.type == device.MUSA
+    musa_fused = device.musa_fused_adamw() if on_musa else None
+    if musa_fused is not None:  # also for fused: true, which torch's AdamW fails with on MUSA
+        hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
+        return _portable(musa_fused(groups, **hyper))
+    if fused:  # asked for explicitly: torch's own error if this torch cannot
+        return _portable(make_optimizer(params=groups))
+    params_on = next(model.parameters()).device
+    extra = {"fused": True} if device.fused_adamw_ok(target, params_on) else {}
+    return _portable(make_optimizer(params=groups, **extra))
+
+
+def _portable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Let a checkpoint from another implementation (fused on one machine, foreach on another)
+    load: the saved groups' ``fused`` / ``foreach`` flags would otherwise replace this
+    optimizer's choice, and a fused flag fails on a device or torch without that kernel."""
+
+    def keep_own_flags(optim: torch.optim.Optimizer, state: dict) -> dict:
+        groups = []
+        for saved, own in zip(state["param_groups"], optim.param_groups, strict=False):
+            group = {k: v for k, v in saved.items() if k not in ("fused", "foreach")}
+            group.update({k: own[k] for k in ("fused", "foreach") if k in own})
+            groups.append(group)
+        return {**state, "param_groups": groups}
+
+    register = getattr(optimizer, "register_load_state_dict_pre_hook", None)  # torch >= 2.1
+    if register is not None:
+        register(keep_own_flags)
+    return optimizer
 
 
 def build_scheduler(

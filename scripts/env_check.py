@@ -7,9 +7,12 @@ python scripts/env_check.py --write-accelerate-config conf/accelerate/local.yaml
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+# As in recipes/env.py: keep ``import torch`` from loading (and dying on) a broken torch_musa.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Run from a checkout without `pip install -e .`: put the repository root on the import path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import free_port, run_cpu_launch
 
@@ -68,7 +70,8 @@ def test_cpu_device_helpers_are_harmless() -> None:
     assert device.max_memory_allocated(cpu) is None
     device.synchronize(cpu)
     device.reset_peak_memory_stats(cpu)
-    device.enable_tf32()
+    assert device.set_tf32(True) is False  # no TF32 on a CPU, whatever is asked
+    assert device.set_tf32(False) is False
 
 
 @pytest.mark.parametrize(
@@ -170,6 +173,7 @@ def test_accelerate_configs_exist() -> None:
         "multi_musa.yaml",
         "multi_musa_2nodes.yaml",
         "fsdp.yaml",
+        "fsdp2.yaml",
         "cpu.yaml",
     } <= names
 
@@ -187,6 +191,26 @@ def test_accelerate_config_parses(path: Path) -> None:
     if config.num_machines > 1:  # processes of all machines, the same number on each
         assert config.num_processes == 8 * config.num_machines
         assert config.distributed_type.value == "MULTI_MUSA"
+
+
+@pytest.mark.skipif(
+    env._version_tuple(importlib.metadata.version("accelerate")) < (1, 6)
+    or env._version_tuple(torch.__version__) < (2, 6),
+    reason="FSDP2 needs accelerate >= 1.6 and torch >= 2.6",
+)
+def test_fsdp2_config_builds_accelerates_fsdp2_plugin() -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    text = (ROOT / "conf/accelerate/fsdp2.yaml").read_text(encoding="utf-8")
+    found = yaml.safe_load(text)["fsdp_config"]
+    # The launcher passes these as FSDP_* variables; the plugin takes the same values.
+    renamed = {"fsdp_version": "fsdp_version", "fsdp_offload_params": "cpu_offload"}
+    plugin = FullyShardedDataParallelPlugin(
+        **{renamed.get(k, k.removeprefix("fsdp_")): v for k, v in found.items()}
+    )
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    assert "TORCH_MUSA_FSDP2_OVERLAP_LEVEL" in text
 
 
 def test_reference_multi_musa_config() -> None:
@@ -343,7 +367,7 @@ def test_advice_mthreads_gmi_without_torch_musa(
     assert "torch_musa is not on PyPI" in first
     assert "registry.mthreads.com/mcconline/musa-pytorch-release-public" in first
     assert "--runtime=mthreads --env MTHREADS_VISIBLE_DEVICES=all" in first
-    releases = device.torch_musa_releases_for_torch(torch.__version__)
+    releases = env.torch_musa_releases_for_torch(torch.__version__)
     if releases:
         assert f"install torch_musa {' or '.join(releases)} (the releases built for" in first
     else:
@@ -421,6 +445,9 @@ def _report(**changes: Any) -> dict[str, Any]:
         },
         "default_mixed_precision": "no",
         "default_attn_implementation": "sdpa",
+        "sdpa_probe": {"device": "cpu", "ok": True, "dtypes": {}},
+        "image": None,
+        "image_gpu": None,
         "distributed_backend": "gloo",
         "distributed_backend_reason": "gloo (CPU processes)",
         "mccl_available": False,
@@ -439,7 +466,7 @@ def _with_torch_musa(report: dict[str, Any], version: str, **info: Any) -> dict[
         installed=True,
         imported=True,
         version=version,
-        expected_torch=device.torch_for_torch_musa(version),
+        expected_torch=list(env.torch_for_torch_musa(version)),
         **info,
     )
     return report
@@ -468,7 +495,7 @@ def _musa_report(name: str, count: int, *, mccl: bool, bf16: bool) -> dict[str, 
             "default_mixed_precision": "bf16" if bf16 else "fp16",
         },
         default_mixed_precision="bf16" if bf16 else "fp16",
-        default_attn_implementation="eager",
+        default_attn_implementation="sdpa",
         distributed_backend="mccl" if mccl else None,
         distributed_backend_reason="MCCL (registered by torch_musa)" if mccl else "no MCCL",
         mccl_available=mccl,
@@ -492,7 +519,9 @@ def test_s80_without_mccl_is_single_device(tmp_path: Path) -> None:
     assert "MUSA_VISIBLE_DEVICES=<index>" in advice
     assert "trainer.mixed_precision=auto picks fp16 with a grad scaler" in advice
     assert "do not set bf16" in advice and "no TF32 units" in advice
-    assert "RECIPES_MUSA_SDPA=1" in advice
+    assert "predates SDPA" not in advice and "SDPA attention failed" not in advice
+    # The report's accelerate is 0.33.0, whose MUSA fp16 path has no grad scaler.
+    assert "accelerate 0.33.0 creates no fp16 grad scaler on MUSA (fixed in 1.0)" in advice
     assert "built against torch" not in advice  # torch_musa 1.3.0 with torch 2.2.0 match
     config = _write_and_load(report, tmp_path / "s80.yaml")
     assert config.distributed_type.value == "NO"
@@ -506,6 +535,7 @@ def test_s4000_with_mccl_is_multi_musa(tmp_path: Path) -> None:
     report = _musa_report("MTT S4000", 8, mccl=True, bf16=True)
     advice = "\n".join(env.advice(report))
     assert "8 devices with MCCL" in advice
+    assert "conf/accelerate/fsdp.yaml (FSDP1" in advice  # the report's torch 2.2
     assert "MTT S4000 has native bf16; trainer.mixed_precision=auto (the default) picks bf16" in (
         advice
     )
@@ -523,7 +553,13 @@ def test_s4000_with_mccl_is_multi_musa(tmp_path: Path) -> None:
     ("torch_musa", "torch_version", "expected"),
     [
         ("1.3.0", "2.5.1", "torch_musa 1.3.0 is built against torch 2.2.0, but this Python has "),
-        ("2.0.0-pt25", "2.2.0", "is built against torch 2.5.0"),
+        ("2.0.0-pt25", "2.2.0", "is built against torch 2.5.0, but"),
+        # What v2.0.0 and v2.0.0-pt25 both report (setup.py: version.txt + "+" + commit).
+        ("2.0.0+8b583b3", "2.7.1", "is built against torch 2.2.0 or 2.5.0, but"),
+        ("2.0.0+8b583b3", "2.2.0a0+git8ac9b20", None),
+        ("2.0.0+8b583b3", "2.5.0", None),
+        ("1.3.0+aa63a73", "2.2.0", None),
+        ("2.7.1+101c131", "2.7.1", None),
         ("2.7.0", "2.5.0", "--no-deps, or a constraints file with torch==2.7.1"),
         ("9.9.0", "2.7.1", "torch_musa 9.9.0 is not in the known compatibility table"),
         ("2.0.0-pt25", "2.5.0", None),
@@ -538,7 +574,7 @@ def test_advice_torch_version_against_torch_musa(
     report["versions"]["torch"] = torch_version
     advice = "\n".join(env.advice(report))
     if expected is None:
-        assert "torch_musa" not in advice.replace("early torch_musa", "")
+        assert "torch_musa" not in advice
     else:
         assert expected in advice
 
@@ -549,7 +585,7 @@ def test_advice_torch_musa_import_failure() -> None:
     report["torch_musa"].update(
         installed=True,
         error="OSError: libsrv_um_MUSA.so: cannot open shared object file",
-        expected_torch="2.2.0",
+        expected_torch=["2.2.0"],
     )
     advice = env.advice(report)
     assert advice[0].startswith("torch_musa is installed but failed to import (OSError: libsrv")
@@ -648,28 +684,31 @@ def test_advice_plain_cpu(instructions: bool | None, expected: str, tmp_path: Pa
 @pytest.mark.parametrize(
     ("version", "expected"),
     [
-        ("1.0.0", "2.0.0"),
-        ("1.2.1", "2.0.0"),
-        ("1.3.0", "2.2.0"),
-        ("v2.0.1", "2.2.0"),
-        ("2.0.0-pt25", "2.5.0"),
-        ("2.0.0+pt25", "2.5.0"),
-        ("2.1.1", "2.5.0"),
-        ("2.5.0", "2.5.0"),
-        ("2.7.0", "2.7.1"),
-        ("2.3.0", None),
-        ("dev", None),
+        ("1.0.0", ("2.0.0",)),
+        ("1.2.1", ("2.0.0",)),
+        ("1.3.0+aa63a73", ("2.2.0",)),
+        ("v2.0.1", ("2.2.0", "2.5.0")),
+        ("2.0.0+8b583b3", ("2.2.0", "2.5.0")),  # v2.0.0 or v2.0.0-pt25: the string cannot tell
+        ("2.0.0-pt25", ("2.5.0",)),
+        ("v2.0.0-pt25", ("2.5.0",)),
+        ("2.1.1+0a1b2c3", ("2.5.0",)),
+        ("2.5.0", ("2.5.0",)),
+        ("2.7.0", ("2.7.1",)),
+        ("2.7.1+101c131", ("2.7.1",)),
+        ("2.3.0", ()),
+        ("dev", ()),
     ],
 )
-def test_torch_for_torch_musa(version: str, expected: str | None) -> None:
-    assert device.torch_for_torch_musa(version) == expected
+def test_torch_for_torch_musa(version: str, expected: tuple[str, ...]) -> None:
+    assert env.torch_for_torch_musa(version) == expected
 
 
 def test_torch_musa_releases_for_torch() -> None:
-    assert device.torch_musa_releases_for_torch("2.2.0") == ["v1.3.x", "v2.0.x"]
-    assert device.torch_musa_releases_for_torch("2.7.1+cpu") == ["v2.7.x"]
-    assert device.torch_musa_releases_for_torch("2.0.1") == ["v1.0-v1.2"]
-    assert device.torch_musa_releases_for_torch("2.4.0") == []
+    assert env.torch_musa_releases_for_torch("2.2.0") == ["v1.3.x", "v2.0.x"]
+    assert env.torch_musa_releases_for_torch("2.5.0") == ["v2.0.0-pt25", "v2.1.x", "v2.5.0"]
+    assert env.torch_musa_releases_for_torch("2.7.1+cpu") == ["v2.7.x"]
+    assert env.torch_musa_releases_for_torch("2.0.1") == ["v1.0-v1.2"]
+    assert env.torch_musa_releases_for_torch("2.4.0") == []
 
 
 @pytest.mark.parametrize(
@@ -877,3 +916,47 @@ def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr[-2000:]
     probes = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
     assert probes == [["0", "2", "MULTI_CPU", "gloo"], ["1", "2", "MULTI_CPU", "gloo"]]
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S4000-py310",
+            "S4000",
+        ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc4.2.0-v2.1.0-S80-py310",
+            "S80",
+        ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S3000-py38",
+            "S3000",
+        ),
+        ("registry.mthreads.com/mcconline/musa-pytorch-release-public:latest", None),
+        ("python:3.11-slim", None),
+        (None, None),
+    ],
+)
+def test_image_gpu_from_the_vendor_tag(image: str | None, expected: str | None) -> None:
+    assert env.image_gpu(image) == expected
+
+
+def test_dockerfile_default_image_is_an_s4000_build() -> None:
+    text = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    default = next(
+        line.partition("=")[2] for line in text.splitlines() if line.startswith("ARG BASE_IMAGE=")
+    )
+    assert env.image_gpu(default) == "S4000"
+    assert "RECIPES_BASE_IMAGE=${BASE_IMAGE}" in text
+
+
+def test_advice_names_the_image_build_and_a_mismatch() -> None:
+    image = "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc4.2.0-v2.1.0-S80-py310"
+    s80 = _musa_report("MTT S80", 1, mccl=False, bf16=False)
+    s80.update(image=image, image_gpu="S80")
+    assert f"This container's base image is the S80 build ({image})." in env.advice(s80)
+    s4000 = _musa_report("MTT S4000", 1, mccl=True, bf16=True)
+    s4000.update(image=image, image_gpu="S80")
+    advice = "\n".join(env.advice(s4000))
+    assert "but the devices are MTT S4000: rebuild with --build-arg BASE_IMAGE=" in advice
