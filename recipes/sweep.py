@@ -6,7 +6,9 @@ Each job trains in its own folder (``<sweep dir>/<job number>``) and leaves ``re
 there; :class:`SweepSummary`, a Hydra callback registered in ``conf/train.yaml``, then writes
 ``summary.csv`` and ``summary.md`` (a row per job: the overrides that differ between jobs, the
 main metric, every final evaluation metric) and ``curves.png`` (all jobs overlaid) in the sweep
-folder. It only reads files, so it works the same for any Hydra launcher.
+folder. When ``trainer.seed`` is swept, ``seeds.md`` also gives each setting's mean, standard
+deviation and range over its seeds. It only reads files, so it works the same for any Hydra
+launcher.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +104,49 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value).replace("|", "\\|")
 
 
+SEED = "trainer.seed"
+
+
+def _markdown(columns: list[str], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+        *("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def over_seeds(
+    rows: list[dict[str, Any]], swept: list[str]
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """One row per setting of the swept keys other than the seed: for each metric of its
+    finished jobs, ``mean ± sd (min-max)``, and how many seeds finished."""
+    keys = [k for k in swept if k != SEED]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    metrics = [
+        c
+        for c in dict.fromkeys(c for row in rows for c in row)
+        if c not in (*swept, "job", "status", "steps")
+        and all(isinstance(r.get(c), float | int) for r in rows if r["status"] == "done")
+    ]
+    table = []
+    for values, members in groups.items():
+        done = [r for r in members if r["status"] == "done"]
+        out: dict[str, Any] = dict(zip(keys, values, strict=True))
+        out["seeds"] = f"{len(done)} of {len(members)}"
+        for metric in metrics:
+            found = [float(r[metric]) for r in done if metric in r]
+            if found:
+                sd = statistics.stdev(found) if len(found) > 1 else 0.0
+                out[metric] = (
+                    f"{statistics.mean(found):.4g} ± {sd:.2g} ({min(found):.4g}-{max(found):.4g})"
+                )
+        table.append(out)
+    return [*keys, "seeds", *metrics], table
+
+
 def write_summary(sweep_dir: Path) -> list[Path]:
     """``summary.csv``, ``summary.md`` and ``curves.png`` in ``sweep_dir``; the paths written."""
     rows = summarise(sweep_dir)
@@ -112,14 +158,13 @@ def write_summary(sweep_dir: Path) -> list[Path]:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    lines = [
-        "| " + " | ".join(columns) + " |",
-        "|" + "|".join("---" for _ in columns) + "|",
-        *("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows),
-    ]
-    md_path.write_text("\n".join(lines) + "\n")
+    md_path.write_text(_markdown(columns, rows))
     written = [csv_path, md_path]
     swept = columns[1 : columns.index("status")]
+    if SEED in swept:
+        seeds_path = sweep_dir / "seeds.md"
+        seeds_path.write_text(_markdown(*over_seeds(rows, swept)))
+        written.append(seeds_path)
     finished = [row for row in rows if row["status"] == "done"]
     labels = [", ".join(f"{k}={row[k]}" for k in swept) or row["job"] for row in finished]
     try:
