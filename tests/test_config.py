@@ -115,6 +115,7 @@ def test_command_line_overrides_reach_the_run():
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore'"),
         ("trainer.keep_last_n_checkpoints=0", "trainer.keep_last_n_checkpoints=0"),
         ("trainer.save_every_n_steps=-5", "trainer.save_every_n_steps=-5"),
+        ("trainer.length_group_size=0", "trainer.length_group_size=0"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):

@@ -78,3 +78,15 @@ def test_the_longest_feature_is_in_the_first_batch_even_from_the_remainder():
         permutation = torch.randperm(18, generator=torch.Generator().manual_seed(seed))
         remainder_held_it += 17 in permutation[-2:].tolist()
     assert remainder_held_it > 0  # the case happened
+
+
+def test_smaller_length_groups_mix_more_and_save_less_padding():
+    lengths = np.random.default_rng(0).integers(20, 384, size=4000)
+    shuffled = np.random.default_rng(1).permutation(4000).tolist()
+    padding = {
+        k: _padding(list(EpochLengthGroupedSampler(8, lengths, seed=3, megabatch=k)), lengths, 8)
+        for k in (1, 8, 50)
+    }
+    # one batch per group: batches are random draws (only their inner order is sorted)
+    assert padding[1] > 0.8 * _padding(shuffled, lengths, 8)
+    assert padding[50] < padding[8] < 0.5 * padding[1]
