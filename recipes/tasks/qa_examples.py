@@ -14,7 +14,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset, Features, List, Value
+from datasets import Dataset, Features, Value
+
+try:
+    from datasets import List  # datasets >= 4
+except ImportError:  # older datasets (MUSA images) call it Sequence
+    from datasets import Sequence as List
 
 from recipes import data as data_lib
 from recipes.data import DataError
