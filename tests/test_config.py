@@ -24,7 +24,7 @@ def _compose(*overrides: str):
 
 
 SMOKE_MODELS = {
-    "bert_squad": "tiny-bert",
+    "bert_squad": "minilm-squad",
     "bert_squad_v2": "tiny-bert",
     "bert_mlm": "tiny-bert",
     "bert_glue": "tiny-bert",
