@@ -456,7 +456,8 @@ def test_build_context_is_small_and_has_what_the_dockerfile_copies():
     assert is_ignored("recipes/loop.cpython-311.pyc", patterns)
     context = build_context(patterns)
     size = sum((ROOT / f).stat().st_size for f in context)
-    assert size < 40 * 2**20, f"build context of {size / 2**20:.0f} MiB"
+    # about 45 MiB: the code plus the bundled assets, 29 MiB of them the smoke run's MiniLM
+    assert size < 64 * 2**20, f"build context of {size / 2**20:.0f} MiB"
     assert not any("__pycache__" in f or f.startswith((".venv", ".git/")) for f in context)
     copied = []
     for sources, _ in copies():
