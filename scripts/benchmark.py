@@ -127,12 +127,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         "logger=none",
         f"output_dir={run_dir}",
     ]
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_ours", *overrides],
-        check=True,
-        cwd=ROOT,
-    )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _train_records(overrides, run_dir)
     windows = [r for r in records if "train/tokens_per_second" in r and r["step"] > args.warmup]
     tokens = sum(r["train/tokens_per_second"] * _window_seconds(r, args) for r in windows)
     elapsed = sum(_window_seconds(r, args) for r in windows)
@@ -143,6 +138,16 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         s_per_step=elapsed / args.steps,
     )
     return result
+
+
+def _train_records(overrides: list[str], run_dir: Path) -> list[dict]:
+    """Run ``train.py`` with ``overrides`` in a fresh process; its ``metrics.jsonl`` records."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_ours", *overrides],
+        check=True,
+        cwd=ROOT,
+    )
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _precisions(args: argparse.Namespace) -> dict[str, str]:
@@ -439,12 +444,7 @@ def run_ours_eval(args: argparse.Namespace, out: Path) -> dict:
         "logger=none",
         f"output_dir={run_dir}",
     ]
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_ours", *overrides],
-        check=True,
-        cwd=ROOT,
-    )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _train_records(overrides, run_dir)
     scores = next(r for r in records if "eval/runtime_s" in r)
     model = args.cache.parent / "evaluated-model"
     if not model.exists():  # the peer evaluates the very same weights
