@@ -284,6 +284,31 @@ def squad_v2(
             KeyError).
         TypeError: If a reference value is a single string instead of a sequence.
     """
+    na_probs = _no_answer_probs(predictions, references, no_answer_probs)
+    qid_to_has_ans, exact_raw, f1_raw = _raw_scores(predictions, references)
+    exact_thresh = _apply_no_answer_threshold(
+        exact_raw, na_probs, qid_to_has_ans, no_answer_threshold
+    )
+    f1_thresh = _apply_no_answer_threshold(f1_raw, na_probs, qid_to_has_ans, no_answer_threshold)
+    overall = _mean_scores("", exact_thresh, f1_thresh, list(qid_to_has_ans))
+    result = {"exact_match": overall.pop("exact"), **overall}
+    for prefix, wanted in (("HasAns", True), ("NoAns", False)):
+        qids = [qid for qid, has_ans in qid_to_has_ans.items() if has_ans == wanted]
+        if qids:
+            result.update(_mean_scores(f"{prefix}_", exact_thresh, f1_thresh, qids))
+    # The official best-threshold search works on the raw scores, before any threshold.
+    for name, raw in (("exact", exact_raw), ("f1", f1_raw)):
+        best, thresh = _find_best_threshold(predictions, raw, na_probs, qid_to_has_ans)
+        result[f"best_{name}"], result[f"best_{name}_thresh"] = best, thresh
+    return result
+
+
+def _no_answer_probs(
+    predictions: Mapping[str, str],
+    references: Mapping[str, Sequence[str]],
+    no_answer_probs: Mapping[str, float] | None,
+) -> Mapping[str, float]:
+    """The no-answer probabilities, after checking every question has a prediction and one."""
     if not references:
         raise ValueError("squad_v2 needs at least one reference")
     missing = [qid for qid in references if qid not in predictions]
@@ -295,16 +320,20 @@ def squad_v2(
     if no_answer_probs is None:
         # Official script without --na-prob-file: {k: 0.0 for k in preds}, in prediction order
         # (the order decides ties in the best-threshold search).
-        na_probs: Mapping[str, float] = dict.fromkeys(predictions, 0.0)
-    else:
-        na_probs = no_answer_probs
-        missing = [qid for qid in references if qid not in na_probs]
-        if missing:
-            raise ValueError(
-                f"{len(missing)} of {len(references)} questions have no no-answer probability "
-                f"(first: {missing[:5]})"
-            )
+        return dict.fromkeys(predictions, 0.0)
+    missing = [qid for qid in references if qid not in no_answer_probs]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of {len(references)} questions have no no-answer probability "
+            f"(first: {missing[:5]})"
+        )
+    return no_answer_probs
 
+
+def _raw_scores(
+    predictions: Mapping[str, str], references: Mapping[str, Sequence[str]]
+) -> tuple[dict[str, bool], dict[str, float], dict[str, float]]:
+    """Per question: answerable or not, and exact match and F1 against its best gold answer."""
     qid_to_has_ans: dict[str, bool] = {}
     exact_raw: dict[str, float] = {}
     f1_raw: dict[str, float] = {}
@@ -315,36 +344,17 @@ def squad_v2(
         prediction = predictions[qid]
         exact_raw[qid] = _max_over_ground_truths(exact_match_score, prediction, gold_answers)
         f1_raw[qid] = _max_over_ground_truths(f1_score_v2, prediction, gold_answers)
+    return qid_to_has_ans, exact_raw, f1_raw
 
-    exact_thresh = _apply_no_answer_threshold(
-        exact_raw, na_probs, qid_to_has_ans, no_answer_threshold
-    )
-    f1_thresh = _apply_no_answer_threshold(f1_raw, na_probs, qid_to_has_ans, no_answer_threshold)
 
-    total = len(exact_thresh)
-    result: dict[str, float] = {
-        "exact_match": 100.0 * sum(exact_thresh.values()) / total,
-        "f1": 100.0 * sum(f1_thresh.values()) / total,
-        "total": total,
+def _mean_scores(
+    prefix: str, exact: Mapping[str, float], f1: Mapping[str, float], qids: list[str]
+) -> dict[str, float]:
+    return {
+        f"{prefix}exact": 100.0 * sum(exact[k] for k in qids) / len(qids),
+        f"{prefix}f1": 100.0 * sum(f1[k] for k in qids) / len(qids),
+        f"{prefix}total": len(qids),
     }
-    for prefix, wanted in (("HasAns", True), ("NoAns", False)):
-        qids = [qid for qid, has_ans in qid_to_has_ans.items() if has_ans == wanted]
-        if not qids:
-            continue
-        result[f"{prefix}_exact"] = 100.0 * sum(exact_thresh[k] for k in qids) / len(qids)
-        result[f"{prefix}_f1"] = 100.0 * sum(f1_thresh[k] for k in qids) / len(qids)
-        result[f"{prefix}_total"] = len(qids)
-
-    # The official best-threshold search works on the raw scores, before any threshold.
-    best_exact, best_exact_thresh = _find_best_threshold(
-        predictions, exact_raw, na_probs, qid_to_has_ans
-    )
-    best_f1, best_f1_thresh = _find_best_threshold(predictions, f1_raw, na_probs, qid_to_has_ans)
-    result["best_exact"] = best_exact
-    result["best_exact_thresh"] = best_exact_thresh
-    result["best_f1"] = best_f1
-    result["best_f1_thresh"] = best_f1_thresh
-    return result
 
 
 def references_from_squad_json(path: str | os.PathLike) -> tuple[dict[str, list[str]], bool]:

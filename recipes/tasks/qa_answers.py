@@ -373,88 +373,128 @@ class AnswerCollector:
         predictions: dict[str, str] = {}
         nbest: dict[str, list[dict]] = {}
         null_odds: dict[str, float] = {}
-        if hasattr(examples, "column_names"):  # a Dataset: two columns, not a row at a time
-            columns = examples.select_columns(["id", "context"]).to_dict()
-            ids, contexts = columns["id"], columns["context"]
-        else:
-            ids = [e["id"] for e in examples]
-            contexts = [e["context"] for e in examples]
-        where, arrays, nulls = self._per_question()
-        spans: dict[str, list] = {}
-
-        def column(name: str) -> list:  # a column as a Python list, made when first needed
-            if name not in spans:
-                spans[name] = arrays(name).tolist() if arrays else []
-            return spans[name]
-
-        starts, ends = column("start_char"), column("end_char")
-        for index, (qid, context) in enumerate(zip(ids, contexts, strict=True)):
-            a, b = where.get(index, (0, 0))
-            if not version_2_with_negative and b and (b - a > 1 or starts[a] < ends[a]):
+        spans = _Spans(*self._per_question())
+        for index, (qid, context) in enumerate(zip(*_ids_and_contexts(examples), strict=True)):
+            a, b = spans.where.get(index, (0, 0))
+            if not version_2_with_negative and b and (b - a > 1 or spans.has_text(a)):
                 # v1 with spans: the best one, and the n-best list as it stands (the general
-                # path below gives the same; this one skips its per-question bookkeeping)
-                predictions[qid] = context[starts[a] : ends[a]]
+                # path gives the same; this one skips its per-question bookkeeping)
+                predictions[qid] = spans.text(context, a)
                 if with_nbest:
-                    nbest[qid] = [
-                        {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": p}
-                        for s, e, sl, el, p in zip(
-                            starts[a:b],
-                            ends[a:b],
-                            column("start_logit")[a:b],
-                            column("end_logit")[a:b],
-                            column("probability")[a:b],
-                            strict=True,
-                        )
-                    ]
+                    nbest[qid] = spans.nbest(context, a, b)
                 continue
-            ranked = [
-                {"text": context[s:e], "score": sc, "start_logit": sl, "end_logit": el}
-                for s, e, sc, sl, el in zip(
-                    starts[a:b] if b else (),
-                    ends[a:b] if b else (),
-                    column("score")[a:b] if b else (),
-                    column("start_logit")[a:b] if b else (),
-                    column("end_logit")[a:b] if b else (),
-                    strict=True,
-                )
-            ]
-            question_null = nulls.get(index)
-            null_score = question_null[0] if question_null is not None else 0.0
+            question_null = spans.nulls.get(index)
+            ranked = spans.ranked(context, a, b)
             if version_2_with_negative and question_null is not None:
-                null = {
-                    "text": "",
-                    "score": null_score,
-                    "start_logit": question_null[1],
-                    "end_logit": question_null[2],
-                    "null": True,
-                }
-                # The null candidate ranks after spans of equal score (it comes last in the list).
-                position = sum(1 for c in ranked if c["score"] >= null_score)
-                ranked.insert(position, null)
-                ranked = ranked[: self.n_best]
-                if not any(c.get("null") for c in ranked):
-                    ranked.append(null)
-            if not ranked or (len(ranked) == 1 and ranked[0]["text"] == ""):
-                ranked.insert(
-                    0, {"text": "empty", "score": 0.0, "start_logit": 0.0, "end_logit": 0.0}
-                )
-            scores = np.array([c["score"] for c in ranked], dtype=np.float64)
-            probs = np.exp(scores - scores.max())
-            probs /= probs.sum()
-            for candidate, prob in zip(ranked, probs, strict=True):
-                candidate["probability"] = float(prob)
-                del candidate["score"]
-                candidate.pop("null", None)
+                ranked = self._with_null(ranked, question_null)
+            ranked = _with_probabilities(ranked)
             if with_nbest:
                 nbest[qid] = ranked
             if not version_2_with_negative:
                 predictions[qid] = ranked[0]["text"]
                 continue
-            best = next((c for c in ranked if c["text"] != ""), None)
-            if best is None:
-                predictions[qid], null_odds[qid] = "", float("inf")
-                continue
-            diff = null_score - best["start_logit"] - best["end_logit"]
-            null_odds[qid] = float(diff)
-            predictions[qid] = "" if diff > null_score_diff_threshold else best["text"]
+            null_score = question_null[0] if question_null is not None else 0.0
+            predictions[qid], null_odds[qid] = _decide_v2(
+                ranked, null_score, null_score_diff_threshold
+            )
         return predictions, nbest, null_odds
+
+    def _with_null(self, ranked: list[dict], question_null: tuple) -> list[dict]:
+        """The candidates with the null answer in its place by score, kept within ``n_best``."""
+        null_score, start_logit, end_logit = question_null
+        null = {
+            "text": "",
+            "score": null_score,
+            "start_logit": start_logit,
+            "end_logit": end_logit,
+            "null": True,
+        }
+        # The null candidate ranks after spans of equal score (it comes last in the list).
+        position = sum(1 for c in ranked if c["score"] >= null_score)
+        ranked = [*ranked[:position], null, *ranked[position:]][: self.n_best]
+        if not any(c.get("null") for c in ranked):
+            ranked.append(null)
+        return ranked
+
+
+def _ids_and_contexts(examples: Sequence[Mapping]) -> tuple[list[str], list[str]]:
+    if hasattr(examples, "column_names"):  # a Dataset: two columns, not a row at a time
+        columns = examples.select_columns(["id", "context"]).to_dict()
+        return columns["id"], columns["context"]
+    return [e["id"] for e in examples], [e["context"] for e in examples]
+
+
+class _Spans:
+    """The ranked spans of every question as Python lists, each column made when first used."""
+
+    def __init__(self, where: dict[int, tuple[int, int]], arrays: Any, nulls: dict) -> None:
+        self.where, self.nulls = where, nulls
+        self._arrays = arrays
+        self._columns: dict[str, list] = {}
+        self.starts, self.ends = self.column("start_char"), self.column("end_char")
+
+    def column(self, name: str) -> list:
+        if name not in self._columns:
+            self._columns[name] = self._arrays(name).tolist() if self._arrays else []
+        return self._columns[name]
+
+    def has_text(self, row: int) -> bool:
+        return self.starts[row] < self.ends[row]
+
+    def text(self, context: str, row: int) -> str:
+        return context[self.starts[row] : self.ends[row]]
+
+    def nbest(self, context: str, a: int, b: int) -> list[dict]:
+        """Rows ``a:b`` with v1's probabilities (already normalised per question)."""
+        return [
+            {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": p}
+            for s, e, sl, el, p in zip(
+                self.starts[a:b],
+                self.ends[a:b],
+                self.column("start_logit")[a:b],
+                self.column("end_logit")[a:b],
+                self.column("probability")[a:b],
+                strict=True,
+            )
+        ]
+
+    def ranked(self, context: str, a: int, b: int) -> list[dict]:
+        """Rows ``a:b`` with their scores (none when the question has no span)."""
+        if not b:
+            return []
+        return [
+            {"text": context[s:e], "score": sc, "start_logit": sl, "end_logit": el}
+            for s, e, sc, sl, el in zip(
+                self.starts[a:b],
+                self.ends[a:b],
+                self.column("score")[a:b],
+                self.column("start_logit")[a:b],
+                self.column("end_logit")[a:b],
+                strict=True,
+            )
+        ]
+
+
+def _with_probabilities(ranked: list[dict]) -> list[dict]:
+    """The candidates' softmax over scores in place of the scores (an ``empty`` candidate
+    stands in when nothing but the null answer is left, as the reference does)."""
+    if not ranked or (len(ranked) == 1 and ranked[0]["text"] == ""):
+        ranked.insert(0, {"text": "empty", "score": 0.0, "start_logit": 0.0, "end_logit": 0.0})
+    scores = np.array([c["score"] for c in ranked], dtype=np.float64)
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    for candidate, prob in zip(ranked, probs, strict=True):
+        candidate["probability"] = float(prob)
+        del candidate["score"]
+        candidate.pop("null", None)
+    return ranked
+
+
+def _decide_v2(ranked: list[dict], null_score: float, threshold: float) -> tuple[str, float]:
+    """SQuAD v2's answer and null-odds: empty when the null beats the best span by more
+    than ``threshold``."""
+    best = next((c for c in ranked if c["text"] != ""), None)
+    if best is None:
+        return "", float("inf")
+    diff = null_score - best["start_logit"] - best["end_logit"]
+    return ("" if diff > threshold else best["text"]), float(diff)
