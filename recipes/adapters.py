@@ -42,6 +42,9 @@ HEAD_MODULES = ("qa_outputs", "classifier", "score")
 # Names that only a peft-wrapped model has; none may survive in a merged model.
 _PEFT_KEY = re.compile(r"lora_|base_model\.model\.|modules_to_save|original_module")
 ALL_LINEAR = "all-linear"
+ADAPTER_DIR = (
+    "adapter"  # in final/ and in each checkpoint: what peft.PeftModel.from_pretrained loads
+)
 
 
 @dataclass
@@ -132,6 +135,8 @@ def apply_lora(
     """
     from peft import LoraConfig, get_peft_model
 
+    if cfg.method != "lora":
+        raise ValueError(f"apply_lora called with peft.method={cfg.method}")
     heads = list(dict.fromkeys([*task_head_modules, *cfg.modules_to_save]))
     targets = ALL_LINEAR if cfg.target_modules is None else cfg.target_modules
     _check_targets(model, targets, heads)
@@ -185,6 +190,13 @@ def _check_targets(model: torch.nn.Module, targets: str | Sequence[str], heads: 
     """Refuse target names that match no module of ``model`` (a misspelling would otherwise
     train the heads alone, or stop peft with a long message)."""
     names = [name for name, _ in model.named_modules() if name]
+    unknown = [h for h in heads if not any(n == h or n.endswith(f".{h}") for n in names)]
+    if unknown:
+        raise ConfigError(
+            f"peft.modules_to_save: {', '.join(unknown)} match no module of "
+            f"{type(model).__name__}. Name modules of the model (its top-level ones: "
+            f"{', '.join(n for n in names if '.' not in n)}), or leave the list empty."
+        )
     linear = _linear_leaf_names(model, heads)
     hint = f"its linear layers are named {', '.join(linear) or '(none)'}"
     if targets == ALL_LINEAR:
@@ -292,8 +304,9 @@ def register_checkpoint_hooks(accelerator: Accelerator) -> list[Any]:
     """Make ``save_state`` / ``load_state`` hold only the trainable parameters of peft models.
 
     accelerate's ``save_state`` writes ``model.state_dict()`` whole (frozen base included) and
-    ``load_state`` loads it strictly. Its hooks swap in :func:`trainable_state_dict` on save and
-    load that subset on load (the base weights are those the run was started from). The
+    ``load_state`` loads it strictly. Its hooks swap in :func:`trainable_state_dict` on save (and
+    write the peft adapter folder ``adapter/`` beside it) and load that subset on load (the base
+    weights are those the run was started from). The
     optimizer state is already that of the trainable parameters: the optimizer holds no other.
     FSDP and DeepSpeed save the model their own way; there the hooks leave it alone.
     Call once, after ``accelerator.prepare``; returns the hook handles.
@@ -306,6 +319,11 @@ def register_checkpoint_hooks(accelerator: Accelerator) -> list[Any]:
             inner = accelerator.unwrap_model(model)
             if is_peft_model(inner):
                 weights[i] = trainable_state_dict(inner)
+                # Also as peft's adapter folder: any checkpoint (the best one, say) can become
+                # a final model, or be loaded with peft.PeftModel.from_pretrained.
+                inner.save_pretrained(
+                    Path(output_dir) / ADAPTER_DIR, is_main_process=accelerator.is_main_process
+                )
 
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
         for model in list(models):
@@ -343,7 +361,7 @@ def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any) -> None:
     copy (the trained model is left as it was), which costs one model's memory for a moment.
     """
     folder = Path(folder)
-    model.save_pretrained(folder / "adapter")
+    model.save_pretrained(folder / ADAPTER_DIR)
     merged = copy.deepcopy(model).merge_and_unload()
     state = merged.state_dict()
     leftovers = [k for k in state if _PEFT_KEY.search(k)]
@@ -352,7 +370,9 @@ def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any) -> None:
     _check_heads_merged(model, state)
     merged.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    log.info("saved the LoRA adapter to %s and the merged model to %s", folder / "adapter", folder)
+    log.info(
+        "saved the LoRA adapter to %s and the merged model to %s", folder / ADAPTER_DIR, folder
+    )
 
 
 def _check_heads_merged(model: torch.nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
