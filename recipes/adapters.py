@@ -1,0 +1,395 @@
+"""LoRA adapters through ``peft`` (``peft=lora``) and gradient checkpointing.
+
+What a LoRA run changes, and where the loop calls this module:
+
+* after ``load_model``: :func:`apply_lora` (``peft.method=lora``) freezes the base model, adds
+  adapters to its linear layers and trains the task head (``qa_outputs``, ``classifier``, ``score``)
+  in full; the optimizer is then built as always (frozen parameters are skipped);
+* :func:`enable_gradient_checkpointing` (``trainer.gradient_checkpointing=true``);
+* after ``accelerator.prepare``: :func:`register_checkpoint_hooks`, so that ``save_state`` /
+  ``load_state`` write and read only the trainable parameters (accelerate alone writes the whole
+  model, frozen base included);
+* at the end: :func:`save_final` writes ``final/adapter/`` (for ``peft``) and a merged model in
+  ``final/`` (for plain ``transformers``).
+
+``peft`` is imported only when LoRA is used.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from recipes.config import ConfigError
+from recipes.log import get_logger
+
+log = get_logger(__name__)
+
+METHODS = ("none", "lora")
+# Heads that transformers initialises afresh for a task: they must train in full (a LoRA update
+# of a random matrix would be a poor head), so they go to peft's ``modules_to_save``.
+HEAD_MODULES = ("qa_outputs", "classifier", "score")
+# Names that only a peft-wrapped model has; none may survive in a merged model.
+_PEFT_KEY = re.compile(r"lora_|base_model\.model\.|modules_to_save|original_module")
+ALL_LINEAR = "all-linear"
+ADAPTER_DIR = (
+    "adapter"  # in final/ and in each checkpoint: what peft.PeftModel.from_pretrained loads
+)
+
+
+@dataclass
+class PeftSettings:
+    """``peft.*`` (conf/peft/none.yaml, conf/peft/lora.yaml; the YAML holds every default)."""
+
+    method: str = "none"
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    target_modules: Any = None  # null (all linear layers), a list of module names, or a regex
+    modules_to_save: list[str] = field(default_factory=list)
+
+
+def settings(node: Any) -> PeftSettings:
+    """The typed, checked ``peft`` config; an absent one means full fine-tuning."""
+    if node is None:
+        return PeftSettings()
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PeftSettings), values)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        raise ConfigError(
+            f"peft.{key}: {str(err).splitlines()[0]}. Valid keys of 'peft': "
+            f"{', '.join(PeftSettings.__dataclass_fields__)}"
+        ) from None
+    s: PeftSettings = OmegaConf.to_object(merged)
+    _check(s)
+    return s
+
+
+def _check(s: PeftSettings) -> None:
+    if s.method not in METHODS:
+        raise ConfigError(
+            f"peft.method={s.method!r}: choose none (full fine-tuning, peft=none) or lora "
+            "(low-rank adapters, peft=lora)."
+        )
+    if s.method == "none":
+        return
+    if s.r is None or s.r < 1:
+        raise ConfigError(f"peft.r={s.r}: the adapter rank must be an integer >= 1 (e.g. 16).")
+    if s.alpha is None or s.alpha <= 0:
+        raise ConfigError(f"peft.alpha={s.alpha}: must be > 0 (the update is scaled by alpha/r).")
+    if s.dropout is None or not 0 <= s.dropout < 1:
+        raise ConfigError(f"peft.dropout={s.dropout}: must be in [0, 1).")
+    t = s.target_modules
+    if not (t is None or isinstance(t, str) or (t and all(isinstance(n, str) for n in t))):
+        raise ConfigError(
+            f"peft.target_modules={t!r}: give null (all linear layers), a list of module "
+            "names such as [q_proj, v_proj], or one regular expression."
+        )
+
+
+def task_type(model: torch.nn.Module) -> Any:
+    """peft's task type for the model's head (None for heads peft has no type for: masked LM)."""
+    from peft import TaskType
+
+    kinds = {
+        "ForCausalLM": TaskType.CAUSAL_LM,
+        "ForQuestionAnswering": TaskType.QUESTION_ANS,
+        "ForSequenceClassification": TaskType.SEQ_CLS,
+        "ForTokenClassification": TaskType.TOKEN_CLS,
+    }
+    name = type(model).__name__
+    return next((kind for suffix, kind in kinds.items() if name.endswith(suffix)), None)
+
+
+def task_heads(model: torch.nn.Module) -> list[str]:
+    """The model's freshly initialised task head(s) among :data:`HEAD_MODULES`."""
+    return [
+        name for name in HEAD_MODULES if isinstance(getattr(model, name, None), torch.nn.Module)
+    ]
+
+
+def apply_lora(
+    model: torch.nn.Module, cfg: PeftSettings, task_head_modules: Sequence[str]
+) -> torch.nn.Module:
+    """Wrap ``model`` with LoRA adapters (a ``peft.PeftModel``); the task heads train in full.
+
+    ``peft.target_modules: null`` means every linear layer except the output layer and the heads
+    (peft's ``all-linear``): QLoRA found adapters on all linear layers are needed to come close to
+    full fine-tuning, and it names the right layers of any architecture (Llama's seven
+    projections, GPT-2's ``c_attn``/``c_proj``/``c_fc``, BERT's ``query``/``key``/``value``/
+    ``dense``) without a table. peft's own per-architecture table
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``) holds the query and value
+    projections only, the LoRA paper's minimal choice.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.method != "lora":
+        raise ValueError(f"apply_lora called with peft.method={cfg.method}")
+    heads = list(dict.fromkeys([*task_head_modules, *cfg.modules_to_save]))
+    targets = ALL_LINEAR if cfg.target_modules is None else cfg.target_modules
+    _check_targets(model, targets, heads)
+    config = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        # A head is trained in full; an adapter on top of it would be trained twice over.
+        exclude_modules=heads or None,
+        modules_to_save=heads or None,
+        task_type=task_type(model),
+        bias="none",
+        # GPT-2's Conv1D stores its weight transposed; said here, peft does not warn per layer.
+        fan_in_fan_out=any(isinstance(m, _conv1d()) for m in model.modules()),
+    )
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as err:  # a matched module peft cannot adapt (a LayerNorm, say)
+        raise ConfigError(
+            f"peft.target_modules={targets}: peft refused it ({_first_line(err)}). Name linear "
+            "layers, or set peft.target_modules=null for all of them."
+        ) from None
+    adapted = sorted({name.rsplit(".", 1)[-1] for name in adapted_modules(wrapped)})
+    log.info(
+        "LoRA r=%d alpha=%g dropout=%g on %s; trained in full: %s",
+        cfg.r,
+        cfg.alpha,
+        cfg.dropout,
+        ", ".join(adapted),
+        ", ".join(heads) or "nothing else",
+    )
+    log.info(trainable_summary(wrapped))
+    return wrapped
+
+
+def adapted_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules that carry a LoRA adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    return [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def _conv1d() -> type:
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    return Conv1D
+
+
+def _check_targets(model: torch.nn.Module, targets: str | Sequence[str], heads: list[str]) -> None:
+    """Refuse target names that match no module of ``model`` (a misspelling would otherwise
+    train the heads alone, or stop peft with a long message)."""
+    names = [name for name, _ in model.named_modules() if name]
+    unknown = [h for h in heads if not any(n == h or n.endswith(f".{h}") for n in names)]
+    if unknown:
+        raise ConfigError(
+            f"peft.modules_to_save: {', '.join(unknown)} match no module of "
+            f"{type(model).__name__}. Name modules of the model (its top-level ones: "
+            f"{', '.join(n for n in names if '.' not in n)}), or leave the list empty."
+        )
+    linear = _linear_leaf_names(model, heads)
+    hint = f"its linear layers are named {', '.join(linear) or '(none)'}"
+    if targets == ALL_LINEAR:
+        if not linear:
+            raise ConfigError(
+                f"peft.target_modules=null: {type(model).__name__} has no linear layer outside "
+                "the task head. Name its modules with peft.target_modules=[...]."
+            )
+        return
+    if isinstance(targets, str):
+        missing = [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+    else:
+        missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise ConfigError(
+            f"peft.target_modules: {', '.join(missing)} match no module of "
+            f"{type(model).__name__} ({hint}). Name some of those, or set "
+            "peft.target_modules=null for all linear layers."
+        )
+
+
+def _linear_leaf_names(model: torch.nn.Module, heads: list[str]) -> list[str]:
+    found = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Linear, _conv1d())) and name.split(".")[0] not in heads
+    }
+    return sorted(found)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (unwrapped) is a peft model; free when peft was never imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights count once."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def trainable_summary(model: torch.nn.Module) -> str:
+    """``trainable parameters: N of M (x.xx%)``, the line the log states."""
+    trainable, total = trainable_parameters(model)
+    return f"trainable parameters: {trainable} of {total} ({100 * trainable / max(total, 1):.2f}%)"
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass (non-reentrant checkpointing).
+
+    Works on transformers 4.x (``gradient_checkpointing_enable``) and 5.x
+    (``activation_checkpointing_enable``); ``model`` may be a peft model.
+    """
+    base = model.get_base_model() if is_peft_model(model) else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"trainer.gradient_checkpointing=true: {type(base).__name__} does not support it. "
+            "Set trainer.gradient_checkpointing=false."
+        )
+    kwargs = {"use_reentrant": False}  # reentrant checkpointing drops grads of frozen-input layers
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if is_peft_model(model):
+        # Frozen embeddings give layer inputs that do not require grad. Non-reentrant
+        # checkpointing copes; a model whose own code calls the reentrant variant would then
+        # silently train nothing in its checkpointed layers.
+        base.enable_input_require_grads()
+    base.config.use_cache = (
+        False  # a KV cache is of no use in training and conflicts with recompute
+    )
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters (adapters and fully trained heads) by their state-dict names.
+
+    Buffers are left out: LoRA layers and linear heads have none, and frozen buffers come back
+    from the base model on resume.
+    """
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load what :func:`trainable_state_dict` saved; the keys must be exactly the trainable ones."""
+    expected = set(trainable_state_dict(model))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ConfigError(
+            f"resume: the checkpoint's trainable parameters differ from this model's (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}, of {len(missing)} / {len(unexpected)}). "
+            "Resume with the peft.* settings the run was started with, or start a new run."
+        )
+    try:
+        model.load_state_dict(dict(state), strict=False)
+    except RuntimeError as err:  # same names, other shapes: peft.r changed
+        raise ConfigError(
+            f"resume: the checkpoint's adapters have other shapes ({_first_line(err)}). Resume "
+            "with the peft.* settings the run was started with, or start a new run."
+        ) from None
+
+
+def register_checkpoint_hooks(accelerator: Accelerator) -> list[Any]:
+    """Make ``save_state`` / ``load_state`` hold only the trainable parameters of peft models.
+
+    accelerate's ``save_state`` writes ``model.state_dict()`` whole (frozen base included) and
+    ``load_state`` loads it strictly. Its hooks swap in :func:`trainable_state_dict` on save (and
+    write the peft adapter folder ``adapter/`` beside it) and load that subset on load (the base
+    weights are those the run was started from). The
+    optimizer state is already that of the trainable parameters: the optimizer holds no other.
+    FSDP and DeepSpeed save the model their own way; there the hooks leave it alone.
+    Call once, after ``accelerator.prepare``; returns the hook handles.
+    """
+
+    def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
+        if len(weights) != len(models):  # FSDP / DeepSpeed: accelerate gathers no weights
+            return
+        for i, model in enumerate(models):
+            inner = accelerator.unwrap_model(model)
+            if is_peft_model(inner):
+                weights[i] = trainable_state_dict(inner)
+                # Also as peft's adapter folder: any checkpoint (the best one, say) can become
+                # a final model, or be loaded with peft.PeftModel.from_pretrained.
+                inner.save_pretrained(
+                    Path(output_dir) / ADAPTER_DIR, is_main_process=accelerator.is_main_process
+                )
+
+    def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
+        for model in list(models):
+            inner = accelerator.unwrap_model(model)
+            if not is_peft_model(inner):
+                continue
+            index = next(i for i, m in enumerate(accelerator._models) if m is model)
+            if model is not models[-1]:  # accelerate numbers model files by list position
+                raise NotImplementedError("a peft model must be the last prepared model")
+            load_trainable_state_dict(inner, _read_model_file(Path(input_dir), index))
+            models.remove(model)  # loaded: keep accelerate's strict full-model load off it
+
+    return [
+        accelerator.register_save_state_pre_hook(save_hook),
+        accelerator.register_load_state_pre_hook(load_hook),
+    ]
+
+
+def _read_model_file(folder: Path, index: int) -> dict[str, torch.Tensor]:
+    from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
+    from safetensors.torch import load_file
+
+    suffix = "" if index == 0 else f"_{index}"
+    safe = folder / f"{SAFE_MODEL_NAME}{suffix}.safetensors"
+    if safe.is_file():
+        return load_file(safe, device="cpu")
+    return torch.load(folder / f"{MODEL_NAME}{suffix}.bin", map_location="cpu", weights_only=True)
+
+
+def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any) -> None:
+    """``folder/adapter/`` (``peft.PeftModel.from_pretrained`` loads it onto the base model) and
+    a merged model in ``folder`` that ``AutoModelFor*.from_pretrained`` loads without peft.
+
+    ``model`` is the unwrapped peft model; call on the main process only. The merge happens on a
+    copy (the trained model is left as it was), which costs one model's memory for a moment.
+    """
+    folder = Path(folder)
+    model.save_pretrained(folder / ADAPTER_DIR)
+    merged = copy.deepcopy(model).merge_and_unload()
+    state = merged.state_dict()
+    leftovers = [k for k in state if _PEFT_KEY.search(k)]
+    if leftovers:
+        raise RuntimeError(f"the merged model still has peft weights: {leftovers[:3]}")
+    _check_heads_merged(model, state)
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    log.info(
+        "saved the LoRA adapter to %s and the merged model to %s", folder / ADAPTER_DIR, folder
+    )
+
+
+def _check_heads_merged(model: torch.nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
+    """The trained copies of the fully trained heads, not the original ones, must be saved."""
+    from peft.utils import ModulesToSaveWrapper
+
+    prefix = "base_model.model."
+    for name, module in model.named_modules():
+        if not isinstance(module, ModulesToSaveWrapper):
+            continue
+        trained = module.modules_to_save[module.active_adapters[0]]
+        for key, value in trained.state_dict().items():
+            merged_key = f"{name.removeprefix(prefix)}.{key}"
+            if not torch.equal(merged[merged_key], value):
+                raise RuntimeError(f"the merged model lost the trained head weight {merged_key}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
