@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_assets import REPO_ROOT, load_squad, sentence_spans  # noqa: E402
+from make_assets import REPO_ROOT, load_squad, sentence_spans
 
 SYSTEM = "Answer the question with a short span of the passage."
 TURNS = 2
