@@ -13,7 +13,7 @@ slices' own, so the files are byte-identical on every run.
 
 Usage (from the repository root)::
 
-    python scripts/make_chat_asset.py [--assets recipes/assets]
+    python scripts/make_chat_asset.py [--assets recipes/assets] [--out recipes/assets]
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def conversations(squad: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "recipes" / "assets")
+    parser.add_argument("--out", type=Path, default=None, help="default: --assets")
     args = parser.parse_args()
-    out = args.assets / OUT
+    out = (args.out or args.assets) / OUT
     out.mkdir(parents=True, exist_ok=True)
     for split, source in SPLITS.items():
         rows = list(conversations(load_squad(args.assets / source)))

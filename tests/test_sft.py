@@ -111,6 +111,30 @@ def test_conversation_without_assistant_turn_is_refused():
         chat.to_messages({"messages": TURNS[:2]})
 
 
+def test_bundled_conversations_are_rebuilt_byte_for_byte(tmp_path):
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts/make_chat_asset.py"
+    subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        check=True,
+        text=True,
+        capture_output=True,
+    )
+    for split in ("train", "dev"):
+        built = (tmp_path / "conversations/squad" / f"{split}.jsonl").read_bytes()
+        assert built == (CONVERSATIONS / f"{split}.jsonl").read_bytes()
+
+
+def test_bundled_conversations_read_as_messages():
+    train = chat.read_conversations(CONVERSATIONS / "train.jsonl")
+    assert len(train) == 519
+    first = train[0]["messages"]
+    assert [m["role"] for m in first[:3]] == ["system", "user", "assistant"]
+    assert "\nQuestion: " in first[1]["content"]
+
+
 # ---------------------------------------------------------------------------- templates
 
 
