@@ -382,3 +382,17 @@ def test_bad_row_fails_the_run_with_one_line(tmp_path):
     assert proc.returncode == 2
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and "line 2: fits no layout (fields: text)" in error
+
+
+def test_generation_scores_use_squad_normalisation():
+    from recipes.tasks.sft import generation_scores
+
+    records = [
+        {"generated": " The Melt ", "reference": "melt"},
+        {"generated": "magma and lava", "reference": "melt (magma and/or lava)"},
+    ]
+    scores = generation_scores(records)
+    assert scores["generation/exact_match"] == 50.0
+    # second: 2 shared tokens (magma, lava) of 3 predicted and 4 gold -> F1 4/7
+    assert scores["generation/f1"] == pytest.approx(100 * (1 + 4 / 7) / 2)
+    assert scores["generation/count"] == 2

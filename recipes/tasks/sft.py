@@ -24,6 +24,7 @@ from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
 from recipes.log import get_logger
+from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import chat
 from recipes.tasks.base import Task, TaskData
 
@@ -268,10 +269,16 @@ class SupervisedFineTuning(Task):
         with (output_dir / "generations.jsonl").open("w", encoding="utf-8") as out:
             for record in records:
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                log.info(
-                    "greedy answer: %r (reference %r)", record["generated"], record["reference"]
-                )
-        return {"sample/generations": json.dumps(records, ensure_ascii=False)}
+        for record in records[:4]:
+            log.info("greedy answer: %r (reference %r)", record["generated"], record["reference"])
+        scores = generation_scores(records)
+        log.info(
+            "greedy answers to %d held-out prompts: exact match %.2f, F1 %.2f (SQuAD v1.1 scoring)",
+            len(records),
+            scores["generation/exact_match"],
+            scores["generation/f1"],
+        )
+        return {**scores, "sample/generations": json.dumps(records[:16], ensure_ascii=False)}
 
     def _answer(
         self,
@@ -293,6 +300,19 @@ class SupervisedFineTuning(Task):
         )
         text = tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
         return {"messages": prompt["messages"], "reference": prompt["reference"], "generated": text}
+
+
+def generation_scores(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Exact match and F1 of the greedy answers against the reference answers, with the
+    official SQuAD v1.1 normalisation (the project's QA metric), as percentages."""
+    pairs = [(r["generated"].strip(), r["reference"]) for r in records]
+    return {
+        "generation/exact_match": 100.0
+        * sum(exact_match_score(g, r) for g, r in pairs)
+        / len(pairs),
+        "generation/f1": 100.0 * sum(f1_score(g, r) for g, r in pairs) / len(pairs),
+        "generation/count": float(len(pairs)),
+    }
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
