@@ -14,6 +14,9 @@ slices' own, so the files are byte-identical on every run.
 Usage (from the repository root)::
 
     python scripts/make_chat_asset.py [--assets recipes/assets] [--out recipes/assets]
+    # any official SQuAD v1.1 files (the SQuAD-as-chat runs in docs/results.md):
+    python scripts/make_chat_asset.py --train-file train-v1.1.json --dev-file dev-v1.1.json \
+        --out ./squad_chat        # writes ./squad_chat/{train,dev}.jsonl
 """
 
 from __future__ import annotations
@@ -72,11 +75,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "recipes" / "assets")
     parser.add_argument("--out", type=Path, default=None, help="default: --assets")
+    parser.add_argument("--train-file", type=Path, help="an official SQuAD v1.1 JSON file")
+    parser.add_argument("--dev-file", type=Path, help="an official SQuAD v1.1 JSON file")
     args = parser.parse_args()
-    out = (args.out or args.assets) / OUT
+    if args.train_file or args.dev_file:
+        if not (args.train_file and args.dev_file and args.out):
+            parser.error("--train-file needs --dev-file and --out")
+        out, sources = args.out, {"train": args.train_file, "dev": args.dev_file}
+    else:
+        out = (args.out or args.assets) / OUT
+        sources = {split: args.assets / source for split, source in SPLITS.items()}
     out.mkdir(parents=True, exist_ok=True)
-    for split, source in SPLITS.items():
-        rows = list(conversations(load_squad(args.assets / source)))
+    for split, source in sources.items():
+        rows = list(conversations(load_squad(source)))
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         (out / f"{split}.jsonl").write_text(lines, encoding="utf-8")
         print(f"{out / f'{split}.jsonl'}: {len(rows)} conversations")
