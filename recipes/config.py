@@ -97,6 +97,8 @@ class Schedule(Choice):
 
 
 class Tracker(Choice):
+    """Where logged numbers go besides metrics.jsonl."""
+
     wandb = "wandb"
     tensorboard = "tensorboard"
 
@@ -207,9 +209,8 @@ class SchedulerConfig:
     _target_: str = "recipes.optim.build_scheduler"
     _partial_: bool = True
     name: Schedule = MISSING
-    warmup_ratio: float = (
-        0.0  # fraction of the optimizer steps spent warming up (if warmup_steps=0)
-    )
+    # Fraction of the optimizer steps spent warming up (used when warmup_steps is 0).
+    warmup_ratio: float = 0.0
     warmup_steps: int = 0
 
 
@@ -243,7 +244,7 @@ class Settings:
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
-    return lambda value: value is not None and value >= low
+    return lambda value: value >= low
 
 
 def _null_or_at_least(low: int) -> Callable[[Any], bool]:
@@ -251,7 +252,7 @@ def _null_or_at_least(low: int) -> Callable[[Any], bool]:
 
 
 # What the types cannot say: (key, test, what a good value is).
-RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("trainer.per_device_train_batch_size", _at_least(1), "must be at least 1"),
     ("trainer.per_device_eval_batch_size", _at_least(1), "must be at least 1"),
     ("trainer.gradient_accumulation_steps", _at_least(1), "must be at least 1"),
@@ -298,7 +299,7 @@ def validate(cfg: DictConfig) -> Settings:
         data=_typed(cfg, "data", DataConfig),
         logger=_typed(cfg, "logger", LoggerConfig),
     )
-    for key, ok, rule in RANGES:
+    for key, ok, rule in _RANGES:
         group, name = key.split(".")
         value = getattr(getattr(settings, group), name)
         if not ok(value):
