@@ -1,28 +1,115 @@
-"""Typed schema and up-front validation of the composed Hydra config.
+"""The typed schema of the config (every default of the typed groups lives here) and up-front
+validation.
 
-Hydra already refuses overrides of keys that do not exist (struct mode) and unknown group choices
-(with the list of valid ones). What it cannot see is a misspelt key written inside a YAML file, a
-wrong type, or values that make no sense together. :func:`validate` merges the composed config onto
-small dataclass schemas (so unknown keys and wrong types fail with the key's full name) and then runs
-the semantic checks, all before any download, data loading or model build.
+:class:`TrainSchema` is the base of ``conf/train.yaml`` (registered with Hydra's ConfigStore as
+``schema``), so the YAML files list only what they change, and a misspelt key (on the command line
+or in a YAML file), a wrong type or a value outside an Enum fails at compose time with the key's
+full name and, for an Enum, its choices. :func:`validate` turns the composed config into these
+classes and checks what a type cannot say (ranges, paths, settings that contradict each other), all
+before any download, data loading or model build.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-MIXED_PRECISION_CHOICES = ("auto", "no", "fp16", "bf16")
 
 
 class ConfigError(ValueError):
     """A setting is wrong; the message names the key and how to fix it."""
+
+
+class Choice(str, Enum):
+    """A setting with a fixed set of values. It compares, prints, formats and serialises as its
+    plain string: the loop compares settings to strings, and checkpoints store them as JSON and
+    compare them on resume. Member names equal their values (OmegaConf reads members by name)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class MixedPrecision(Choice):
+    """auto: bf16 where the device has it (CPUs: AVX512-BF16/AMX), fp16 on older GPUs, else fp32."""
+
+    auto = "auto"
+    no = "no"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class Padding(Choice):
+    """longest: each batch to its longest sequence; max_length: to the task's max_seq_length."""
+
+    longest = "longest"
+    max_length = "max_length"
+
+
+class OnNonfinite(Choice):
+    """A NaN/Inf loss or gradient: stop (end the run with an error) or skip (drop the update)."""
+
+    stop = "stop"
+    skip = "skip"
+
+
+class Attention(Choice):
+    """auto: eager on MUSA (no SDPA backward in older torch_musa), sdpa elsewhere."""
+
+    auto = "auto"
+    eager = "eager"
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+
+
+class SampleBy(Choice):
+    """Examples of a .txt file: one per line, per blank-line separated paragraph, or per file."""
+
+    line = "line"
+    paragraph = "paragraph"
+    document = "document"
+
+
+class Schedule(Choice):
+    """transformers' schedules that need nothing beyond the warmup and the number of steps."""
+
+    linear = "linear"
+    cosine = "cosine"
+    cosine_with_restarts = "cosine_with_restarts"
+    polynomial = "polynomial"
+    constant = "constant"
+    constant_with_warmup = "constant_with_warmup"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class Tracker(Choice):
+    """Where logged numbers go besides metrics.jsonl."""
+
+    wandb = "wandb"
+    tensorboard = "tensorboard"
+
+
+class WandbMode(Choice):
+    """auto: online when logged in (WANDB_API_KEY or `wandb login`), offline otherwise."""
+
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 @dataclass
@@ -30,66 +117,70 @@ class TrainerConfig:
     """Knobs of the training loop (``trainer.*``)."""
 
     num_epochs: float = 2.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 24
+    max_steps: int = -1  # > 0 wins over num_epochs
+    per_device_train_batch_size: int = 24  # global batch = this x processes x accumulation steps
     per_device_eval_batch_size: int = 64
     gradient_accumulation_steps: int = 1
-    max_grad_norm: float | None = 1.0
-    mixed_precision: str = "auto"
-    tf32: bool = True
+    max_grad_norm: float | None = 1.0  # null disables clipping
+    mixed_precision: MixedPrecision = MixedPrecision.auto
+    tf32: bool = True  # TF32 matmuls on devices that have them (S4000, Ampere+)
     seed: int = 42
     log_every_n_steps: int = 10
-    eval_every_n_steps: int = 0
-    eval_at_start: bool = False
+    eval_every_n_steps: int = 0  # 0: evaluate only at the end
+    eval_at_start: bool = False  # also evaluate the untrained model (a baseline in the log)
     eval_at_end: bool = True
-    save_final_model: bool = True
-    pad_to_multiple_of: int | None = 8
-    padding: str = "longest"
+    save_final_model: bool = True  # <output_dir>/final, loadable with from_pretrained
+    pad_to_multiple_of: int | None = 8  # the batch's longest, rounded up for tensor cores
+    padding: Padding = Padding.longest
+    # With padding=longest: batches of similar lengths, in random order (less padding).
     group_by_length: bool = True
+    # Global batches sorted together: more saves padding, fewer keeps batches mixed.
     length_group_size: int = 8
     dataloader_num_workers: int = 0
-    pin_memory: bool = False
-    compile: bool = False
+    pin_memory: bool = False  # page-locked host batches (faster copies to a GPU; no use on CPU)
+    compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys)
     progress_bar: bool = True
-    save_every_n_steps: int = 500
+    # Checkpoints: <output_dir>/checkpoints/step-N (model, optimizer, scheduler, RNG, data
+    # position), written atomically; resume with output_dir=<that run> resume=auto.
+    save_every_n_steps: int = 500  # 0: only at epoch ends (if asked) and on SIGTERM / SIGINT
     save_at_epoch_end: bool = False
-    keep_last_n_checkpoints: int | None = 2
-    on_nonfinite: str = "stop"
-    distributed_timeout_s: int = 900
+    keep_last_n_checkpoints: int | None = 2  # plus the best by the task's main metric; null: all
+    on_nonfinite: OnNonfinite = OnNonfinite.stop
+    distributed_timeout_s: int = 900  # a collective waiting longer (a dead rank) ends the run
 
 
 @dataclass
 class ModelConfig:
-    """Which pretrained model to fine-tune (``model.*``)."""
+    """Which pretrained model to fine-tune (``model.*``); each conf/model file names one."""
 
-    name_or_path: str = "bert-base-uncased"
+    name_or_path: str  # a hub name or a folder written by save_pretrained
     revision: str | None = None
-    attn_implementation: str = "auto"
+    attn_implementation: Attention = Attention.auto
     trust_remote_code: bool = False
-    gguf_file: str | None = None
+    gguf_file: str | None = None  # a .gguf file in name_or_path, dequantised on load
     ignore_mismatched_sizes: bool = False
 
 
 @dataclass
 class DataConfig:
-    """Where the examples come from (``data.*``)."""
+    """Where the examples come from (``data.*``); each conf/data file names a data set."""
 
-    path: str = "squad"
-    name: str | None = None
-    train_file: str | None = None
+    path: str  # a hub name, a file, a folder of files, or a save_to_disk folder
+    name: str | None = None  # the hub data set's configuration (a GLUE task, a WikiText variant)
+    train_file: str | None = None  # overrides what path finds
     eval_file: str | None = None
     train_split: str = "train"
     eval_split: str = "validation"
-    max_train_examples: int | None = None
+    max_train_examples: int | None = None  # keep the first N (quick experiments)
     max_eval_examples: int | None = None
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.05  # held out (seeded, reported) when the data has no eval split
     split_seed: int = 42
-    sample_by: str = "line"
+    sample_by: SampleBy = SampleBy.line
     text_column: str | None = None
     text_pair_column: str | None = None
     label_column: str | None = None
-    sample: str | None = None
-    cache_dir: str | None = None
+    sample: str | None = None  # the bundled sample that debug=smoke trains on
+    cache_dir: str | None = None  # feature cache; null: $RECIPES_CACHE or ~/.cache/musa-recipes
     preprocessing_num_workers: int | None = None
 
 
@@ -97,7 +188,7 @@ class DataConfig:
 class WandbConfig:
     project: str = "musa-recipes"
     entity: str | None = None
-    mode: str = "auto"
+    mode: WandbMode = WandbMode.auto
     tags: list[str] = field(default_factory=list)
     group: str | None = None
 
@@ -106,8 +197,40 @@ class WandbConfig:
 class LoggerConfig:
     """Trackers that receive every logged number besides ``metrics.jsonl`` (``logger.*``)."""
 
-    trackers: list[str] = field(default_factory=list)
+    trackers: list[Tracker] = field(default_factory=list)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class SchedulerConfig:
+    """A transformers schedule by name (``scheduler.*``); the loop supplies the optimizer and the
+    number of steps."""
+
+    _target_: str = "recipes.optim.build_scheduler"
+    _partial_: bool = True
+    name: Schedule = MISSING
+    # Fraction of the optimizer steps spent warming up (used when warmup_steps is 0).
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainSchema:
+    """What ``conf/train.yaml`` composes: typed groups, and the ``_target_`` groups that the
+    components they build check (their keys come from their one YAML file)."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    task: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    output_dir: str = MISSING
+    resume: str | None = MISSING
+
+
+ConfigStore.instance().store(name="schema", node=TrainSchema)
 
 
 @dataclass
@@ -120,11 +243,83 @@ class Settings:
     logger: LoggerConfig
 
 
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda value: value >= low
+
+
+def _null_or_at_least(low: int) -> Callable[[Any], bool]:
+    return lambda value: value is None or value >= low
+
+
+# What the types cannot say: (key, test, what a good value is).
+_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("trainer.per_device_train_batch_size", _at_least(1), "must be at least 1"),
+    ("trainer.per_device_eval_batch_size", _at_least(1), "must be at least 1"),
+    ("trainer.gradient_accumulation_steps", _at_least(1), "must be at least 1"),
+    ("trainer.log_every_n_steps", _at_least(1), "must be at least 1"),
+    ("trainer.eval_every_n_steps", _at_least(0), "must be >= 0 (0 evaluates only at the end)"),
+    (
+        "trainer.max_grad_norm",
+        lambda v: v is None or v > 0,
+        "must be > 0, or null to disable clipping",
+    ),
+    (
+        "trainer.length_group_size",
+        _at_least(1),
+        "must be >= 1 (global batches per length-sorted group; 8 is the default)",
+    ),
+    (
+        "trainer.save_every_n_steps",
+        _at_least(0),
+        "must be >= 0 (0 saves checkpoints only on request: at epoch ends, on SIGTERM / SIGINT)",
+    ),
+    (
+        "trainer.keep_last_n_checkpoints",
+        _null_or_at_least(1),
+        "must be >= 1, or null to keep every checkpoint",
+    ),
+    ("trainer.distributed_timeout_s", _at_least(1), "must be >= 1 (seconds)"),
+    ("data.max_train_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
+    ("data.max_eval_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
+    (
+        "data.eval_fraction",
+        lambda v: 0 <= v < 1,
+        "must be in [0, 1) (the share of the training examples held out when the data has no "
+        "evaluation split; 0 refuses such data)",
+    ),
+)
+
+
+def validate(cfg: DictConfig) -> Settings:
+    """Check the composed config and return its typed view; a :class:`ConfigError` names the
+    offending key and the fix."""
+    settings = Settings(
+        trainer=_typed(cfg, "trainer", TrainerConfig),
+        model=_typed(cfg, "model", ModelConfig),
+        data=_typed(cfg, "data", DataConfig),
+        logger=_typed(cfg, "logger", LoggerConfig),
+    )
+    for key, ok, rule in _RANGES:
+        group, name = key.split(".")
+        value = getattr(getattr(settings, group), name)
+        if not ok(value):
+            raise ConfigError(f"{key}={value}: {rule}.")
+    if settings.trainer.max_steps <= 0 and settings.trainer.num_epochs <= 0:
+        raise ConfigError(
+            "trainer.num_epochs and trainer.max_steps are both <= 0: set one of them, "
+            "e.g. trainer.num_epochs=2 or trainer.max_steps=1000."
+        )
+    _check_paths(settings.model, settings.data)
+    return settings
+
+
 def _typed(cfg: DictConfig, key: str, schema: type) -> Any:
+    """``cfg[key]`` as an instance of ``schema``; also for a config that was not composed on
+    :class:`TrainSchema` (built by hand), where unknown keys and wrong types surface only here."""
     try:
         # Resolve in the context of the whole config (``${data.sample}`` and the like) first.
         values = OmegaConf.to_container(cfg[key], resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as err:
         full_key = getattr(err, "full_key", None) or ""
         full_key = full_key if full_key.startswith(f"{key}.") else f"{key}.{full_key}".rstrip(".")
@@ -132,11 +327,10 @@ def _typed(cfg: DictConfig, key: str, schema: type) -> Any:
         if own is not None:  # raised by one of our resolvers
             raise ConfigError(f"{full_key}: {own}") from None
         msg = str(err).splitlines()[0]
-        raise ConfigError(
-            f"{full_key}: {msg}. Valid keys of '{key}': "
-            f"{', '.join(OmegaConf.structured(schema).keys())}"
-        ) from None
-    return OmegaConf.to_object(merged)
+        if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+            keys = ", ".join(OmegaConf.structured(schema).keys())
+            msg = f"{msg}. Valid keys of '{key}': {keys}"
+        raise ConfigError(f"{full_key}: {msg}") from None
 
 
 def _own_error(err: BaseException) -> ConfigError | None:
@@ -152,124 +346,29 @@ def _is_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or (os.sep in path and Path(path).expanduser().exists())
 
 
-def validate(cfg: DictConfig) -> Settings:
-    """Check the composed config and return its typed view.
-
-    Raises:
-        ConfigError: with one line that names the offending key and the fix.
-    """
-    settings = Settings(
-        trainer=_typed(cfg, "trainer", TrainerConfig),
-        model=_typed(cfg, "model", ModelConfig),
-        data=_typed(cfg, "data", DataConfig),
-        logger=_typed(cfg, "logger", LoggerConfig),
-    )
-    t = settings.trainer
-    for name in (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "log_every_n_steps",
-    ):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"trainer.{name}={getattr(t, name)}: must be at least 1.")
-    if t.max_steps <= 0 and t.num_epochs <= 0:
+def _check_paths(model: ModelConfig, data: DataConfig) -> None:
+    """Local paths must exist (hub names are checked when they are downloaded)."""
+    model_dir = Path(model.name_or_path).expanduser()
+    if _is_local(model.name_or_path) and not model_dir.is_dir():
         raise ConfigError(
-            "trainer.num_epochs and trainer.max_steps are both <= 0: set one of them, "
-            "e.g. trainer.num_epochs=2 or trainer.max_steps=1000."
+            f"model.name_or_path={model.name_or_path}: no such folder. Point it at a folder "
+            "written by save_pretrained (with config.json) or at a hub model name."
         )
-    if t.eval_every_n_steps < 0:
-        raise ConfigError("trainer.eval_every_n_steps must be >= 0 (0 evaluates only at the end).")
-    if t.mixed_precision not in MIXED_PRECISION_CHOICES:
+    gguf = model.gguf_file
+    if gguf is not None and model_dir.is_dir() and not (model_dir / gguf).is_file():
         raise ConfigError(
-            f"trainer.mixed_precision={t.mixed_precision!r}: choose one of "
-            f"{', '.join(MIXED_PRECISION_CHOICES)}."
+            f"model.gguf_file={gguf}: not in {model.name_or_path}. Name a .gguf file of that "
+            "folder, or set model.gguf_file=null for a normal Hugging Face folder."
         )
-    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
-        raise ConfigError("trainer.max_grad_norm must be > 0, or null to disable clipping.")
-    if t.length_group_size < 1:
-        raise ConfigError(
-            f"trainer.length_group_size={t.length_group_size}: must be >= 1 (global batches "
-            "per length-sorted group; 8 is the default)."
-        )
-    if t.padding not in ("longest", "max_length"):
-        raise ConfigError(
-            f"trainer.padding={t.padding!r}: choose longest (each batch to its longest "
-            "sequence) or max_length (every batch to the task's max_seq_length)."
-        )
-    if t.save_every_n_steps < 0:
-        raise ConfigError(
-            f"trainer.save_every_n_steps={t.save_every_n_steps}: must be >= 0 (0 saves "
-            "checkpoints only on request: at epoch ends, on SIGTERM / SIGINT)."
-        )
-    if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
-        raise ConfigError(
-            f"trainer.keep_last_n_checkpoints={t.keep_last_n_checkpoints}: must be >= 1, or "
-            "null to keep every checkpoint."
-        )
-    if t.on_nonfinite not in ("stop", "skip"):
-        raise ConfigError(
-            f"trainer.on_nonfinite={t.on_nonfinite!r}: choose stop (end the run with an error) "
-            "or skip (drop the update and go on)."
-        )
-    if t.distributed_timeout_s < 1:
-        raise ConfigError("trainer.distributed_timeout_s must be >= 1 (seconds).")
-
-    m = settings.model
-    if _is_local(m.name_or_path) and not Path(m.name_or_path).expanduser().is_dir():
-        raise ConfigError(
-            f"model.name_or_path={m.name_or_path}: no such folder. Point it at a folder written "
-            "by save_pretrained (with config.json) or at a hub model name."
-        )
-    model_dir = Path(m.name_or_path).expanduser()
-    if m.gguf_file is not None and model_dir.is_dir() and not (model_dir / m.gguf_file).is_file():
-        raise ConfigError(
-            f"model.gguf_file={m.gguf_file}: not in {m.name_or_path}. Name a .gguf file of "
-            "that folder, or set model.gguf_file=null for a normal Hugging Face folder."
-        )
-    if m.attn_implementation not in ("auto", "eager", "sdpa", "flash_attention_2"):
-        raise ConfigError(
-            f"model.attn_implementation={m.attn_implementation!r}: choose auto, eager, sdpa "
-            "or flash_attention_2."
-        )
-
-    d = settings.data
     for name in ("train_file", "eval_file"):
-        value = getattr(d, name)
+        value = getattr(data, name)
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{name}={value}: no such file.")
-    if _is_local(d.path) and not Path(d.path).expanduser().exists():
+    if _is_local(data.path) and not Path(data.path).expanduser().exists():
         raise ConfigError(
-            f"data.path={d.path}: no such file or folder. Give a SQuAD-style file or folder, "
+            f"data.path={data.path}: no such file or folder. Give a SQuAD-style file or folder, "
             "a save_to_disk folder, or a hub data set name."
         )
-    for name in ("max_train_examples", "max_eval_examples"):
-        value = getattr(d, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"data.{name}={value}: must be >= 1, or null for all examples.")
-    if not 0 <= d.eval_fraction < 1:
-        raise ConfigError(
-            f"data.eval_fraction={d.eval_fraction}: must be in [0, 1) (the share of the training "
-            "examples held out when the data has no evaluation split; 0 refuses such data)."
-        )
-    if d.sample_by not in ("line", "paragraph", "document"):
-        raise ConfigError(
-            f"data.sample_by={d.sample_by!r}: choose line (one example per line of a .txt "
-            "file), paragraph (blank-line separated) or document (one per file)."
-        )
-
-    for tracker in settings.logger.trackers:
-        if tracker not in ("wandb", "tensorboard"):
-            raise ConfigError(
-                f"logger.trackers: unknown tracker {tracker!r}; use wandb, tensorboard, or "
-                "logger=none for metrics.jsonl only."
-            )
-    if settings.logger.wandb.mode not in ("auto", "online", "offline", "disabled"):
-        raise ConfigError(
-            f"logger.wandb.mode={settings.logger.wandb.mode!r}: choose auto (online when logged "
-            "in, offline otherwise), online, offline or disabled."
-        )
-    return settings
 
 
 def instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:

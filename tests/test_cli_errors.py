@@ -44,6 +44,10 @@ def test_unknown_recipe_and_misspelt_key(tmp_path):
     assert "bert_squad" in stderr and "bert_squad_v2" in stderr
     stderr = _fails("trainer.num_epoch=3", tmp_path=tmp_path)
     assert "num_epoch" in stderr
+    stderr = _fails("trainer.padding=max", tmp_path=tmp_path)
+    assert "Invalid value 'max', expected one of [longest, max_length]" in stderr
+    assert "full_key: trainer.padding" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_malformed_squad_file_names_the_question(tmp_path):

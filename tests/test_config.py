@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from recipes.config import ASSETS, ConfigError, instantiate, register_resolvers, validate
+from recipes.config import (
+    ASSETS,
+    ConfigError,
+    DataConfig,
+    LoggerConfig,
+    ModelConfig,
+    SchedulerConfig,
+    instantiate,
+    register_resolvers,
+    validate,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -18,9 +32,14 @@ RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 register_resolvers()
 
 
-def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+def _compose(*overrides: str, conf: Path = CONF):
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose("train", overrides=["output_dir=/tmp/unused", *overrides])
+
+
+def _by_hand(cfg):
+    """The composed values as a plain config, as if built without the schema."""
+    return OmegaConf.create(OmegaConf.to_container(cfg))
 
 
 SMOKE_MODELS = {
@@ -109,39 +128,113 @@ def test_command_line_overrides_reach_the_run():
     "override,message",
     [
         ("trainer.per_device_train_batch_size=0", "trainer.per_device_train_batch_size=0"),
-        ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+        ("trainer.eval_every_n_steps=-1", "trainer.eval_every_n_steps=-1: must be >= 0"),
+        ("trainer.max_grad_norm=0", "trainer.max_grad_norm=0.0: must be > 0, or null"),
+        ("trainer.distributed_timeout_s=0", "trainer.distributed_timeout_s=0"),
+        ("trainer.max_steps=-1 trainer.num_epochs=0", "both <= 0"),
         ("model.name_or_path=./no/such/model", "model.name_or_path=./no/such/model"),
         ("data.path=./no/such/squad", "data.path=./no/such/squad"),
         ("data.train_file=/no/such/train.json", "data.train_file"),
-        ("logger.wandb.mode=sometimes", "logger.wandb.mode"),
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
-        ("data.sample_by=sentence", "data.sample_by='sentence'"),
+        ("data.max_train_examples=0", "data.max_train_examples=0: must be >= 1, or null"),
         ("model.gguf_file=missing.gguf", "model.gguf_file=missing.gguf: not in"),
-        ("trainer.padding=max", "trainer.padding='max'"),
-        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore'"),
         ("trainer.keep_last_n_checkpoints=0", "trainer.keep_last_n_checkpoints=0"),
         ("trainer.save_every_n_steps=-5", "trainer.save_every_n_steps=-5"),
         ("trainer.length_group_size=0", "trainer.length_group_size=0"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):
-    cfg = _compose("recipe=gpt2_clm", "debug=smoke", override)
+    cfg = _compose("recipe=gpt2_clm", "debug=smoke", *override.split())
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         validate(cfg)
 
 
-def test_misspelt_key_inside_a_yaml_file_is_refused():
-    cfg = _compose("recipe=bert_squad")
-    OmegaConf.set_struct(cfg, False)
-    cfg.trainer.eval_every_n_step = 100  # as if written in a recipe file
-    with pytest.raises(ConfigError, match="eval_every_n_step"):
-        validate(cfg)
+@pytest.mark.parametrize(
+    "override,choices",
+    [
+        ("trainer.mixed_precision=fp8", "auto, no, fp16, bf16"),
+        ("trainer.padding=max", "longest, max_length"),
+        ("trainer.on_nonfinite=ignore", "stop, skip"),
+        ("model.attn_implementation=flash", "auto, eager, sdpa, flash_attention_2"),
+        ("data.sample_by=sentence", "line, paragraph, document"),
+        ("logger.wandb.mode=sometimes", "auto, online, offline, disabled"),
+        ("logger.trackers=[mlflow]", "wandb, tensorboard"),
+        ("scheduler.name=cosin", "linear, cosine, cosine_with_restarts"),
+    ],
+)
+def test_value_outside_its_choices_fails_at_compose_time(override, choices):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("recipe=gpt2_clm", override)
+    message = str(err.value.__cause__)
+    assert f"full_key: {key}" in message
+    assert f"Invalid value '{value.strip('[]')}', expected one of [{choices}" in message
+
+
+def test_misspelt_key_inside_a_yaml_file_is_refused(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    recipe = conf / "recipe" / "bert_squad.yaml"
+    recipe.write_text(recipe.read_text() + "  eval_every_n_step: 100\n")  # under trainer:
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("recipe=bert_squad", conf=conf)
+    assert "In 'recipe/bert_squad'" in str(err.value)  # the file, the key, the schema
+    assert "Key 'eval_every_n_step' not in 'TrainerConfig'" in str(err.value)
 
 
 def test_wrong_type_is_refused():
-    cfg = _compose("recipe=bert_squad", "trainer.num_epochs=two")
-    with pytest.raises(ConfigError, match=r"trainer\.num_epochs"):
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("recipe=bert_squad", "trainer.num_epochs=two")
+    assert "full_key: trainer.num_epochs" in str(err.value.__cause__)
+
+
+def test_a_config_built_without_the_schema_is_checked_by_validate():
+    cfg = _by_hand(_compose("recipe=bert_squad"))
+    cfg.trainer.eval_every_n_step = 100
+    with pytest.raises(
+        ConfigError, match=r"trainer\.eval_every_n_step: .* Valid keys of 'trainer'"
+    ):
         validate(cfg)
+    cfg = _by_hand(_compose("recipe=bert_squad"))
+    cfg.trainer.mixed_precision = "fp8"
+    with pytest.raises(ConfigError, match=r"trainer\.mixed_precision: .*auto, no, fp16, bf16"):
+        validate(cfg)
+
+
+def test_choices_read_as_the_plain_strings_they_were():
+    """The loop compares settings to strings, logs them, and checkpoints store them as JSON and
+    compare them on resume: an Enum setting must be indistinguishable from its string there."""
+    cfg = _compose("recipe=gpt2_clm", "debug=smoke", "trainer.mixed_precision=bf16")
+    settings = validate(cfg)
+    precision = settings.trainer.mixed_precision
+    assert precision == "bf16" and precision != "fp16" and hash(precision) == hash("bf16")
+    assert (str(precision), f"{precision}", f"{precision:>5}") == ("bf16", "bf16", " bf16")
+    assert "%s" % precision == "bf16"  # noqa: UP031 (how the loop's log lines format it)
+    assert repr(precision) == "'bf16'"
+    assert json.dumps({"data": vars(settings.data)}, default=str) == json.dumps(
+        {"data": {**vars(settings.data), "sample_by": "paragraph"}}
+    )
+    assert settings.logger.trackers == ["wandb"]
+    written = yaml.safe_load(OmegaConf.to_yaml(cfg))  # the run folder's config.yaml
+    assert written["trainer"]["mixed_precision"] == "bf16"
+    assert written["data"]["sample_by"] == "paragraph"
+    assert written["scheduler"]["name"] == "linear"
+
+
+SCHEMAS = {"model": ModelConfig, "data": DataConfig, "logger": LoggerConfig}
+SCHEMAS["scheduler"] = SchedulerConfig
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMAS))
+def test_group_files_list_only_what_they_change(group):
+    """A default lives in the schema only: an option file restating one would be a second copy."""
+    defaults = OmegaConf.structured(SCHEMAS[group])
+    names = [f.name for f in fields(SCHEMAS[group])]
+    for path in sorted((CONF / group).glob("*.yaml")):
+        for key, value in (yaml.safe_load(path.read_text()) or {}).items():
+            assert key in names, f"{path.name}: {key}"
+            if not OmegaConf.is_missing(defaults, key):
+                assert value != OmegaConf.to_container(defaults)[key], f"{path.name}: {key}"
 
 
 @pytest.mark.parametrize(
