@@ -226,6 +226,7 @@ class TrainSchema:
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    peft: Any = MISSING  # conf/peft/: none, or lora (checked by recipes.adapters.settings)
     output_dir: str = MISSING
     resume: str | None = MISSING
 
