@@ -1,9 +1,9 @@
-"""The one place that names an accelerator backend.
+"""The one place training code asks about the accelerator.
 
-Everything hardware-related in the project goes through ``accelerate`` or through this module;
-no other module may spell ``torch.cuda``, ``torch.musa``, ``"cuda"``, ``"nccl"`` or ``"mccl"``
-(``tests/test_device_env.py`` enforces it). That keeps MUSA a first-class target: a behaviour
-that differs between Moore Threads, NVIDIA and CPU machines is decided here, once.
+The loop, the optimizer builder and the MFU counter go through ``accelerate`` or through this
+module; no other training module may spell ``torch.cuda``, ``torch.musa``, ``"cuda"`` or ``"musa"``
+(``tests/test_device_env.py`` enforces it). What only the environment doctor needs (driver
+modules, vendor tools, release tables, collective backends) is in :mod:`recipes.backends`.
 
 ``torch_musa`` is optional. Older releases only create ``torch.musa`` after an explicit
 ``import torch_musa``, so every MUSA query goes through :func:`_import_torch_musa` first.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import re
 import types
 from pathlib import Path
@@ -25,41 +24,10 @@ from typing import Any
 import torch
 
 # Backend names as torch spells them; other modules compare against these constants instead of
-# writing the literals, so the literals live in this file only.
+# writing the literals.
 MUSA = "musa"
 CUDA = "cuda"
 CPU = "cpu"
-
-# Collective-communication backends for torch.distributed.
-MCCL = "mccl"
-NCCL = "nccl"
-GLOO = "gloo"
-
-# Environment variables that hide or expose devices; reported by ``recipes.env`` because a stray
-# empty value is the most common reason a container sees no accelerator.
-VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
-    "MUSA_VISIBLE_DEVICES",
-    "MTHREADS_VISIBLE_DEVICES",
-    "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-)
-# The ones read by the container runtimes (mt-container-toolkit, NVIDIA Container Toolkit), where
-# ``all`` exposes every card; the other two take device indices.
-CONTAINER_VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
-    "MTHREADS_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-)
-# Values of those variables that leave the process no device at all.
-HIDE_ALL_DEVICES_VALUES = frozenset({"", "-1", "none", "void"})
-
-# Vendor management tools: their presence on PATH says which driver stack the host has, even
-# when torch cannot see a device.
-VENDOR_TOOLS: dict[str, str] = {MUSA: "mthreads-gmi", CUDA: "nvidia-smi"}
-
-# Kernel drivers; ``/sys/module`` is the host kernel's, so a container sees them too, and a
-# loaded driver with no device in torch points at the container runtime, not at the host.
-KERNEL_MODULES: dict[str, str] = {MUSA: "mtgpu", CUDA: "nvidia"}
-_SYS_MODULE = "/sys/module"
 
 # torch_musa releases from which MuDNN's flash SDPA has a backward pass (``MuDNNFlashSDPABwd`` in
 # torch_musa/csrc/aten/ops/attention/mudnn/SDP.cpp, first in v1.2.1); before it only eager
@@ -67,20 +35,15 @@ _SYS_MODULE = "/sys/module"
 # dispatches SDPA to its math kernel, which has a backward in those releases too.
 _MUSA_SDPA_BACKWARD = (1, 2, 1)
 
-# MUSA compute capability from which bf16 and TF32 are native (MTT S4000, arch QY2).
-_MUSA_BF16_CAPABILITY = (2, 2)
-# NVIDIA Ampere and newer have TF32 tensor cores.
-_CUDA_TF32_CAPABILITY = (8, 0)
+# Compute capability from which bf16 and TF32 are native: MTT S4000 (arch QY2) on MUSA, Ampere
+# on NVIDIA (torch's own bf16 test, not counting emulation, which is slower than fp16).
+_NATIVE_BF16_TF32 = {MUSA: (2, 2), CUDA: (8, 0)}
 
 _torch_musa_error: str | None = None
 
 
 def _import_torch_musa() -> bool:
-    """Make ``torch.musa`` usable if torch_musa is installed.
-
-    Returns:
-        True when ``torch.musa`` exists after the attempt.
-    """
+    """Make ``torch.musa`` usable if torch_musa is installed; True when it exists afterwards."""
     global _torch_musa_error
     if hasattr(torch, MUSA):
         return True
@@ -88,21 +51,14 @@ def _import_torch_musa() -> bool:
         return False
     try:
         importlib.import_module("torch_musa")
-    except (
-        Exception
-    ) as exc:  # an image without mt-container-toolkit fails with OSError, not ImportError
+    except Exception as exc:  # an image without mt-container-toolkit fails with OSError
         _torch_musa_error = f"{type(exc).__name__}: {exc}"
         return False
     return hasattr(torch, MUSA)
 
 
 def torch_musa_info() -> dict[str, str | bool | None]:
-    """Describe the torch_musa installation.
-
-    Returns:
-        ``installed`` (a distribution is importable), ``imported`` (``torch.musa`` exists),
-        ``version`` and ``error`` (why the import failed, if it did).
-    """
+    """``installed``, ``imported`` (``torch.musa`` exists), ``version`` and the import ``error``."""
     installed = importlib.util.find_spec("torch_musa") is not None
     imported = _import_torch_musa()
     version = None
@@ -124,55 +80,9 @@ def _release(version: str) -> tuple[int, ...] | None:
 
 def torch_version() -> tuple[int, int]:
     """This torch's major.minor (vendor builds such as ``2.2.0a0+git8ac9b20`` count as 2.2)."""
-    release = _release(torch.__version__)
-    assert release is not None, torch.__version__
-    return release[0], release[1]
-
-
-def torch_accelerator_build() -> str | None:
-    """Say which GPU toolkit this torch was built with.
-
-    Returns:
-        ``"CUDA 12.1"`` / ``"ROCm 6.0"``; None for a CPU-only build (the ``+cpu`` wheels). A MUSA
-        torch is a CPU torch plus torch_musa, so None is normal on MUSA hosts.
-    """
-    cuda = getattr(torch.version, CUDA, None)
-    if cuda:
-        return f"CUDA {cuda}"
-    hip = getattr(torch.version, "hip", None)
-    return f"ROCm {hip}" if hip else None
-
-
-def kernel_modules_loaded() -> dict[str, bool | None]:
-    """Say which vendor kernel drivers are loaded.
-
-    Returns:
-        ``{"musa": ..., "cuda": ...}`` from :data:`KERNEL_MODULES`; None where ``/sys/module``
-        cannot be read (not Linux).
-    """
-    if not os.path.isdir(_SYS_MODULE):
-        return dict.fromkeys(KERNEL_MODULES)
-    return {
-        name: os.path.isdir(os.path.join(_SYS_MODULE, module))
-        for name, module in KERNEL_MODULES.items()
-    }
-
-
-def accelerate_sees_musa() -> bool | None:
-    """Ask accelerate whether it would drive a MUSA device.
-
-    Returns:
-        accelerate's answer, or None when this accelerate predates MUSA support (< 0.33) or
-        cannot be imported (a torch_musa that fails to load breaks ``import accelerate``).
-    """
-    # accelerate imports torch_musa itself (even at ``import accelerate``), so a broken
-    # torch_musa surfaces here as any exception, not only ImportError.
-    try:
-        from accelerate.utils import is_musa_available
-
-        return bool(is_musa_available())
-    except Exception:
-        return None
+    found = _release(torch.__version__)
+    assert found is not None, torch.__version__
+    return found[0], found[1]
 
 
 def _musa_available() -> bool:
@@ -186,14 +96,8 @@ def _musa_available() -> bool:
 
 @functools.cache
 def backend() -> str:
-    """Name the accelerator backend of this machine.
-
-    MUSA is probed first (as in accelerate's device order), so a MUSA host with ``torchada``
-    installed, where ``torch.cuda`` also answers, is still reported as MUSA.
-
-    Returns:
-        ``"musa"``, ``"cuda"`` or ``"cpu"``.
-    """
+    """``"musa"``, ``"cuda"`` or ``"cpu"``. MUSA is probed first (as in accelerate's device
+    order), so a MUSA host with ``torchada``, where ``torch.cuda`` also answers, stays MUSA."""
     if _musa_available():
         return MUSA
     if torch.cuda.is_available():
@@ -202,14 +106,8 @@ def backend() -> str:
 
 
 def device_module(name: str | None = None) -> types.ModuleType | None:
-    """Return the ``torch.<backend>`` namespace.
-
-    Args:
-        name: A backend or ``torch.device.type``; defaults to :func:`backend`.
-
-    Returns:
-        ``torch.musa`` / ``torch.cuda`` (or any other ``torch.<type>`` module), None for cpu.
-    """
+    """``torch.musa`` / ``torch.cuda`` (or any ``torch.<type>``) for a backend or device type,
+    :func:`backend` by default; None for cpu."""
     name = backend() if name is None else name
     if name == CPU:
         return None
@@ -220,21 +118,13 @@ def device_module(name: str | None = None) -> types.ModuleType | None:
 
 
 def device_count() -> int:
-    """Count the accelerator devices visible to this process.
-
-    Returns:
-        The number of devices of :func:`backend`; 0 on cpu.
-    """
+    """Accelerator devices visible to this process (0 on cpu)."""
     module = device_module()
     return 0 if module is None else int(module.device_count())
 
 
 def device_names() -> list[str]:
-    """List the names of the visible accelerator devices.
-
-    Returns:
-        One name per device (for example ``"MTT S4000"``); empty on cpu.
-    """
+    """One name per visible accelerator device (``"MTT S4000"``); empty on cpu."""
     module = device_module()
     if module is None:
         return []
@@ -242,14 +132,7 @@ def device_names() -> list[str]:
 
 
 def device_capability(index: int = 0) -> tuple[int, int] | None:
-    """Return the compute capability of one device.
-
-    Args:
-        index: Device index.
-
-    Returns:
-        ``(major, minor)``, or None on cpu or when the device does not exist.
-    """
+    """``(major, minor)`` of one device; None on cpu or when the device does not exist."""
     module = device_module()
     if module is None or index >= device_count():
         return None
@@ -262,62 +145,41 @@ def device_capability(index: int = 0) -> tuple[int, int] | None:
     return int(props.major), int(props.minor)
 
 
-def device_total_memory(index: int = 0) -> int | None:
-    """Return the memory of one device.
-
-    Args:
-        index: Device index.
-
-    Returns:
-        Bytes, or None on cpu or when the device does not exist.
-    """
-    module = device_module()
-    if module is None or index >= device_count():
-        return None
-    return int(module.get_device_properties(index).total_memory)
+def _native(index: int | None) -> bool:
+    """Whether a device of this backend (the current one by default) reaches the capability
+    from which bf16 and TF32 are native."""
+    name = backend()
+    module = device_module(name)
+    if module is None:
+        return False
+    capability = device_capability(module.current_device() if index is None else index)
+    return capability is not None and capability >= _NATIVE_BF16_TF32.get(name, (99, 0))
 
 
-def device_supports_bf16(index: int) -> bool:
-    """Say whether one accelerator device has native bf16.
+def supports_bf16(index: int | None = None) -> bool:
+    """Whether bf16 runs natively on a device (the current one by default).
 
-    Args:
-        index: Device index of :func:`backend`.
-
-    Returns:
-        musa: capability >= 2.2; cuda: capability >= 8.0 (ROCm: torch's answer); False on cpu
-        and for a device that does not exist.
+    MUSA: capability >= 2.2 (S4000 class; S80/S3000 are fp16 only); NVIDIA: Ampere or newer;
+    ROCm: every device; cpu: True, because autocast accepts bf16 there (whether it is a good
+    default is :func:`default_mixed_precision`'s call).
     """
     name = backend()
-    capability = device_capability(index)
-    if name == CPU or capability is None:
-        return False
+    if name == CPU:
+        return True
     if name == CUDA and getattr(torch.version, "hip", None):
-        return supports_bf16(CUDA)
-    return capability >= (_MUSA_BF16_CAPABILITY if name == MUSA else _CUDA_TF32_CAPABILITY)
+        index = torch.cuda.current_device() if index is None else index
+        return index < device_count()
+    return _native(index)
 
 
-def device_supports_tf32(index: int) -> bool:
-    """Say whether one accelerator device has TF32 units.
-
-    Args:
-        index: Device index of :func:`backend`.
-
-    Returns:
-        True on S4000-class MUSA devices and NVIDIA Ampere or newer; False elsewhere.
-    """
-    name = backend()
-    capability = device_capability(index)
-    if name == CPU or capability is None:
-        return False
-    return capability >= (_MUSA_BF16_CAPABILITY if name == MUSA else _CUDA_TF32_CAPABILITY)
+def supports_tf32(index: int | None = None) -> bool:
+    """Whether a device (the current one by default) has TF32 units: S4000-class MUSA devices
+    and NVIDIA Ampere or newer; never on cpu."""
+    return backend() != CPU and _native(index)
 
 
 def cpu_bf16_autocast() -> bool:
-    """Try bf16 autocast on the CPU for real.
-
-    Returns:
-        True when a matmul under ``torch.autocast("cpu", dtype=torch.bfloat16)`` yields bf16.
-    """
+    """Whether a matmul under ``torch.autocast("cpu", dtype=torch.bfloat16)`` yields bf16 here."""
     try:
         with torch.autocast(CPU, dtype=torch.bfloat16):
             out = torch.mm(torch.ones(2, 2), torch.ones(2, 2))
@@ -327,16 +189,8 @@ def cpu_bf16_autocast() -> bool:
 
 
 def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Say whether the CPU has bf16 instructions (AVX512-BF16, AMX, Arm BF16).
-
-    Without them bf16 autocast on CPU converts in software and is usually slower than fp32.
-
-    Args:
-        cpuinfo: The Linux CPU description to read.
-
-    Returns:
-        True or False from the CPU flags; None where they cannot be read.
-    """
+    """Whether the CPU has bf16 instructions (AVX512-BF16, AMX, Arm BF16); None where the flags
+    cannot be read. Without them bf16 autocast converts in software and is slower than fp32."""
     try:
         text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -348,108 +202,48 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return None
 
 
-def supports_bf16(name: str | None = None) -> bool:
-    """Say whether bf16 runs natively.
-
-    Args:
-        name: A backend; defaults to :func:`backend`.
-
-    Returns:
-        musa: capability >= 2.2 (S4000 class; S80/S3000 are fp16 only). cuda: what torch reports,
-        not counting emulation. cpu: True, because autocast accepts bf16 there; whether it is a
-        good default is :func:`default_mixed_precision`'s call.
-    """
-    name = backend() if name is None else name
-    if name == MUSA:
-        if not _musa_available():
-            return False
-        capability = device_capability(torch.musa.current_device())
-        return capability is not None and capability >= _MUSA_BF16_CAPABILITY
-    if name == CUDA:
-        if not torch.cuda.is_available():
-            return False
-        try:
-            # torch >= 2.3 counts pre-Ampere emulation as support unless told otherwise; an
-            # emulated bf16 is slower than fp16, so it must not win the default.
-            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        except TypeError:
-            return bool(torch.cuda.is_bf16_supported())
-    return name == CPU
-
-
-def supports_tf32(name: str | None = None) -> bool:
-    """Say whether TF32 matmuls run natively.
-
-    Args:
-        name: A backend; defaults to :func:`backend`.
-
-    Returns:
-        True on S4000-class MUSA devices and NVIDIA Ampere or newer; False elsewhere.
-    """
-    name = backend() if name is None else name
-    if name != backend() or name == CPU:
-        return False
-    return device_supports_tf32(device_module(name).current_device())
-
-
 def default_mixed_precision(name: str | None = None) -> str:
-    """Choose the mixed-precision mode a recipe uses when it does not say.
+    """The mixed-precision mode a recipe uses when it does not say, for a backend (:func:`backend`
+    by default; ``cpu`` under ``accelerate launch --cpu``).
 
-    Args:
-        name: A backend; defaults to :func:`backend` (``cpu`` under ``accelerate launch --cpu``).
-
-    Returns:
-        ``"bf16"`` on accelerators that have it, ``"fp16"`` on those that do not (S80/S3000,
-        pre-Ampere NVIDIA; accelerate adds the grad scaler). On cpu, :func:`cpu_mixed_precision`.
+    ``"bf16"`` on accelerators that have it, ``"fp16"`` on those that do not (S80/S3000,
+    pre-Ampere NVIDIA; accelerate adds the grad scaler); on cpu, :func:`cpu_mixed_precision`.
     """
     name = backend() if name is None else name
     if name == CPU:
         return cpu_mixed_precision(cpu_bf16_native(), cpu_bf16_autocast())
-    return "bf16" if supports_bf16(name) else "fp16"
+    return "bf16" if name == backend() and supports_bf16() else "fp16"
 
 
 def cpu_mixed_precision(native: bool | None, autocast: bool) -> str:
-    """The CPU's default: bf16 autocast only where the CPU has bf16 instructions.
+    """``"bf16"`` only where the CPU has bf16 instructions and autocast works, else ``"no"``.
 
-    With AVX512-BF16 or AMX, oneDNN runs the matmuls in bf16 and a training step is faster (the
-    README's speed section measures it). Without them autocast converts in software and is
-    slower than fp32; where the flags cannot be read, fp32 is the safe choice.
-
-    Args:
-        native: :func:`cpu_bf16_native`'s answer.
-        autocast: :func:`cpu_bf16_autocast`'s answer.
-
-    Returns:
-        ``"bf16"`` or ``"no"``.
+    With AVX512-BF16 or AMX, oneDNN runs the matmuls in bf16 and a step is faster; without them
+    autocast converts in software and is slower than fp32; unknown flags mean fp32, the safe side.
     """
     return "bf16" if native and autocast else "no"
 
 
 def musa_sdpa_trains(version: str | None) -> bool:
     """Whether a torch_musa release has SDPA kernels with a backward pass (v1.2.1 and later)."""
-    release = None if version is None else _release(version)
-    return release is not None and release >= _MUSA_SDPA_BACKWARD
+    found = None if version is None else _release(version)
+    return found is not None and found >= _MUSA_SDPA_BACKWARD
 
 
 def default_attn_implementation() -> str:
-    """Choose the transformers ``attn_implementation`` for this machine.
-
-    Returns:
-        ``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1, whose SDPA had no
-        backward pass (``"eager"`` there). ``python -m recipes.env`` checks SDPA against eager on
-        the device, so a torch_musa build whose kernels are wrong is caught before a run.
-    """
+    """``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1 (``"eager"``: its SDPA had
+    no backward). ``python -m recipes.env`` checks SDPA against eager on the device."""
     if backend() == MUSA:
         return "sdpa" if musa_sdpa_trains(torch_musa_info()["version"]) else "eager"
     return "sdpa"
 
 
-def _fused_kernel_devices(release: tuple[int, int]) -> frozenset[str]:
+def _fused_kernel_devices(found: tuple[int, int]) -> frozenset[str]:
     # torch/utils/_foreach_utils.py::_get_fused_kernels_supported_devices: torch 2.2 and 2.3 list
     # cuda, xpu and the PrivateUse1 backend; torch 2.4 adds cpu and mps. AdamW(fused=True)
     # checks its parameters against this list when it is built, not when it steps.
     kinds = {CUDA, "xpu", torch._C._get_privateuse1_backend_name()}
-    if release >= (2, 4):
+    if found >= (2, 4):
         kinds |= {CPU, "mps"}
     return frozenset(kinds)
 
@@ -459,19 +253,10 @@ def fused_adamw_ok(
     params_on: torch.device | str,
     release: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether ``torch.optim.AdamW(fused=True)`` can be built and stepped for this run.
-
-    Args:
-        target: The device the parameters train on.
-        params_on: Where the parameters are when the optimizer is built (before
-            ``accelerator.prepare``: the CPU).
-        release: torch's major.minor; defaults to this torch's.
-
-    Returns:
-        True where that torch accepts the parameters' current device and the target has the
-        kernel; False on MUSA, where torch's fused AdamW fails and torch_musa has its own
-        (:func:`musa_fused_adamw`).
-    """
+    """Whether ``torch.optim.AdamW(fused=True)`` can be built where the parameters are now
+    (``params_on``: the CPU, before ``accelerator.prepare``) and stepped on ``target``, under
+    torch ``release`` (this torch's by default). False on MUSA, where torch's fused AdamW fails
+    and torch_musa has its own (:func:`musa_fused_adamw`)."""
     # Device types as strings: "musa" only parses as a torch.device once torch_musa is loaded.
     target_kind, params_kind = (
         where.type if isinstance(where, torch.device) else str(where).partition(":")[0]
@@ -528,85 +313,6 @@ def pin_memory_kwargs(pin: bool, target: torch.device) -> dict[str, Any]:
     return {"pin_memory": True, "pin_memory_device": kind}
 
 
-def mccl_available() -> bool:
-    """Say whether torch.distributed can use MCCL.
-
-    Returns:
-        True when torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds
-        ship without it).
-    """
-    if not _import_torch_musa():
-        return False
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return False
-    checker = getattr(dist, "is_backend_available", None)  # torch >= 2.3
-    if checker is not None:
-        try:
-            return bool(checker(MCCL))
-        except (RuntimeError, ValueError):
-            pass
-    return MCCL in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend, "MCCL")
-
-
-def _distributed_backend_and_reason() -> tuple[str | None, str]:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None, "this torch build has no torch.distributed"
-    name = backend()
-    if name == MUSA:
-        if mccl_available():
-            return MCCL, "MCCL (registered by torch_musa)"
-        return None, (
-            "this torch_musa build has no MCCL (MTT S80/S3000 builds ship none), so multi-GPU "
-            "training is unsupported here: run on one device (conf/accelerate/single_device.yaml)"
-        )
-    if name == CUDA:
-        if dist.is_nccl_available():
-            return NCCL, "NCCL"
-        return None, "this torch build has no NCCL, so multi-GPU training is unsupported here"
-    if dist.is_gloo_available():
-        return GLOO, "gloo (CPU processes)"
-    return None, "this torch build has no gloo backend"
-
-
-def distributed_backend() -> str | None:
-    """Name the collective backend a multi-process run on this machine would use.
-
-    Returns:
-        ``"mccl"`` on MUSA, ``"nccl"`` on CUDA, ``"gloo"`` on cpu; None when the needed backend
-        is missing (see :func:`distributed_backend_reason` for why).
-    """
-    return _distributed_backend_and_reason()[0]
-
-
-def distributed_backend_reason() -> str:
-    """Explain :func:`distributed_backend`'s answer.
-
-    Returns:
-        A short sentence; when the backend is None it says what to do instead.
-    """
-    return _distributed_backend_and_reason()[1]
-
-
-def accelerate_distributed_type(num_processes: int, name: str | None = None) -> str:
-    """Map a machine to accelerate's ``distributed_type`` for a local launch.
-
-    Args:
-        num_processes: Processes the launch would start.
-        name: The machine's backend; defaults to :func:`backend`.
-
-    Returns:
-        ``"NO"`` for one process, else ``"MULTI_MUSA"``, ``"MULTI_GPU"`` or ``"MULTI_CPU"``.
-    """
-    if num_processes <= 1:
-        return "NO"
-    name = backend() if name is None else name
-    return {MUSA: "MULTI_MUSA", CUDA: "MULTI_GPU"}.get(name, "MULTI_CPU")
-
-
 def _has_fp32_precision() -> bool:
     # torch >= 2.9: the fine-grained ``fp32_precision`` settings; setting the older
     # ``allow_tf32`` flags there is deprecated and warns (pytorch/pytorch#166387).
@@ -619,13 +325,11 @@ def _has_fp32_precision() -> bool:
 
 
 def set_tf32(enabled: bool) -> bool:
-    """Turn TF32 for fp32 matmuls and convolutions on or off, on every backend.
+    """Turn TF32 for fp32 matmuls and convolutions on or off; returns whether it is now on
+    (read back from the backend, for MFU).
 
     Both ways matter: torch_musa 2.7 enables TF32 by default (``allow_tf32_ = true`` in
     ``csrc/aten/utils/Context.h``; false up to 2.5), so ``trainer.tf32=false`` must switch it off.
-
-    Returns:
-        Whether fp32 matmuls now run in TF32 (read back from the backend), for MFU.
     """
     name = backend()
     if name == MUSA:
@@ -661,11 +365,7 @@ def _module_for(device: torch.device | str) -> tuple[torch.device, types.ModuleT
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued kernels, so that wall-clock timings are honest.
-
-    Args:
-        device: The device to wait for; cpu returns at once.
-    """
+    """Wait for the device's queued kernels, so that wall-clock timings are honest (cpu: no-op)."""
     device, module = _module_for(device)
     sync = getattr(module, "synchronize", None)
     if sync is not None:
@@ -673,25 +373,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def max_memory_allocated(device: torch.device) -> int | None:
-    """Return the peak memory allocated by tensors on the device.
-
-    Args:
-        device: The device to query.
-
-    Returns:
-        Bytes since the last :func:`reset_peak_memory_stats`; None on cpu.
-    """
+    """Peak bytes allocated by tensors on the device since :func:`reset_peak_memory_stats`;
+    None on cpu."""
     device, module = _module_for(device)
     getter = getattr(module, "max_memory_allocated", None)
     return None if getter is None else int(getter(device))
 
 
 def reset_peak_memory_stats(device: torch.device) -> None:
-    """Start a new peak-memory window on the device.
-
-    Args:
-        device: The device to reset; cpu is a no-op.
-    """
+    """Start a new peak-memory window on the device (cpu: no-op)."""
     device, module = _module_for(device)
     reset = getattr(module, "reset_peak_memory_stats", None)
     if reset is not None:
@@ -746,19 +436,11 @@ _DTYPE_ALIASES = {
 }
 
 
-def _lookup_peak(name: str, dtype: str) -> float | None:
-    """Look a device name up in the peak FLOP/s table.
-
-    Args:
-        name: Device name as the driver reports it (``"MTT S4000"``, ``"NVIDIA A100-SXM4-80GB"``).
-        dtype: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` (or ``"fp8"``, or the long names).
-
-    Returns:
-        Peak dense FLOP/s, or None when the device or the dtype is not in the table.
-
-    Raises:
-        ValueError: For a dtype the table does not know, which is a caller bug, not a device gap.
-    """
+def peak_flops_by_name(name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a device named as its driver names it (``"MTT S4000"``,
+    ``"NVIDIA A100-SXM4-80GB"``) for ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``
+    (or the long names); None when the device or the dtype is not in the table (not guessed).
+    An unknown dtype raises ValueError: that is a caller bug, not a device gap."""
     key = _DTYPE_ALIASES.get(dtype.lower())
     if key is None:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_ALIASES)}")
@@ -771,32 +453,11 @@ def _lookup_peak(name: str, dtype: str) -> float | None:
     return None
 
 
-def peak_flops_by_name(name: str, dtype: str) -> float | None:
-    """Look a device name up in the peak FLOP/s table (for reports about other machines).
-
-    Args:
-        name: Device name as the driver reports it.
-        dtype: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
-
-    Returns:
-        Peak dense FLOP/s, or None when not in the table.
-    """
-    return _lookup_peak(name, dtype)
-
-
 def peak_flops(device: torch.device, dtype: str) -> float | None:
-    """Return the peak dense FLOP/s of a device, for MFU.
-
-    Args:
-        device: The device the model runs on.
-        dtype: ``"fp32"``, ``"tf32"``, ``"fp16"`` or ``"bf16"``.
-
-    Returns:
-        FLOP/s, or None on cpu and for devices not in the table (say "not in table" rather than
-        guess).
-    """
+    """Peak dense FLOP/s of the device the model runs on, for MFU; None on cpu and for devices
+    not in the table."""
     device, module = _module_for(device)
     if module is None or not hasattr(module, "get_device_name"):
         return None
     index = device.index if device.index is not None else module.current_device()
-    return _lookup_peak(str(module.get_device_name(index)), dtype)
+    return peak_flops_by_name(str(module.get_device_name(index)), dtype)

@@ -7,8 +7,9 @@ Run before a first training run, and attach the output to bug reports::
     python -m recipes.env --write-accelerate-config conf/accelerate/local.yaml [--force]
 
 (``python scripts/env_check.py`` is the same command.) Backend-specific questions are answered
-by :mod:`recipes.device`; this module only gathers and presents them, so its advice can be
-checked on any machine by feeding :func:`advice` a report dict.
+by :mod:`recipes.device` (what training uses) and :mod:`recipes.backends` (drivers, tools,
+release tables); this module only gathers and presents them, so its advice can be checked on
+any machine by feeding :func:`advice` a report dict.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -35,67 +35,14 @@ if __name__ == "__main__":
 import torch
 import yaml
 
-from recipes import device
+from recipes import backends, device
 
 _GIB = 1024**3
 _MIN_TORCH = (2, 2)
-_MUSA_IMAGE = "registry.mthreads.com/mcconline/musa-pytorch-release-public:<tag>"
-_TORCH_MUSA_RELEASES = "https://github.com/MooreThreads/torch_musa/releases"
 _CPU_LAUNCH = (
     "ACCELERATE_USE_CPU=1 accelerate launch --config_file conf/accelerate/cpu.yaml --multi_gpu "
     "train.py recipe=<name>"
 )
-
-
-# The torch each torch_musa release is built against (the ``TORCH_MIN_VERSION`` / "torch version
-# should be" check in each tag's torch_musa/__init__.py): (release as Moore Threads names it, the
-# version prefix it reports, torch). v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>`` (setup.py
-# writes version.txt plus the commit), so 2.0 maps to two torch releases and either one matches.
-_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
-    ("v1.0-v1.2", (1, 0), "2.0.0"),
-    ("v1.0-v1.2", (1, 1), "2.0.0"),
-    ("v1.0-v1.2", (1, 2), "2.0.0"),
-    ("v1.3.x", (1, 3), "2.2.0"),
-    ("v2.0.x", (2, 0), "2.2.0"),
-    ("v2.0.0-pt25", (2, 0), "2.5.0"),
-    ("v2.1.x", (2, 1), "2.5.0"),
-    ("v2.5.0", (2, 5), "2.5.0"),
-    ("v2.7.x", (2, 7), "2.7.1"),
-)
-
-
-def _major_minor(version: str) -> tuple[int, int] | None:
-    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
-    return None if match is None else (int(match[1]), int(match[2]))
-
-
-def torch_for_torch_musa(version: str) -> tuple[str, ...]:
-    """The torch releases a torch_musa version may be built against.
-
-    Args:
-        version: torch_musa's ``__version__`` (``"2.0.0+8b583b3"``) or a release name
-            (``"v2.0.0-pt25"``).
-
-    Returns:
-        ``("2.2.0",)``; ``("2.2.0", "2.5.0")`` for a 2.0 build that does not say which; empty
-        for a release not in the table (not guessed).
-    """
-    key = _major_minor(version)
-    found = [built for _, release, built in _TORCH_MUSA_BUILDS if release == key]
-    if "pt25" in version:
-        found = [built for built in found if built == "2.5.0"]
-    return tuple(dict.fromkeys(found))
-
-
-def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
-    """List the torch_musa releases built against a torch release (compared by major.minor).
-
-    Returns:
-        Release names such as ``["v1.3.x", "v2.0.x"]``; empty when none matches.
-    """
-    key = _major_minor(torch_version)
-    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
-    return list(dict.fromkeys(releases))
 
 
 def _dist_version(name: str) -> str | None:
@@ -116,15 +63,15 @@ def _devices() -> list[dict[str, Any]]:
     devices = []
     for index, name in enumerate(device.device_names()):
         capability = device.device_capability(index)
-        memory = device.device_total_memory(index)
+        memory = backends.device_total_memory(index)
         devices.append(
             {
                 "index": index,
                 "name": name,
                 "capability": None if capability is None else f"{capability[0]}.{capability[1]}",
                 "total_memory_bytes": memory,
-                "bf16": device.device_supports_bf16(index),
-                "tf32": device.device_supports_tf32(index),
+                "bf16": device.supports_bf16(index),
+                "tf32": device.supports_tf32(index),
                 "peak_flops": {
                     dtype: device.peak_flops_by_name(name, dtype)
                     for dtype in ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -162,7 +109,7 @@ def _launch_plan(report: dict[str, Any]) -> tuple[int, str]:
     count = report["device_count"]
     processes = count if report["distributed_backend"] is not None else min(count, 1)
     processes = max(processes, 1)
-    return processes, device.accelerate_distributed_type(processes, report["backend"])
+    return processes, backends.accelerate_distributed_type(processes, report["backend"])
 
 
 def sdpa_probe(where: str, dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
@@ -237,20 +184,6 @@ def _probe_device(backend: str) -> str:
     return backend if module is None else f"{backend}:{module.current_device()}"
 
 
-# The Dockerfile passes its base image on (``RECIPES_BASE_IMAGE``); the vendor's tags name the
-# GPU family they are built for (``rc3.1.0-v1.3.0-S4000-py310``).
-BASE_IMAGE_ENV_VAR = "RECIPES_BASE_IMAGE"
-
-
-def image_gpu(image: str | None) -> str | None:
-    """The GPU family a MUSA image tag is built for (``"S4000"``, ``"S80"``), None if unnamed."""
-    if not image:
-        return None
-    tag = image.rpartition(":")[2]
-    match = re.search(r"(?:^|-)(S\d{2,4})(?:-|$)", tag, re.IGNORECASE)
-    return None if match is None else match[1].upper()
-
-
 def collect() -> dict[str, Any]:
     """Gather the environment facts.
 
@@ -265,10 +198,13 @@ def collect() -> dict[str, Any]:
     musa = device.torch_musa_info()
     torch_musa_version = musa["version"] or _dist_version("torch_musa")
     musa["expected_torch"] = (
-        None if torch_musa_version is None else list(torch_for_torch_musa(torch_musa_version))
+        None
+        if torch_musa_version is None
+        else list(backends.torch_for_torch_musa(torch_musa_version))
     )
     backend = device.backend()
     precision = _precision(backend)
+    distributed, distributed_reason = backends.distributed_backend()
     report: dict[str, Any] = {
         "backend": backend,
         "device_count": device.device_count(),
@@ -281,28 +217,26 @@ def collect() -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "torch_gpu_build": device.torch_accelerator_build(),
+            "torch_gpu_build": backends.torch_accelerator_build(),
             "torch_musa": torch_musa_version,
             "accelerate": _dist_version("accelerate"),
             "transformers": _dist_version("transformers"),
             "torchada": _dist_version("torchada"),
         },
         "torch_musa": musa,
-        "accelerate_sees_musa": device.accelerate_sees_musa(),
+        "accelerate_sees_musa": backends.accelerate_sees_musa(),
         "precision": precision,
         "default_mixed_precision": precision["default_mixed_precision"],
         "default_attn_implementation": device.default_attn_implementation(),
         "sdpa_probe": sdpa_probe(_probe_device(backend), _probe_dtypes(backend)),
-        "image": os.environ.get(BASE_IMAGE_ENV_VAR),
-        "image_gpu": image_gpu(os.environ.get(BASE_IMAGE_ENV_VAR)),
-        "distributed_backend": device.distributed_backend(),
-        "distributed_backend_reason": device.distributed_backend_reason(),
-        "mccl_available": device.mccl_available(),
-        "vendor_tools": {name: shutil.which(tool) for name, tool in device.VENDOR_TOOLS.items()},
-        "kernel_modules": device.kernel_modules_loaded(),
-        "visible_devices_env": {
-            var: os.environ.get(var) for var in device.VISIBLE_DEVICES_ENV_VARS
-        },
+        "image": os.environ.get(backends.BASE_IMAGE_ENV_VAR),
+        "image_gpu": backends.image_gpu(os.environ.get(backends.BASE_IMAGE_ENV_VAR)),
+        "distributed_backend": distributed,
+        "distributed_backend_reason": distributed_reason,
+        "mccl_available": backends.mccl_available(),
+        "vendor_tools": {name: shutil.which(tool) for name, tool in backends.VENDOR_TOOLS.items()},
+        "kernel_modules": backends.kernel_modules_loaded(),
+        "visible_devices_env": backends.visible_devices_env(),
     }
     report["launch_num_processes"], report["accelerate_distributed_type"] = _launch_plan(report)
     report["advice"] = advice(report)
@@ -317,11 +251,11 @@ def _advice_visible_devices(report: dict[str, Any]) -> list[str]:
         return []
     lines = []
     for var, value in report["visible_devices_env"].items():
-        if value is None or value.strip().lower() not in device.HIDE_ALL_DEVICES_VALUES:
+        if value is None or value.strip().lower() not in backends.HIDE_ALL_DEVICES_VALUES:
             continue
         fix = (
             f"set {var}=all (or unset it)"
-            if var in device.CONTAINER_VISIBLE_DEVICES_ENV_VARS
+            if var in backends.CONTAINER_VISIBLE_DEVICES_ENV_VARS
             else "unset it, or list the device indices to use (e.g. 0 or 0,1)"
         )
         lines.append(f"{var}={value!r} hides every device from this process: {fix}.")
@@ -332,9 +266,9 @@ def _musa_signals(report: dict[str, Any]) -> list[str]:
     """What says this is a MUSA host, even though torch may see no MUSA device."""
     signals = []
     if report["vendor_tools"].get(device.MUSA):
-        signals.append(f"{device.VENDOR_TOOLS[device.MUSA]} is on PATH")
+        signals.append(f"{backends.VENDOR_TOOLS[device.MUSA]} is on PATH")
     if report["kernel_modules"].get(device.MUSA):
-        signals.append(f"the {device.KERNEL_MODULES[device.MUSA]} kernel driver is loaded")
+        signals.append(f"the {backends.KERNEL_MODULES[device.MUSA]} kernel driver is loaded")
     if report["visible_devices_env"].get("MTHREADS_VISIBLE_DEVICES") is not None:
         signals.append("MTHREADS_VISIBLE_DEVICES is set")
     return signals
@@ -342,16 +276,16 @@ def _musa_signals(report: dict[str, Any]) -> list[str]:
 
 def _install_torch_musa(torch_version: str) -> str:
     """The clause saying which torch_musa wheel fits ``torch_version``."""
-    releases = torch_musa_releases_for_torch(torch_version)
+    releases = backends.torch_musa_releases_for_torch(torch_version)
     if releases:
         return (
             f"install torch_musa {' or '.join(releases)} (the releases built for this torch "
-            f"{torch_version}) from {_TORCH_MUSA_RELEASES}"
+            f"{torch_version}) from {backends.TORCH_MUSA_RELEASES_URL}"
         )
     # 2.0.0 also has builds, but the project needs torch >= 2.2.
     return (
         f"pair a torch that has torch_musa builds (2.2.0, 2.5.0 or 2.7.1; this torch "
-        f"{torch_version} has none) with its torch_musa from {_TORCH_MUSA_RELEASES}"
+        f"{torch_version} has none) with its torch_musa from {backends.TORCH_MUSA_RELEASES_URL}"
     )
 
 
@@ -374,11 +308,11 @@ def _advice_musa_unseen(report: dict[str, Any]) -> list[str]:
         ]
     if musa["installed"]:
         where = f" ({'; '.join(signals)})" if signals else ""
-        tool = device.VENDOR_TOOLS[device.MUSA]
+        tool = backends.VENDOR_TOOLS[device.MUSA]
         return [
             f"torch_musa {report['versions']['torch_musa'] or ''} is installed but sees no MUSA "
             f"device{where}. On the host, check the driver: {tool} should list the cards and "
-            f"`lsmod | grep {device.KERNEL_MODULES[device.MUSA]}` show the driver. {toolkit}"
+            f"`lsmod | grep {backends.KERNEL_MODULES[device.MUSA]}` show the driver. {toolkit}"
         ]
     if signals:
         torch_version = report["versions"]["torch"]
@@ -386,7 +320,7 @@ def _advice_musa_unseen(report: dict[str, Any]) -> list[str]:
             f"This looks like a MUSA host ({'; '.join(signals)}), but torch_musa is not "
             f"installed in this Python "
             f"({report['python_executable']}), so torch cannot see MUSA GPUs. torch_musa is not "
-            f"on PyPI: work in a MUSA image ({_MUSA_IMAGE}), or "
+            f"on PyPI: work in a MUSA image ({backends.MUSA_IMAGE}), or "
             f"{_install_torch_musa(torch_version)}. {toolkit}"
         ]
     return []
@@ -400,7 +334,7 @@ def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
     expected = report["torch_musa"].get("expected_torch") or []
     if not expected:
         return [
-            f"torch_musa {version} is not in the known compatibility table (recipes/env.py): check "
+            f"torch_musa {version} is not in the known compatibility table (recipes/backends.py): check "
             f"its release notes for the torch it needs (this Python has torch {torch_version})."
         ]
     if _version_tuple(torch_version) in {_version_tuple(built) for built in expected}:
@@ -411,7 +345,7 @@ def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
         f"torch_musa {version} is built against torch {wanted}, but this Python has torch "
         f"{torch_version}: a mismatched pair fails at import (undefined symbols) or at run time. "
         f"Install the torch wheel published with that torch_musa release "
-        f"({_TORCH_MUSA_RELEASES}) or use the MUSA image that ships the pair, and keep pip from "
+        f"({backends.TORCH_MUSA_RELEASES_URL}) or use the MUSA image that ships the pair, and keep pip from "
         f"replacing it (pip install --no-deps, or a constraints file with torch=={pin})."
     ]
 
@@ -424,12 +358,12 @@ def _advice_cuda(report: dict[str, Any]) -> list[str]:
             "with NCCL for several GPUs); the MUSA-only settings (MCCL, "
             "TORCH_MUSA_FSDP2_OVERLAP_LEVEL) do not apply."
         ]
-    tool = device.VENDOR_TOOLS[device.CUDA]
+    tool = backends.VENDOR_TOOLS[device.CUDA]
     signals = []
     if report["vendor_tools"].get(device.CUDA):
         signals.append(f"{tool} is on PATH")
     if report["kernel_modules"].get(device.CUDA):
-        signals.append(f"the {device.KERNEL_MODULES[device.CUDA]} kernel driver is loaded")
+        signals.append(f"the {backends.KERNEL_MODULES[device.CUDA]} kernel driver is loaded")
     if backend != device.CPU or not signals:
         return []
     seen = f"This looks like an NVIDIA host ({'; '.join(signals)})"
@@ -829,11 +763,11 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("python executable", report["python_executable"]),
                 *(
                     (f"{tool} on PATH", report["vendor_tools"][name])
-                    for name, tool in device.VENDOR_TOOLS.items()
+                    for name, tool in backends.VENDOR_TOOLS.items()
                 ),
                 *(
                     (f"{module} driver loaded", report["kernel_modules"][name])
-                    for name, module in device.KERNEL_MODULES.items()
+                    for name, module in backends.KERNEL_MODULES.items()
                 ),
                 *report["visible_devices_env"].items(),
             ],

@@ -1,5 +1,8 @@
 """What the project decides on MUSA, per torch_musa release (fakes in ``fake_torch_musa.py``).
 
+The per-release runs are marked slow (one fresh process per release); the rules they rest on
+(fused AdamW per torch release, portable optimizer state) run in the default set.
+
 Each release runs in its own process (torch_musa renames torch's PrivateUse1 backend, which
 cannot be undone), which reports the decisions as JSON.
 """
@@ -19,7 +22,7 @@ import pytest
 import torch
 from fake_torch_musa import write_release
 
-from recipes import device, env
+from recipes import backends, device
 from recipes.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +127,7 @@ def decisions(tag: str) -> dict[str, Any]:
     return _decisions(tag, *CASES[tag])
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize("tag", sorted(CASES))
 def test_detected_as_musa(tag: str) -> None:
     found = decisions(tag)
@@ -132,6 +136,7 @@ def test_detected_as_musa(tag: str) -> None:
     assert found["doctor"]["torch_musa"]["imported"] is True
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize(
     ("tag", "expected"), [("v1.3.0", "fp16"), ("v2.0.0", "bf16"), ("v2.7.1", "bf16")]
 )
@@ -139,12 +144,14 @@ def test_precision_follows_capability(tag: str, expected: str) -> None:
     assert decisions(tag)["mixed_precision"] == expected
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize("tag", sorted(CASES))
 def test_sdpa_is_the_default_from_v1_2_1(tag: str) -> None:
     assert decisions(tag)["attn"] == "sdpa"
     assert decisions(tag)["doctor"]["default_attn_implementation"] == "sdpa"
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize(
     ("tag", "default"), [("v1.3.0", False), ("v2.0.0", False), ("v2.7.1", True)]
 )
@@ -154,12 +161,14 @@ def test_tf32_is_set_both_ways(tag: str, default: bool) -> None:
     assert (found["tf32_off"], found["tf32_on"]) == (False, True)
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize("tag", ["v2.0.0", "v2.7.1"])
 def test_mfu_uses_the_tf32_setting_in_effect(tag: str) -> None:
     found = decisions(tag)  # MTT S4000: 25 TFLOP/s fp32, 50 TF32
     assert (found["peak_off"], found["peak_on"]) == (25e12, 50e12)
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize(
     ("tag", "optimizer", "fused"),
     [
@@ -175,6 +184,7 @@ def test_fused_optimizer_choice(tag: str, optimizer: str, fused: bool | None) ->
     assert found["explicit_fused"] == optimizer.rpartition(".")[2]
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize("tag", sorted(CASES))
 def test_optimizer_state_portable_to_adamw(tag: str) -> None:
     found = decisions(tag)
@@ -182,30 +192,32 @@ def test_optimizer_state_portable_to_adamw(tag: str) -> None:
     assert found["plain_fused"] == [False, False]  # the loading optimizer keeps its own kernel
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize(
     ("tag", "refused"), [("v1.3.0", True), ("v2.0.0", False), ("v2.7.1", False)]
 )
 def test_compile_refused_without_a_dynamo_backend(tag: str, refused: bool) -> None:
     reason = decisions(tag)["compile"]
     if refused:
-        assert "torch_musa 1.3.0+aa63a73 has no torch.compile" in reason
+        assert "1.3.0+aa63a73" in reason  # names the installed release
     else:
         assert reason is None
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 @pytest.mark.parametrize("tag", sorted(CASES))
 def test_doctor_versions_and_sdpa_check(tag: str) -> None:
     found = decisions(tag)
     advice = "\n".join(found["advice"])
-    expected = env.torch_for_torch_musa(found["doctor"]["torch_musa"]["version"])
+    expected = backends.torch_for_torch_musa(found["doctor"]["torch_musa"]["version"])
     assert found["doctor"]["torch_musa"]["expected_torch"] == list(expected)
-    assert f"is built against torch {' or '.join(expected)}, but this Python" in advice
+    assert f"torch=={expected[0]}" in advice  # the torch to pin next to this torch_musa
     # The simulated card cannot hold tensors: to the probe that is a build whose kernels fail.
     assert found["doctor"]["sdpa_probe"]["ok"] is False
-    assert "SDPA attention failed its check on musa:0" in advice
-    assert "model.attn_implementation=eager" in advice
+    assert "musa:0" in advice and "model.attn_implementation=eager" in advice
 
 
+@pytest.mark.slow  # a fresh process per simulated release
 def test_broken_autoloaded_torch_musa_and_the_doctor(tmp_path: Path) -> None:
     write_release(tmp_path, "v2.7.1", broken=True)
     plain = subprocess.run(
@@ -230,9 +242,7 @@ def test_broken_autoloaded_torch_musa_and_the_doctor(tmp_path: Path) -> None:
     report = json.loads(doctor.stdout)
     assert report["backend"] == "cpu"
     assert report["torch_musa"]["installed"] is True
-    assert report["advice"][0].startswith(
-        "torch_musa is installed but failed to import (OSError: libsrv_um_MUSA.so"
-    )
+    assert "OSError: libsrv_um_MUSA.so" in report["advice"][0]
 
 
 # --- the fused-kernel rule per torch release, and the state every AdamW variant shares ---

@@ -1,0 +1,204 @@
+"""What the environment doctor (:mod:`recipes.env`) knows about MUSA and CUDA hosts.
+
+Training never needs these facts: kernel drivers, vendor tools, device-hiding variables,
+collective backends, which torch each torch_musa release is built against, and the GPU family
+a vendor image is built for. They let the doctor say why a machine sees no device and what to
+install; :mod:`recipes.device` answers what training asks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from recipes import device
+from recipes.device import CUDA, MUSA
+
+# Collective-communication backends for torch.distributed.
+MCCL = "mccl"
+NCCL = "nccl"
+GLOO = "gloo"
+
+# Environment variables that hide or expose devices; a stray empty value is the most common
+# reason a container sees no accelerator.
+VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
+    "MUSA_VISIBLE_DEVICES",
+    "MTHREADS_VISIBLE_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+)
+# The ones read by the container runtimes (mt-container-toolkit, NVIDIA Container Toolkit), where
+# ``all`` exposes every card; the other two take device indices.
+CONTAINER_VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
+    "MTHREADS_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+)
+# Values of those variables that leave the process no device at all.
+HIDE_ALL_DEVICES_VALUES = frozenset({"", "-1", "none", "void"})
+
+# Vendor management tools: their presence on PATH says which driver stack the host has, even
+# when torch cannot see a device.
+VENDOR_TOOLS: dict[str, str] = {MUSA: "mthreads-gmi", CUDA: "nvidia-smi"}
+
+# Kernel drivers; ``/sys/module`` is the host kernel's, so a container sees them too, and a
+# loaded driver with no device in torch points at the container runtime, not at the host.
+KERNEL_MODULES: dict[str, str] = {MUSA: "mtgpu", CUDA: "nvidia"}
+_SYS_MODULE = "/sys/module"
+
+# Where torch_musa wheels and the images that ship them come from (not on PyPI).
+TORCH_MUSA_RELEASES_URL = "https://github.com/MooreThreads/torch_musa/releases"
+MUSA_IMAGE = "registry.mthreads.com/mcconline/musa-pytorch-release-public:<tag>"
+
+# The torch each torch_musa release is built against (the ``TORCH_MIN_VERSION`` / "torch version
+# should be" check in each tag's torch_musa/__init__.py): (release as Moore Threads names it, the
+# version prefix it reports, torch). v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>`` (setup.py
+# writes version.txt plus the commit), so 2.0 maps to two torch releases and either one matches.
+_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
+    ("v1.0-v1.2", (1, 0), "2.0.0"),
+    ("v1.0-v1.2", (1, 1), "2.0.0"),
+    ("v1.0-v1.2", (1, 2), "2.0.0"),
+    ("v1.3.x", (1, 3), "2.2.0"),
+    ("v2.0.x", (2, 0), "2.2.0"),
+    ("v2.0.0-pt25", (2, 0), "2.5.0"),
+    ("v2.1.x", (2, 1), "2.5.0"),
+    ("v2.5.0", (2, 5), "2.5.0"),
+    ("v2.7.x", (2, 7), "2.7.1"),
+)
+
+# The Dockerfile passes its base image on; the vendor's tags name the GPU family they are built
+# for (``rc3.1.0-v1.3.0-S4000-py310``).
+BASE_IMAGE_ENV_VAR = "RECIPES_BASE_IMAGE"
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+def torch_for_torch_musa(version: str) -> tuple[str, ...]:
+    """The torch releases a torch_musa ``__version__`` (``"2.0.0+8b583b3"``) or release name
+    (``"v2.0.0-pt25"``) may be built against: ``("2.2.0",)``, both for a 2.0 build that does not
+    say which, empty for a release not in the table (not guessed)."""
+    key = _major_minor(version)
+    found = [built for _, release, built in _TORCH_MUSA_BUILDS if release == key]
+    if "pt25" in version:
+        found = [built for built in found if built == "2.5.0"]
+    return tuple(dict.fromkeys(found))
+
+
+def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
+    """The torch_musa releases built against a torch release, compared by major.minor
+    (``["v1.3.x", "v2.0.x"]``); empty when none is."""
+    key = _major_minor(torch_version)
+    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
+    return list(dict.fromkeys(releases))
+
+
+def image_gpu(image: str | None) -> str | None:
+    """The GPU family a MUSA image tag is built for (``"S4000"``, ``"S80"``), None if unnamed."""
+    if not image:
+        return None
+    tag = image.rpartition(":")[2]
+    match = re.search(r"(?:^|-)(S\d{2,4})(?:-|$)", tag, re.IGNORECASE)
+    return None if match is None else match[1].upper()
+
+
+def torch_accelerator_build() -> str | None:
+    """The GPU toolkit this torch was built with (``"CUDA 12.1"``, ``"ROCm 6.0"``); None for a
+    CPU-only build, which is normal on MUSA hosts (torch_musa extends a CPU torch)."""
+    cuda = getattr(torch.version, CUDA, None)
+    if cuda:
+        return f"CUDA {cuda}"
+    hip = getattr(torch.version, "hip", None)
+    return f"ROCm {hip}" if hip else None
+
+
+def kernel_modules_loaded() -> dict[str, bool | None]:
+    """Per backend, whether its vendor kernel driver is loaded; None where ``/sys/module``
+    cannot be read (not Linux)."""
+    if not os.path.isdir(_SYS_MODULE):
+        return dict.fromkeys(KERNEL_MODULES)
+    return {
+        name: os.path.isdir(os.path.join(_SYS_MODULE, module))
+        for name, module in KERNEL_MODULES.items()
+    }
+
+
+def accelerate_sees_musa() -> bool | None:
+    """accelerate's own answer to "is there a MUSA device"; None when this accelerate predates
+    MUSA support (< 0.33) or cannot be imported."""
+    # accelerate imports torch_musa itself (even at ``import accelerate``), so a broken
+    # torch_musa surfaces here as any exception, not only ImportError.
+    try:
+        from accelerate.utils import is_musa_available
+
+        return bool(is_musa_available())
+    except Exception:
+        return None
+
+
+def device_total_memory(index: int = 0) -> int | None:
+    """Bytes of memory of one device; None on cpu or when the device does not exist."""
+    module = device.device_module()
+    if module is None or index >= device.device_count():
+        return None
+    return int(module.get_device_properties(index).total_memory)
+
+
+def mccl_available() -> bool:
+    """Whether torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds ship
+    without it)."""
+    if not device.torch_musa_info()["imported"]:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    checker = getattr(dist, "is_backend_available", None)  # torch >= 2.3
+    if checker is not None:
+        try:
+            return bool(checker(MCCL))
+        except (RuntimeError, ValueError):
+            pass
+    return MCCL in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend, "MCCL")
+
+
+def distributed_backend() -> tuple[str | None, str]:
+    """The collective backend a multi-process run here would use (``"mccl"`` on MUSA, ``"nccl"``
+    on CUDA, ``"gloo"`` on cpu; None when it is missing) and a short sentence saying why, which
+    says what to do instead when there is none."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None, "this torch build has no torch.distributed"
+    name = device.backend()
+    if name == MUSA:
+        if mccl_available():
+            return MCCL, "MCCL (registered by torch_musa)"
+        return None, (
+            "this torch_musa build has no MCCL (MTT S80/S3000 builds ship none), so multi-GPU "
+            "training is unsupported here: run on one device (conf/accelerate/single_device.yaml)"
+        )
+    if name == CUDA:
+        if dist.is_nccl_available():
+            return NCCL, "NCCL"
+        return None, "this torch build has no NCCL, so multi-GPU training is unsupported here"
+    if dist.is_gloo_available():
+        return GLOO, "gloo (CPU processes)"
+    return None, "this torch build has no gloo backend"
+
+
+def accelerate_distributed_type(num_processes: int, name: str) -> str:
+    """accelerate's ``distributed_type`` for a local launch of ``num_processes`` on a backend:
+    ``"NO"`` for one process, else ``"MULTI_MUSA"``, ``"MULTI_GPU"`` or ``"MULTI_CPU"``."""
+    if num_processes <= 1:
+        return "NO"
+    return {MUSA: "MULTI_MUSA", CUDA: "MULTI_GPU"}.get(name, "MULTI_CPU")
+
+
+def visible_devices_env() -> dict[str, Any]:
+    """The device-hiding variables as this process sees them (None where unset)."""
+    return {var: os.environ.get(var) for var in VISIBLE_DEVICES_ENV_VARS}
