@@ -1,9 +1,13 @@
 # Everyday commands; CI runs .ci/run (fresh environments, both transformers majors).
-.PHONY: install test lint format smoke env
+.PHONY: install test test-slow test-all lint format smoke env
 install:
 	pip install torch==2.13.0 && pip install -e ".[dev]"
-test:
+test:  # the fast set (slow end-to-end runs deselected)
 	pytest
+test-slow:  # train.py / accelerate launch end to end
+	pytest -m slow
+test-all:
+	pytest -m ""
 lint:
 	ruff check . && ruff format --check .
 format:

@@ -9,6 +9,9 @@ from conftest import run_train
 
 from recipes.config import ASSETS
 
+# Each case runs train.py in a fresh process, as a user does.
+pytestmark = pytest.mark.slow
+
 SMOKE = ("recipe=bert_squad", "debug=smoke", "logger=none", "trainer.progress_bar=false")
 
 

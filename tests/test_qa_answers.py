@@ -170,6 +170,7 @@ def test_true_answers_are_extracted(tokenizer, tmp_path_factory):
     assert exact / len(examples) > 0.95
 
 
+@pytest.mark.slow  # the whole SQuAD dev part: tens of seconds
 @pytest.mark.shared_data
 def test_full_dev_part1_matches_reference(tokenizer, shared_data, tmp_path):
     """All 4,961 questions of the real dev file, windows of the reference settings."""

@@ -485,6 +485,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow  # train.py in a fresh process per case
 @pytest.mark.parametrize("case", ["duplicate-ids", "not-utf8", "too-small-to-hold-out"])
 def test_train_py_refuses_bad_data_leaving_the_run_untouched(tmp_path, case):
     """One line, exit 2, no traceback; the run being resumed keeps its checkpoint and metrics,
