@@ -84,6 +84,16 @@ def test_cpu_variant_torch_meets_the_project_floor() -> None:
     assert project_torch().specifier.contains(pinned, prereleases=True), (torch_pin, pinned)
 
 
+def test_image_installs_the_project_and_its_requirements_under_the_torch_pins() -> None:
+    (install,) = [v for v in values("RUN") if "pip install" in v]
+    assert "pip install --no-deps ." in install  # the project, never weighing torch
+    # Then every requirement the project declares (peft for LoRA among them), but torch,
+    # constrained to the torch / numpy the image already has.
+    assert "m.requires('musa-recipes')" in install
+    assert '--constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt"' in install
+    assert "peft" in {r.name for r in pyproject_requirements("dependencies")}
+
+
 def test_entry_point_is_train_py_as_a_user_and_its_default_composes(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
 
