@@ -27,7 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RECIPES = ("bert_glue", "bert_mlm", "bert_squad", "bert_squad_v2", "gpt2_clm", "llama_clm")
+RECIPES = (
+    "bert_glue",
+    "bert_mlm",
+    "bert_squad",
+    "bert_squad_v2",
+    "gpt2_clm",
+    "llama_clm",
+    "llama_sft",
+)
 # Short, comparable runs: 30 logged steps, no evaluation at the start, nothing saved.
 SHORT = (
     "debug=smoke",
