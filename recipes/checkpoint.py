@@ -12,26 +12,19 @@ A checkpoint is written into a hidden ``.tmp-step-…`` folder and renamed once 
 finished: only complete checkpoints carry a ``step-`` name, whatever moment a kill strikes. The
 run folder must be on a file system every node sees (as for any multi-node checkpoint).
 
-Exact continuation also needs the randomness of a step to depend on where the run is, not on
-what ran before in this process: :func:`reseed` seeds each micro-batch from (seed, rank, epoch,
-batch) and :class:`SeededCollator` draws a batch's random choices (masking) from its content, so
-a resumed run repeats the uninterrupted one step for step.
+Exact continuation also needs randomness that follows the run's position: see
+:mod:`recipes.seeding`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import signal
-import zlib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 
@@ -43,8 +36,6 @@ log = get_logger(__name__)
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
 BEST_FILE = "best.json"
-# Test hook: SIGKILL the main process in the middle of writing the checkpoint of this step.
-KILL_HOOK = "RECIPES_KILL_DURING_CHECKPOINT"
 
 
 @dataclass
@@ -66,11 +57,12 @@ class TrainerState:
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config of the run
 
 
-def root(output_dir: Path) -> Path:
+def checkpoints_dir(output_dir: Path) -> Path:
+    """Where a run folder keeps its checkpoints."""
     return output_dir / "checkpoints"
 
 
-def complete(folder: Path) -> list[Path]:
+def finished_checkpoints(folder: Path) -> list[Path]:
     """The complete checkpoints under ``folder``, oldest first."""
     if not folder.is_dir():
         return []
@@ -88,13 +80,13 @@ def resolve(resume: str | None, output_dir: Path) -> Path | None:
     if resume is None:
         return None
     if resume == "auto":
-        found = complete(root(output_dir))
+        found = finished_checkpoints(checkpoints_dir(output_dir))
         return found[-1] if found else None
     path = Path(resume).expanduser()
     if (path / STATE_FILE).is_file():
         return path
-    for folder in (root(path), path):
-        found = complete(folder)
+    for folder in (checkpoints_dir(path), path):
+        found = finished_checkpoints(folder)
         if found:
             return found[-1]
     if path.name.startswith(".tmp-"):
@@ -109,43 +101,6 @@ def resolve(resume: str | None, output_dir: Path) -> Path | None:
     )
 
 
-def reseed(seed: int, rank: int, epoch: int, batch: int) -> None:
-    """Seed torch (every device) for one micro-batch from where the run is: dropout then
-    depends on the position alone, so a resumed run draws what the uninterrupted one drew."""
-    words = np.random.SeedSequence([seed, rank, epoch, batch]).generate_state(2, np.uint32)
-    torch.manual_seed(int(words[0]) << 32 | int(words[1]))
-
-
-class SeededCollator:
-    """A collator whose random choices (MLM masking) come from the batch's content and the epoch,
-    not from the global RNG stream (which the DataLoader's prefetching makes depend on history)."""
-
-    def __init__(self, collate: Callable[[list[dict]], dict], seed: int) -> None:
-        self.collate = collate
-        self.seed = seed
-        self.epoch = 0
-
-    def __call__(self, features: list[dict]) -> dict:
-        digest = 0
-        for feature in features:
-            ids = np.asarray(feature["input_ids"], dtype=np.int64)
-            digest = zlib.crc32(ids.tobytes(), digest)
-        words = np.random.SeedSequence([self.seed, self.epoch, digest]).generate_state(2)
-        seed = int(words[0]) << 32 | int(words[1])
-        # torch for transformers' MLM collator; random and numpy for the whole-word one of
-        # transformers < 4.56. The global streams are left as they were.
-        py_state, np_state = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
-                return self.collate(features)
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-
-
 def save(
     accelerator: Accelerator,
     output_dir: Path,
@@ -154,7 +109,7 @@ def save(
     tokenizer: Any,
 ) -> Path:
     """Write the checkpoint of ``state.step`` atomically; every process must call this."""
-    folder = root(output_dir)
+    folder = checkpoints_dir(output_dir)
     final = folder / f"{PREFIX}{state.step:08d}"
     tmp = folder / f".tmp-{final.name}"
     if accelerator.is_main_process:
@@ -165,11 +120,7 @@ def save(
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if os.environ.get(KILL_HOOK) == str(state.step):
-            os.kill(os.getpid(), signal.SIGKILL)
-        accelerator.unwrap_model(model).config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, default=str))
+        _write_loadable_files(tmp, accelerator.unwrap_model(model), tokenizer, state)
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (an evaluation's best after a save)
             _delete(final)
@@ -177,6 +128,16 @@ def save(
         _fsync(folder)
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_loadable_files(
+    folder: Path, model: torch.nn.Module, tokenizer: Any, state: TrainerState
+) -> None:
+    """What makes ``folder`` load with ``from_pretrained`` and resume: the model's config, the
+    tokenizer, and last the trainer state (its presence marks the write as complete)."""
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, default=str))
 
 
 def read_state(path: Path) -> TrainerState:
@@ -200,20 +161,20 @@ def mark_best(output_dir: Path, state: TrainerState) -> None:
     """Record which checkpoint is the best so far (``checkpoints/best.json``)."""
     assert state.best is not None
     best = {**state.best, "path": f"{PREFIX}{state.best['step']:08d}"}
-    tmp = root(output_dir) / f".{BEST_FILE}.tmp"
+    tmp = checkpoints_dir(output_dir) / f".{BEST_FILE}.tmp"
     tmp.write_text(json.dumps(best, indent=1))
-    os.replace(tmp, root(output_dir) / BEST_FILE)
+    os.replace(tmp, checkpoints_dir(output_dir) / BEST_FILE)
 
 
 def rotate(output_dir: Path, keep: int | None, best_step: int | None) -> None:
     """Delete all but the ``keep`` newest complete checkpoints (never the best one), and the
     leftovers of interrupted writes."""
-    folder = root(output_dir)
+    folder = checkpoints_dir(output_dir)
     for stale in [*folder.glob(".tmp-*"), *folder.glob(".del-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     if keep is None:
         return
-    found = complete(folder)
+    found = finished_checkpoints(folder)
     for old in found[: max(len(found) - keep, 0)]:
         if best_step is None or old.name != f"{PREFIX}{best_step:08d}":
             _delete(old)

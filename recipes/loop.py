@@ -1,14 +1,20 @@
-"""The one training loop: every recipe runs through :func:`train`.
+"""The one training loop: every recipe runs through :func:`train`, which runs a :class:`Trainer`.
+
+Read it in this order: :meth:`Trainer.setup` (run folder, device, model and data, loaders,
+optimizer, resume state), :meth:`Trainer.fit` (the loop: a train step, a log step, the
+evaluate / save policy), :meth:`Trainer.finish` (last words, final model, results).
 
 Everything that depends on the hardware (device placement, mixed precision, distributed data
 parallelism, gradient accumulation, gathering for metrics) goes through ``accelerate``; the task
-object only builds data, turns a batch into a loss and evaluates.
+(:class:`recipes.tasks.base.Task`) only builds data, turns a batch into a loss and evaluates.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,116 +35,585 @@ from accelerate.utils import (
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from recipes import checkpoint, device, tracking
 from recipes import data as data_lib
-from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig, instantiate, validate
+from recipes.config import ConfigError, Settings, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
+from recipes.model import load_model, load_tokenizer
 from recipes.optim import build_optimizer
-from recipes.tasks.base import Task
+from recipes.seeding import SeededCollator, reseed
+from recipes.tasks.base import Task, TaskData
 from recipes.tracking import MetricsLogger
 
 log = get_logger(__name__)
 
 
-def _agree_on_output_dir(proposed: str) -> Path:
-    """All ranks take rank 0's run folder (each rank's Hydra resolved its own timestamp)."""
-    chosen = broadcast_object_list([proposed])[0]
-    own = Path(proposed)
-    if chosen != proposed and own.is_dir() and not any(own.iterdir()):
-        own.rmdir()  # the empty folder Hydra made for this rank's own timestamp
-    return Path(chosen)
+def train(cfg: DictConfig) -> RunResult:
+    """Run the recipe described by the composed config ``cfg``; returns its final evaluation.
 
-
-def resolve_mixed_precision(requested: str) -> str:
-    """``trainer.mixed_precision`` as accelerate takes it: ``auto`` becomes this machine's choice
-    (:func:`recipes.device.default_mixed_precision`; the CPU's under ``accelerate launch --cpu``)."""
-    if requested != "auto":
-        return requested
-    # Decided before the Accelerator exists: creating accelerate's state here would fix the
-    # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
-    if parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return device.default_mixed_precision(device.CPU)
-    return device.default_mixed_precision()
-
-
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a missing or unreachable model fails with the key to fix.
-
-    A tokenizer without a padding token (GPT-2, Llama) pads with its end-of-text token, as is
-    usual for these models; the attention mask keeps padding out of the loss.
+    Raises:
+        ConfigError / DataError: bad settings or data, before any expensive work.
+        TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
+        Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
     """
+    settings: Settings = validate(cfg)
+    task = instantiate(cfg, "task")  # checks its own settings before any heavy work
+    accelerator = _build_accelerator(cfg, settings)
+    stop = StopRequest()  # installed when training starts (until then a signal ends the run)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            cfg.name_or_path,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-            **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}),
+        return Trainer(cfg, settings, task, accelerator, stop).run()
+    finally:
+        stop.restore()
+        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
+        accelerator.end_training()
+        if tracking.hydra_context().get("sweep_dir"):
+            _reset_accelerate()
+
+
+class Trainer:
+    """One run of one recipe: :meth:`setup` builds everything, :meth:`fit` trains and
+    :meth:`finish` saves and reports."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        settings: Settings,
+        task: Task,
+        accelerator: Accelerator,
+        stop: StopRequest,
+    ) -> None:
+        self.cfg = cfg  # the composed config, as saved to config.yaml
+        self.settings = settings
+        self.trainer_cfg = settings.trainer
+        self.task = task
+        self.accelerator = accelerator
+        self.stop = stop
+        self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
+        self.last_saved_step = -1
+
+    def run(self) -> RunResult:
+        self.setup()
+        self.stop.install()
+        return self.finish(self.fit())
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        """Build everything, in an order that keeps the random streams of earlier releases (the
+        seed is set before the model's new head is initialised)."""
+        self._setup_run_folder()
+        self._setup_device()
+        self._setup_model_and_data()
+        self._setup_data_loaders()
+        self._setup_optimizer()
+        self._setup_state()
+
+    def _setup_run_folder(self) -> None:
+        self.output_dir, self.resume_from = _open_run_folder(self.cfg, self.accelerator)
+        setup_logging(self.accelerator.is_main_process, self.output_dir / "train.log")
+        log.info("run folder: %s", self.output_dir)
+
+    def _setup_device(self) -> None:
+        accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
+        log.info(
+            "device %s, %d process(es), mixed precision %s, distributed %s",
+            accelerator.device,
+            accelerator.num_processes,
+            accelerator.mixed_precision,
+            accelerator.distributed_type,
         )
-    except (OSError, ValueError, ImportError) as err:
-        raise ConfigError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({_first_line(err)}). "
-            "Give a local save_pretrained folder, or a hub name while online."
-        ) from None
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+        _check_grad_scaler(accelerator)
+        if trainer_cfg.compile and (
+            reason := device.compile_unsupported_reason(accelerator.device.type)
+        ):
+            raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
+        # Set both ways: torch_musa 2.7 turns TF32 on by default.
+        self.tf32 = device.set_tf32(trainer_cfg.tf32)
+        device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
+        set_seed(trainer_cfg.seed)
 
+    def _setup_model_and_data(self) -> None:
+        self.tokenizer = load_tokenizer(self.settings.model)
+        with self.accelerator.main_process_first():
+            self.data: TaskData = self.task.build_data(self.settings.data, self.tokenizer)
+        self.model = load_model(
+            self.settings.model, self.task.auto_model_class, **self.task.model_kwargs(self.data)
+        )
+        self.task.check_model(self.model)
 
-def load_model(cfg: ModelConfig, auto_class: Any, **task_kwargs: Any) -> torch.nn.Module:
-    """The pretrained model with the task's head (new heads are initialised by transformers).
+    def _setup_data_loaders(self) -> None:
+        trainer_cfg, data = self.trainer_cfg, self.data
+        fixed = self.task.max_seq_length if trainer_cfg.padding == "max_length" else None
+        padding = DataCollatorWithPadding(
+            self.tokenizer,
+            padding="max_length" if fixed else "longest",
+            max_length=fixed,
+            pad_to_multiple_of=trainer_cfg.pad_to_multiple_of,
+        )
+        self.collator = data.train_collator or padding
+        if data.random_collator:
+            self.collator = SeededCollator(self.collator, trainer_cfg.seed)
+        # Padded to max_length, grouping by length would save nothing.
+        self.sampler = None if fixed else self._length_grouped_sampler()
+        loader_kwargs = {
+            "num_workers": trainer_cfg.dataloader_num_workers,
+            **device.pin_memory_kwargs(trainer_cfg.pin_memory, self.accelerator.device),
+        }
+        self.train_loader = DataLoader(
+            data.train,
+            batch_size=trainer_cfg.per_device_train_batch_size,
+            shuffle=self.sampler is None,
+            sampler=self.sampler,
+            collate_fn=self.collator,
+            **loader_kwargs,
+        )
+        self.eval_loader = DataLoader(
+            data.eval,
+            batch_size=trainer_cfg.per_device_eval_batch_size,
+            collate_fn=data.eval_collator or padding,
+            **loader_kwargs,
+        )
 
-    ``task_kwargs`` are what the task learnt from its data (``num_labels``, say). A GGUF file
-    (``model.gguf_file``) is dequantised on load and rebuilt as a plain model, so training and
-    the saved folder are those of an ordinary Hugging Face model.
-    """
-    attn = cfg.attn_implementation
-    if attn == "auto":
-        attn = device.default_attn_implementation()
-    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **task_kwargs}
-    if cfg.ignore_mismatched_sizes:
-        kwargs["ignore_mismatched_sizes"] = True
-    if cfg.gguf_file:
-        kwargs["gguf_file"] = cfg.gguf_file
-    try:
-        try:
-            model = auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
-        except ValueError as err:
-            if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
-                raise
-            log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
-            model = auto_class.from_pretrained(
-                cfg.name_or_path, attn_implementation="eager", **kwargs
+    def _length_grouped_sampler(self) -> data_lib.EpochLengthGroupedSampler | None:
+        """Batches of similar lengths (``trainer.group_by_length``), or None: a plain shuffle."""
+        trainer_cfg = self.trainer_cfg
+        if not trainer_cfg.group_by_length:
+            return None
+        lengths = data_lib.feature_lengths(self.data.train)
+        if not (len(lengths) and lengths.min() < lengths.max()):  # packed blocks: plain shuffle
+            return None
+        # One sampler batch per optimizer step: the same examples in every layout of it.
+        return data_lib.EpochLengthGroupedSampler(
+            self.global_batch, lengths, trainer_cfg.seed, megabatch=trainer_cfg.length_group_size
+        )
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, over all processes and accumulated micro-batches."""
+        trainer_cfg = self.trainer_cfg
+        return (
+            trainer_cfg.per_device_train_batch_size
+            * self.accelerator.num_processes
+            * trainer_cfg.gradient_accumulation_steps
+        )
+
+    def _setup_optimizer(self) -> None:
+        accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
+        optimizer = build_optimizer(
+            instantiate(self.cfg, "optimizer"), self.model, accelerator.device
+        )
+        self.flops = FlopCounter(
+            self.model,
+            accelerator.device,
+            precision_for_peak(accelerator.mixed_precision, self.tf32),
+        )
+        if trainer_cfg.compile:
+            _compile(self.model)
+        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
+            self.model, optimizer, self.train_loader, self.eval_loader
+        )
+        # Steps are optimizer updates of one global batch, whatever the number of processes: each
+        # process takes len(train_loader) batches of its shard per epoch.
+        accumulation = trainer_cfg.gradient_accumulation_steps
+        self.steps_per_epoch = math.ceil(len(self.train_loader) / accumulation)
+        self.total_steps = trainer_cfg.max_steps
+        if self.total_steps <= 0:
+            self.total_steps = math.ceil(trainer_cfg.num_epochs * self.steps_per_epoch)
+        scheduler = instantiate(self.cfg, "scheduler")(
+            optimizer=self.optimizer,
+            num_training_steps=self.total_steps,
+            num_processes=accelerator.num_processes,
+        )
+        self.scheduler = accelerator.prepare(scheduler)
+        self._log_plan()
+
+    def _log_plan(self) -> None:
+        trainer_cfg = self.trainer_cfg
+        log.info(
+            "%d training features, global batch %d (%d per device x %d processes x %d "
+            "accumulation), %d steps per epoch, %d optimizer steps",
+            len(self.data.train),
+            self.global_batch,
+            trainer_cfg.per_device_train_batch_size,
+            self.accelerator.num_processes,
+            trainer_cfg.gradient_accumulation_steps,
+            self.steps_per_epoch,
+            self.total_steps,
+        )
+
+    def _setup_state(self) -> None:
+        """The run's position (fresh, or read from the checkpoint to resume), its metrics file
+        and its trackers."""
+        resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        invariants = _resume_invariants(
+            self.settings, self.global_batch, len(self.data.train), self.sampler is not None
+        )
+        self.state = checkpoint.TrainerState(guarded=invariants, config=resolved)
+        keep_until_step = None
+        if self.resume_from is not None:
+            self.state = _resume(self.accelerator, self.resume_from, self.state, self.scheduler)
+            keep_until_step = self.state.step
+        elif self.cfg.get("resume") == "auto":
+            log.info("resume=auto: no checkpoint in %s yet; starting at step 0", self.output_dir)
+            keep_until_step = -1  # what an earlier attempt logged is logged again
+        self.metrics = MetricsLogger(
+            self.accelerator, self.output_dir, keep_until_step=keep_until_step
+        )
+        self._start_trackers(resolved)
+
+    def _start_trackers(self, resolved: Any) -> None:
+        accelerator = self.accelerator
+        tags = tracking.run_tags(
+            tracking.hydra_context().get("recipe"),
+            self.settings.model.name_or_path,
+            accelerator.device.type,
+            accelerator.num_processes,
+        )
+        tracking.start_trackers(
+            accelerator,
+            self.settings.logger,
+            self.output_dir,
+            resolved,
+            tags,
+            self.main_metric,
+            self.task.greater_is_better,
+        )
+
+    @property
+    def main_metric(self) -> str:
+        """The logged key that ranks checkpoints (``eval/f1``, say)."""
+        return f"eval/{self.task.main_metric}"
+
+    # ------------------------------------------------------------------------------- fit
+
+    def fit(self) -> dict[str, float]:
+        """Train to ``total_steps``: epochs of micro-batches, an optimizer step every
+        ``gradient_accumulation_steps``, then logging, evaluation and checkpoints as due.
+        Returns the last evaluation."""
+        self._start_fit()
+        with self.progress:  # closed on errors too: a stale bar would hide the message
+            self._evaluate_before_training()
+            self.model.train()
+            while self.state.step < self.total_steps:
+                self._train_epoch()
+        self._evaluate_after_training()
+        return self.final_scores
+
+    def _start_fit(self) -> None:
+        accelerator, state = self.accelerator, self.state
+        saved = state.window[accelerator.process_index] if state.window else None
+        self.window = _Window.fresh(accelerator.device, saved)
+        self.stopwatch = Stopwatch()
+        self.step_loss = torch.zeros((), device=accelerator.device)
+        self.grad_norm: torch.Tensor | None = None
+        self.stop_agreed = False
+        self.check_grad = accelerator.scaler is None  # fp16's scaler skips overflowing steps
+        self.progress = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (accelerator.is_local_main_process and self.trainer_cfg.progress_bar),
+        )
+
+    def _train_epoch(self) -> None:
+        """The rest of the current epoch: all of it, unless the run resumed in its middle."""
+        for batch in self._epoch_batches():
+            if not self._train_micro_batch(batch):
+                continue  # the optimizer step waits for more micro-batches
+            self._finish_step()
+            if self.state.step >= self.total_steps:
+                return
+        self._end_epoch()
+
+    def _epoch_batches(self) -> Iterable[Mapping[str, torch.Tensor]]:
+        """This epoch's batches from the run's position (the same order as an uninterrupted
+        run, without what was done)."""
+        state = self.state
+        if state.steps_in_epoch >= self.steps_per_epoch:  # resumed at an epoch's last step
+            state.epoch, state.steps_in_epoch = state.epoch + 1, 0
+        self.train_loader.set_epoch(state.epoch)
+        if isinstance(self.collator, SeededCollator):
+            self.collator.epoch = state.epoch
+        # The position in micro-batches of this process (also right when a resumed run reaches
+        # the same global batch with other processes / accumulation settings).
+        state.batches_in_epoch = state.steps_in_epoch * self.trainer_cfg.gradient_accumulation_steps
+        self.accelerator.step = state.batches_in_epoch  # accelerate's accumulation counter
+        if not state.batches_in_epoch:
+            return self.train_loader
+        batches = skip_first_batches(self.train_loader, state.batches_in_epoch)
+        batches.set_epoch(state.epoch)  # older accelerate rebuilds it at epoch 0
+        return batches
+
+    def _train_micro_batch(self, batch: Mapping[str, torch.Tensor]) -> bool:
+        """Forward and backward of one micro-batch, and the optimizer step after the last of an
+        accumulation; returns whether a step was completed."""
+        accelerator, state = self.accelerator, self.state
+        reseed(
+            self.trainer_cfg.seed, accelerator.process_index, state.epoch, state.batches_in_epoch
+        )
+        state.batches_in_epoch += 1
+        with accelerator.accumulate(self.model):
+            loss = self.task.loss(self.model, batch)
+            accelerator.backward(loss)
+            self.step_loss += loss.detach().float()
+            if accelerator.sync_gradients:
+                self._optimizer_step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.window.add(batch, loss)
+        return accelerator.sync_gradients
+
+    def _optimizer_step(self) -> None:
+        """Clip, learn from every process whether the step is finite and whether to stop, then
+        update the weights (unless the step is not finite)."""
+        self.grad_norm = self.accelerator.clip_grad_norm_(
+            self.model.parameters(), self.trainer_cfg.max_grad_norm or math.inf
+        )
+        nonfinite, self.stop_agreed = _nonfinite_or_stop_on_any_rank(
+            self.accelerator, self.step_loss, self.grad_norm, self.check_grad, self.stop
+        )
+        self.step_loss.zero_()
+        if nonfinite:
+            self._handle_nonfinite()
+        if not nonfinite or not self.check_grad:  # the fp16 scaler skips a bad update itself
+            self.optimizer.step()
+            self.scheduler.step()
+
+    def _finish_step(self) -> None:
+        """Count the step, log it, then stop, evaluate and save as due; the stopwatch leaves the
+        time of those out of the throughput."""
+        self.state.step += 1
+        self.state.steps_in_epoch += 1
+        self.progress.update(1)
+        if self._should_log():
+            self._log_step()
+        with self.stopwatch.paused():
+            if self.stop_agreed:  # before any evaluation: the launcher's grace period is short
+                self._save_and_stop()
+            new_best = False
+            if self._should_evaluate():
+                self.final_scores, new_best = self._evaluate(self.state.step)
+            if self._should_save(new_best):
+                every = self.trainer_cfg.save_every_n_steps
+                self._save("best so far" if new_best else f"every {every} steps")
+
+    def _end_epoch(self) -> None:
+        state = self.state
+        state.epoch += 1
+        state.steps_in_epoch = state.batches_in_epoch = 0
+        if (
+            self.trainer_cfg.save_at_epoch_end
+            and state.step < self.total_steps
+            and self.last_saved_step != state.step
+        ):
+            with self.stopwatch.paused():
+                self._save(f"end of epoch {state.epoch}")
+
+    # ------------------------------------------------------------------------------- policy
+
+    def _should_log(self) -> bool:
+        step = self.state.step
+        return step % self.trainer_cfg.log_every_n_steps == 0 or step == self.total_steps
+
+    def _should_evaluate(self) -> bool:
+        every, step = self.trainer_cfg.eval_every_n_steps, self.state.step
+        return bool(every) and step > 0 and step % every == 0 and self.state.last_eval_step != step
+
+    def _should_save(self, new_best: bool) -> bool:
+        every = self.trainer_cfg.save_every_n_steps
+        return bool(every and self.state.step % every == 0) or (new_best and self.saves_checkpoints)
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether this run saves checkpoints at all (a new best is saved only then)."""
+        return self.trainer_cfg.save_every_n_steps > 0 or self.trainer_cfg.save_at_epoch_end
+
+    def _evaluate_before_training(self) -> None:
+        with self.stopwatch.paused():
+            if self.trainer_cfg.eval_at_start and self.state.step == 0:
+                self._evaluate(0)  # the untrained model: shown, never the run's result
+            elif self._should_evaluate():  # stopped by a signal before its evaluation: do it now
+                self.final_scores, _ = self._evaluate(self.state.step)
+
+    def _evaluate_after_training(self) -> None:
+        if self.trainer_cfg.eval_at_end and self.state.last_eval_step != self.state.step:
+            self.final_scores, new_best = self._evaluate(self.state.step)
+            if new_best and self.saves_checkpoints:
+                self._save("best so far")
+
+    # ------------------------------------------------------------------------------- steps
+
+    def _log_step(self) -> None:
+        """Log the window since the last log step (summed over processes) and the run's totals."""
+        state, step = self.state, self.state.step
+        elapsed = self.stopwatch.elapsed()
+        logged = self._window_metrics(elapsed)
+        state.train_seconds += elapsed
+        state.train_samples += logged["train/samples_per_second"] * elapsed
+        logged["train/samples_seen"] = round(state.train_samples)
+        if state.skipped_steps:
+            logged["train/skipped_steps"] = state.skipped_steps
+        if step == self.total_steps:
+            logged["train/runtime_s"] = state.train_seconds
+            logged["train/s_per_step"] = state.train_seconds / step
+            logged["train/samples_per_second_run"] = state.train_samples / state.train_seconds
+        self.metrics.log(logged, step)
+        self.progress.set_postfix(
+            loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
+        )
+        self.window = _Window.fresh(self.accelerator.device)
+        self.stopwatch.restart()
+
+    def _window_metrics(self, elapsed: float) -> dict[str, float]:
+        """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed
+        over all processes."""
+        accelerator, window = self.accelerator, self.window
+        counts = torch.tensor(
+            [window.micro_batches, window.samples],
+            dtype=torch.float,
+            device=window.loss_and_tokens.device,
+        )
+        totals = accelerator.reduce(torch.cat([window.loss_and_tokens, counts]), reduction="sum")
+        loss, tokens, micro, samples = totals.tolist()
+        metrics = {
+            "train/loss": loss / max(micro, 1.0),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/epoch": self.state.step / self.steps_per_epoch,
+            "train/samples_per_second": samples / elapsed,
+            "train/tokens_per_second": tokens / elapsed,
+            **self.flops.metrics(tokens, samples, elapsed, accelerator.num_processes),
+        }
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = float(self.grad_norm)
+        peak = device.max_memory_allocated(accelerator.device)  # None on CPU
+        if peak is not None:
+            metrics["train/peak_memory_gib"] = peak / 1024**3
+        return metrics
+
+    def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
+        """Scores of the model at ``step`` (logged), and whether they are the best so far."""
+        started = time.perf_counter()
+        scores = self.task.evaluate(
+            self.model, self.eval_loader, self.data, self.accelerator, self.output_dir
+        )
+        scores = {f"eval/{k}": v for k, v in scores.items()}
+        scores["eval/runtime_s"] = time.perf_counter() - started
+        # samples seen: the charts' other x axis
+        self.metrics.log({**scores, "train/samples_seen": round(self.state.train_samples)}, step)
+        log.info("eval at step %d: %s", step, _format_metrics(scores))
+        self.model.train()
+        self.state.last_eval_step = step
+        return scores, self._record_if_best(scores.get(self.main_metric), step)
+
+    def _record_if_best(self, value: float | None, step: int) -> bool:
+        """Whether the main metric's ``value`` at ``step`` beats the best so far (then it is
+        the new best)."""
+        best = self.state.best
+        if step == 0 or value is None or not math.isfinite(value):
+            return False
+        if best is not None and (
+            value <= best["value"] if self.task.greater_is_better else value >= best["value"]
+        ):
+            return False
+        self.state.best = {"metric": self.task.main_metric, "value": value, "step": step}
+        return True
+
+    def _save(self, reason: str) -> Path:
+        """A checkpoint of this step (every process takes part), marked best when it is, and
+        old ones rotated out."""
+        accelerator, state = self.accelerator, self.state
+        self.last_saved_step = state.step
+        state.window = gather_object([self.window.as_list()])
+        path = checkpoint.save(accelerator, self.output_dir, state, self.model, self.tokenizer)
+        if accelerator.is_main_process:
+            if state.best is not None and state.best["step"] == state.step:
+                checkpoint.mark_best(self.output_dir, state)
+            best_step = state.best["step"] if state.best else None
+            checkpoint.rotate(self.output_dir, self.trainer_cfg.keep_last_n_checkpoints, best_step)
+        log.info("checkpoint (%s): %s", reason, path)
+        return path
+
+    def _save_and_stop(self) -> None:
+        path = self._save("stop requested")
+        raise Interrupted(
+            self.stop.signum or 15, self.state.step, str(path), self.accelerator.is_main_process
+        )
+
+    def _handle_nonfinite(self) -> None:
+        """A NaN / Inf loss or gradient at the coming step: stop, or drop the update."""
+        step = self.state.step + 1
+        found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
+        last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
+        if self.trainer_cfg.on_nonfinite == "stop":
+            raise TrainingError(
+                f"step {step}: the loss or gradient norm is not finite (grad norm "
+                f"{float(self.grad_norm)}); the weights were not updated and {last}. Lower "
+                "optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, or set "
+                "trainer.on_nonfinite=skip to drop such updates."
             )
-    except (OSError, ValueError, ImportError) as err:
-        raise ConfigError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load the model ({_first_line(err)})."
-        ) from None
-    if cfg.gguf_file:
-        model = _plain_copy(model, auto_class)
-    if model.config.pad_token_id is None and model.config.eos_token_id is not None:
-        eos = model.config.eos_token_id
-        model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return model
+        self.state.skipped_steps += 1
+        log.warning(
+            "step %d: non-finite loss or gradient; update skipped (%d so far, "
+            "trainer.on_nonfinite=skip)",
+            step,
+            self.state.skipped_steps,
+        )
+
+    # ------------------------------------------------------------------------------- finish
+
+    def finish(self, final: dict[str, float]) -> RunResult:
+        """The task's last words, the final model, the results file and the curves."""
+        accelerator, state = self.accelerator, self.state
+        extra = self.task.after_training(self.model, self.tokenizer, accelerator, self.output_dir)
+        if extra:
+            self.metrics.log(extra, state.step)
+        if self.trainer_cfg.save_final_model:
+            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final")
+        self.metrics.close()
+        result = RunResult(
+            output_dir=self.output_dir,
+            metrics=final,
+            main_metric=self.main_metric,
+            greater_is_better=self.task.greater_is_better,
+        )
+        tracking.finish_trackers(accelerator, self.settings.logger, final)
+        if accelerator.is_main_process:
+            tracking.write_results(self.output_dir, result.as_dict(state))
+            _plot(self.output_dir)
+        log.info(
+            "done: %d steps in %.1f s of training (%.3f s/step); %s",
+            state.step,
+            state.train_seconds,
+            state.train_seconds / max(state.step, 1),
+            _format_metrics(final) if final else "no evaluation",
+        )
+        return result
 
 
-def _plain_copy(model: torch.nn.Module, auto_class: Any) -> torch.nn.Module:
-    """The same weights in a model built from its config without the GGUF quantisation record
-    (transformers refuses to ``save_pretrained`` a model loaded from GGUF)."""
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = auto_class.from_config(config, attn_implementation=config._attn_implementation)
-    plain.load_state_dict(model.state_dict())
-    return plain.to(next(model.parameters()).dtype)
+class Stopwatch:
+    """Training time since the last :meth:`restart`; what runs inside :meth:`paused`
+    (evaluation, saving) is left out, so throughput counts training alone."""
 
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.start, 1e-9)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
 
 
 @dataclass
@@ -152,54 +627,64 @@ class _Window:
     loss_and_tokens: torch.Tensor
     micro_batches: int
     samples: int
-    start: float
 
     @classmethod
     def fresh(cls, where: torch.device, saved: list[float] | None = None) -> _Window:
         loss, tokens, micro, samples = saved or [0.0, 0.0, 0, 0]
         sums = torch.tensor([loss, tokens], dtype=torch.float, device=where)
-        return cls(sums, int(micro), int(samples), time.perf_counter())
+        return cls(sums, int(micro), int(samples))
+
+    def add(self, batch: Mapping[str, torch.Tensor], loss: torch.Tensor) -> None:
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        self.loss_and_tokens += torch.stack(
+            [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
+        )
+        self.micro_batches += 1
+        self.samples += batch["input_ids"].shape[0]
 
     def as_list(self) -> list[float]:
         return [*self.loss_and_tokens.tolist(), self.micro_batches, self.samples]
 
 
-def train(cfg: DictConfig) -> RunResult:
-    """Run the recipe described by the composed config ``cfg``; returns its final evaluation.
+def _nonfinite_or_stop_on_any_rank(
+    accelerator: Accelerator,
+    step_loss: torch.Tensor,
+    grad_norm: Any,
+    check_grad: bool,
+    stop: StopRequest,
+) -> tuple[bool, bool]:
+    """Whether this step's loss (or gradient) is non-finite on any process, and whether any
+    process was asked to stop: one small all-reduce, so that every rank acts the same."""
+    bad = ~torch.isfinite(step_loss)
+    if check_grad:
+        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=step_loss.device))
+    flags = torch.stack(
+        [bad.float(), torch.tensor(float(stop.signum is not None), device=step_loss.device)]
+    )
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction="sum")
+    bad_count, stop_count = flags.tolist()
+    return bad_count > 0, stop_count > 0
 
-    Raises:
-        ConfigError / DataError: bad settings or data, before any expensive work.
-        TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
-        Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
-    """
-    settings: Settings = validate(cfg)
-    task = instantiate(cfg, "task")  # checks its own settings before any heavy work
-    t: TrainerConfig = settings.trainer
 
-    accelerator = Accelerator(
-        mixed_precision=resolve_mixed_precision(t.mixed_precision),
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+def _build_accelerator(cfg: DictConfig, settings: Settings) -> Accelerator:
+    trainer_cfg = settings.trainer
+    return Accelerator(
+        mixed_precision=resolve_mixed_precision(trainer_cfg.mixed_precision),
+        gradient_accumulation_steps=trainer_cfg.gradient_accumulation_steps,
         log_with=settings.logger.trackers or None,
         # non_blocking lets pinned batches copy to the device while it computes.
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, non_blocking=t.pin_memory
+            use_seedable_sampler=True, non_blocking=trainer_cfg.pin_memory
         ),
         # TensorBoard's folder; set again once all ranks agree on the run folder
         project_config=ProjectConfiguration(logging_dir=str(Path(cfg.output_dir) / "tensorboard")),
         # A collective that waits this long (a rank died) raises instead of hanging forever.
         kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=t.distributed_timeout_s))
+            InitProcessGroupKwargs(timeout=timedelta(seconds=trainer_cfg.distributed_timeout_s))
         ],
     )
-    stop = StopRequest()  # installed when training starts (until then a signal ends the run)
-    try:
-        return _run(cfg, settings, task, accelerator, stop)
-    finally:
-        stop.restore()
-        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
-        accelerator.end_training()
-        if tracking.hydra_context().get("sweep_dir"):
-            _reset_accelerate()
 
 
 def _reset_accelerate() -> None:
@@ -255,7 +740,7 @@ def _check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
             "Continue it with resume=auto, or pick a new folder with output_dir=..."
         )
     assert found is not None
-    latest = checkpoint.complete(checkpoint.root(output_dir))
+    latest = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(output_dir))
     if (
         latest
         and found.resolve() != latest[-1].resolve()
@@ -275,198 +760,25 @@ def _check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
     return found
 
 
-@dataclass
-class _Loop:
-    """What the training loop works with, built once by :func:`_run`."""
-
-    accelerator: Accelerator
-    settings: Settings
-    task: Task
-    model: torch.nn.Module
-    tokenizer: PreTrainedTokenizerBase
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any
-    eval_loader: Any
-    collator: Any
-    output_dir: Path
-    metrics: MetricsLogger
-    state: checkpoint.TrainerState
-    steps_per_epoch: int
-    total_steps: int
-    flops: FlopCounter
+def _agree_on_output_dir(proposed: str) -> Path:
+    """All ranks take rank 0's run folder (each rank's Hydra resolved its own timestamp)."""
+    chosen = broadcast_object_list([proposed])[0]
+    own = Path(proposed)
+    if chosen != proposed and own.is_dir() and not any(own.iterdir()):
+        own.rmdir()  # the empty folder Hydra made for this rank's own timestamp
+    return Path(chosen)
 
 
-def _run(
-    cfg: DictConfig, settings: Settings, task: Task, accelerator: Accelerator, stop: StopRequest
-) -> RunResult:
-    t = settings.trainer
-    output_dir, resume_from = _open_run_folder(cfg, accelerator)
-    setup_logging(accelerator.is_main_process, output_dir / "train.log")
-    log.info("run folder: %s", output_dir)
-    log.info(
-        "device %s, %d process(es), mixed precision %s, distributed %s",
-        accelerator.device,
-        accelerator.num_processes,
-        accelerator.mixed_precision,
-        accelerator.distributed_type,
-    )
-    _check_grad_scaler(accelerator)
-    if t.compile and (reason := device.compile_unsupported_reason(accelerator.device.type)):
-        raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
-    tf32 = device.set_tf32(t.tf32)  # both ways: torch_musa 2.7 turns TF32 on by default
-    device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
-    set_seed(t.seed)
-
-    tokenizer = load_tokenizer(settings.model)
-    with accelerator.main_process_first():
-        data = task.build_data(settings.data, tokenizer)
-    model = load_model(settings.model, task.auto_model_class, **task.model_kwargs())
-    task.check_model(model)
-
-    fixed = getattr(task, "max_seq_length", None) if t.padding == "max_length" else None
-    padding = DataCollatorWithPadding(
-        tokenizer,
-        padding="max_length" if fixed else "longest",
-        max_length=fixed,
-        pad_to_multiple_of=t.pad_to_multiple_of,
-    )
-    collator = data.train_collator or padding
-    if data.random_collator:
-        collator = checkpoint.SeededCollator(collator, t.seed)
-    global_batch = (
-        t.per_device_train_batch_size * accelerator.num_processes * t.gradient_accumulation_steps
-    )
-    sampler = None
-    if t.group_by_length and not fixed:  # padded to max_length, grouping would save nothing
-        lengths = data_lib.feature_lengths(data.train)
-        if len(lengths) and lengths.min() < lengths.max():  # packed blocks: plain shuffle
-            # One sampler batch per optimizer step: the same examples in every layout of it.
-            sampler = data_lib.EpochLengthGroupedSampler(
-                global_batch, lengths, t.seed, megabatch=t.length_group_size
-            )
-    train_loader = DataLoader(
-        data.train,
-        batch_size=t.per_device_train_batch_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        collate_fn=collator,
-        num_workers=t.dataloader_num_workers,
-        **device.pin_memory_kwargs(t.pin_memory, accelerator.device),
-    )
-    eval_loader = DataLoader(
-        data.eval,
-        batch_size=t.per_device_eval_batch_size,
-        collate_fn=data.eval_collator or padding,
-        num_workers=t.dataloader_num_workers,
-        **device.pin_memory_kwargs(t.pin_memory, accelerator.device),
-    )
-    optimizer = build_optimizer(instantiate(cfg, "optimizer"), model, accelerator.device)
-    flops = FlopCounter(
-        model, accelerator.device, precision_for_peak(accelerator.mixed_precision, tf32)
-    )
-    if t.compile:
-        _compile(model)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader
-    )
-    # Steps are optimizer updates of one global batch, whatever the number of processes: each
-    # process takes len(train_loader) batches of its shard per epoch.
-    steps_per_epoch = math.ceil(len(train_loader) / t.gradient_accumulation_steps)
-    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_epochs * steps_per_epoch)
-    scheduler = instantiate(cfg, "scheduler")(
-        optimizer=optimizer,
-        num_training_steps=total_steps,
-        num_processes=accelerator.num_processes,
-    )
-    scheduler = accelerator.prepare(scheduler)
-
-    log.info(
-        "%d training features, global batch %d (%d per device x %d processes x %d "
-        "accumulation), %d steps per epoch, %d optimizer steps",
-        len(data.train),
-        global_batch,
-        t.per_device_train_batch_size,
-        accelerator.num_processes,
-        t.gradient_accumulation_steps,
-        steps_per_epoch,
-        total_steps,
-    )
-
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    state = checkpoint.TrainerState(
-        guarded=_guarded(settings, global_batch, len(data.train), sampler is not None),
-        config=resolved,
-    )
-    keep_until_step = None
-    if resume_from is not None:
-        state = _resume(accelerator, resume_from, state, scheduler)
-        keep_until_step = state.step
-    elif cfg.get("resume") == "auto":
-        log.info("resume=auto: no checkpoint in %s yet; starting at step 0", output_dir)
-        keep_until_step = -1  # what an earlier attempt logged is logged again
-
-    metrics_logger = MetricsLogger(accelerator, output_dir, keep_until_step=keep_until_step)
-    main_metric = f"eval/{task.main_metric}"
-    tracking.start_trackers(
-        accelerator,
-        settings.logger,
-        output_dir,
-        resolved,
-        tracking.run_tags(
-            tracking.hydra_context().get("recipe"),
-            settings.model.name_or_path,
-            accelerator.device.type,
-            accelerator.num_processes,
-        ),
-        main_metric,
-        task.greater_is_better,
-    )
-    loop = _Loop(
-        accelerator=accelerator,
-        settings=settings,
-        task=task,
-        model=model,
-        tokenizer=tokenizer,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        collator=collator,
-        output_dir=output_dir,
-        metrics=metrics_logger,
-        state=state,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        flops=flops,
-    )
-    stop.install()
-    final = _fit(loop, stop)
-
-    extra = task.after_training(model, tokenizer, accelerator, output_dir)
-    if extra:
-        metrics_logger.log(extra, state.step)
-    if t.save_final_model:
-        _save_final(accelerator, model, tokenizer, output_dir / "final")
-    metrics_logger.close()
-    result = RunResult(
-        output_dir=output_dir,
-        metrics=final,
-        main_metric=main_metric,
-        greater_is_better=task.greater_is_better,
-    )
-    tracking.finish_trackers(accelerator, settings.logger, final)
-    if accelerator.is_main_process:
-        tracking.write_results(output_dir, result.as_dict(state))
-        _plot(output_dir)
-    log.info(
-        "done: %d steps in %.1f s of training (%.3f s/step); %s",
-        state.step,
-        state.train_seconds,
-        state.train_seconds / max(state.step, 1),
-        _fmt(final) if final else "no evaluation",
-    )
-    return result
+def resolve_mixed_precision(requested: str) -> str:
+    """``trainer.mixed_precision`` as accelerate takes it: ``auto`` becomes this machine's choice
+    (:func:`recipes.device.default_mixed_precision`; the CPU's under ``accelerate launch --cpu``)."""
+    if requested != "auto":
+        return requested
+    # Decided before the Accelerator exists: creating accelerate's state here would fix the
+    # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):
+        return device.default_mixed_precision(device.CPU)
+    return device.default_mixed_precision()
 
 
 def _check_grad_scaler(accelerator: Accelerator) -> None:
@@ -530,7 +842,7 @@ class RunResult:
         }
 
 
-def _guarded(
+def _resume_invariants(
     settings: Settings, global_batch: int, train_features: int, grouped: bool
 ) -> dict[str, Any]:
     """Settings that decide which batches the steps see: a resumed run must share them.
@@ -606,265 +918,6 @@ def _set_schedule_position(scheduler: Any, ticks: int) -> None:
         group["lr"] = lr
 
 
-def _fit(loop: _Loop, stop: StopRequest) -> dict[str, float]:
-    """The training loop: epochs of micro-batches, an optimizer step every
-    ``gradient_accumulation_steps``, logging, evaluation and checkpoints at step boundaries."""
-    accelerator, t, state = loop.accelerator, loop.settings.trainer, loop.state
-    model, optimizer, scheduler = loop.model, loop.optimizer, loop.scheduler
-    rank = accelerator.process_index
-    saving = t.save_every_n_steps > 0 or t.save_at_epoch_end
-    final: dict[str, float] = {}
-    window = _Window.fresh(accelerator.device, state.window[rank] if state.window else None)
-    step_loss = torch.zeros((), device=accelerator.device)
-    grad_norm: torch.Tensor | None = None
-    check_grad = accelerator.scaler is None  # fp16's scaler skips overflowing steps itself
-    progress = tqdm(
-        total=loop.total_steps,
-        initial=state.step,
-        desc="train",
-        dynamic_ncols=True,
-        disable=not (accelerator.is_local_main_process and t.progress_bar),
-    )
-
-    saved = -1
-
-    def save(reason: str) -> Path:
-        nonlocal saved
-        saved = state.step
-        state.window = gather_object([window.as_list()])
-        path = checkpoint.save(accelerator, loop.output_dir, state, model, loop.tokenizer)
-        if accelerator.is_main_process:
-            if state.best is not None and state.best["step"] == state.step:
-                checkpoint.mark_best(loop.output_dir, state)
-            best_step = state.best["step"] if state.best else None
-            checkpoint.rotate(loop.output_dir, t.keep_last_n_checkpoints, best_step)
-        log.info("checkpoint (%s): %s", reason, path)
-        return path
-
-    try:
-        if t.eval_at_start and state.step == 0:
-            _evaluate(loop, 0)
-            window.start = time.perf_counter()
-        elif _eval_due(t, state):  # stopped by a signal before its evaluation: do it now
-            final, _ = _evaluate(loop, state.step)
-            window.start = time.perf_counter()
-        model.train()
-        while state.step < loop.total_steps:
-            if state.steps_in_epoch >= loop.steps_per_epoch:  # resumed at an epoch's last step
-                state.epoch, state.steps_in_epoch = state.epoch + 1, 0
-            loop.train_loader.set_epoch(state.epoch)
-            if isinstance(loop.collator, checkpoint.SeededCollator):
-                loop.collator.epoch = state.epoch
-            # The position in micro-batches of this process (also right when a resumed run
-            # reaches the same global batch with other processes / accumulation settings).
-            state.batches_in_epoch = state.steps_in_epoch * t.gradient_accumulation_steps
-            accelerator.step = state.batches_in_epoch  # accelerate's accumulation counter
-            batches = loop.train_loader
-            if state.batches_in_epoch:  # resumed mid-epoch: the same order, without what was done
-                batches = skip_first_batches(loop.train_loader, state.batches_in_epoch)
-                batches.set_epoch(state.epoch)  # older accelerate rebuilds it at epoch 0
-            for batch in batches:
-                checkpoint.reseed(t.seed, rank, state.epoch, state.batches_in_epoch)
-                state.batches_in_epoch += 1
-                with accelerator.accumulate(model):
-                    loss = loop.task.loss(model, batch)
-                    accelerator.backward(loss)
-                    step_loss += loss.detach().float()
-                    stopping = False
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(
-                            model.parameters(), t.max_grad_norm or math.inf
-                        )
-                        bad, stopping = _agree(accelerator, step_loss, grad_norm, check_grad, stop)
-                        step_loss.zero_()
-                        if bad:
-                            _nonfinite(loop, grad_norm)
-                        if not bad or not check_grad:  # the fp16 scaler skips a bad update itself
-                            optimizer.step()
-                            scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                mask = batch.get("attention_mask")
-                tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
-                window.loss_and_tokens += torch.stack(
-                    [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
-                )
-                window.micro_batches += 1
-                window.samples += batch["input_ids"].shape[0]
-                if not accelerator.sync_gradients:
-                    continue
-                state.step += 1
-                state.steps_in_epoch += 1
-                step = state.step
-                progress.update(1)
-                if step % t.log_every_n_steps == 0 or step == loop.total_steps:
-                    elapsed = max(time.perf_counter() - window.start, 1e-9)
-                    logged = _window_metrics(
-                        accelerator,
-                        window,
-                        elapsed,
-                        scheduler,
-                        grad_norm,
-                        step / loop.steps_per_epoch,
-                        loop.flops,
-                    )
-                    state.train_seconds += elapsed
-                    state.train_samples += logged["train/samples_per_second"] * elapsed
-                    logged["train/samples_seen"] = round(state.train_samples)
-                    if state.skipped_steps:
-                        logged["train/skipped_steps"] = state.skipped_steps
-                    if step == loop.total_steps:
-                        logged["train/runtime_s"] = state.train_seconds
-                        logged["train/s_per_step"] = state.train_seconds / step
-                        logged["train/samples_per_second_run"] = (
-                            state.train_samples / state.train_seconds
-                        )
-                    loop.metrics.log(logged, step)
-                    progress.set_postfix(
-                        loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
-                    )
-                    window = _Window.fresh(accelerator.device)
-                paused = time.perf_counter()
-                if stopping:  # before any evaluation: the launcher's grace period is short
-                    path = save("stop requested")
-                    raise Interrupted(
-                        stop.signum or 15, step, str(path), accelerator.is_main_process
-                    )
-                new_best = False
-                if _eval_due(t, state):
-                    final, new_best = _evaluate(loop, step)
-                if (t.save_every_n_steps and step % t.save_every_n_steps == 0) or (
-                    new_best and saving
-                ):
-                    save("best so far" if new_best else f"every {t.save_every_n_steps} steps")
-                window.start += time.perf_counter() - paused  # throughput excludes eval and saving
-                if step >= loop.total_steps:
-                    break
-            else:  # the epoch is done
-                state.epoch += 1
-                state.steps_in_epoch = state.batches_in_epoch = 0
-                if t.save_at_epoch_end and state.step < loop.total_steps and saved != state.step:
-                    paused = time.perf_counter()
-                    save(f"end of epoch {state.epoch}")
-                    window.start += time.perf_counter() - paused
-    finally:
-        progress.close()  # also on errors: a stale bar would hide the message
-
-    if t.eval_at_end and state.last_eval_step != state.step:
-        final, new_best = _evaluate(loop, state.step)
-        if new_best and saving:
-            save("best so far")
-    return final
-
-
-def _eval_due(t: TrainerConfig, state: checkpoint.TrainerState) -> bool:
-    every = t.eval_every_n_steps
-    return (
-        bool(every)
-        and state.step > 0
-        and state.step % every == 0
-        and state.last_eval_step != state.step
-    )
-
-
-def _evaluate(loop: _Loop, step: int) -> tuple[dict[str, float], bool]:
-    """Scores of the model at ``step`` (logged), and whether they are the best so far."""
-    started = time.perf_counter()
-    scores = loop.task.evaluate(loop.model, loop.eval_loader, loop.accelerator, loop.output_dir)
-    scores = {f"eval/{k}": v for k, v in scores.items()}
-    scores["eval/runtime_s"] = time.perf_counter() - started
-    # samples seen: the charts' other x axis
-    loop.metrics.log({**scores, "train/samples_seen": round(loop.state.train_samples)}, step)
-    log.info("eval at step %d: %s", step, _fmt(scores))
-    loop.model.train()
-    loop.state.last_eval_step = step
-    value = scores.get(f"eval/{loop.task.main_metric}")
-    best = loop.state.best
-    if step == 0 or value is None or not math.isfinite(value):
-        return scores, False
-    if best is not None and (
-        value <= best["value"] if loop.task.greater_is_better else value >= best["value"]
-    ):
-        return scores, False
-    loop.state.best = {"metric": loop.task.main_metric, "value": value, "step": step}
-    return scores, True
-
-
-def _agree(
-    accelerator: Accelerator,
-    step_loss: torch.Tensor,
-    grad_norm: Any,
-    check_grad: bool,
-    stop: StopRequest,
-) -> tuple[bool, bool]:
-    """Whether this step's loss (or gradient) is non-finite on any process, and whether any
-    process was asked to stop: one small all-reduce, so that every rank acts the same."""
-    bad = ~torch.isfinite(step_loss)
-    if check_grad:
-        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=step_loss.device))
-    flags = torch.stack(
-        [bad.float(), torch.tensor(float(stop.signum is not None), device=step_loss.device)]
-    )
-    if accelerator.num_processes > 1:
-        flags = accelerator.reduce(flags, reduction="sum")
-    bad_count, stop_count = flags.tolist()
-    return bad_count > 0, stop_count > 0
-
-
-def _nonfinite(loop: _Loop, grad_norm: Any) -> None:
-    """A NaN / Inf loss or gradient at the coming step: stop, or drop the update."""
-    step = loop.state.step + 1
-    t = loop.settings.trainer
-    found = checkpoint.complete(checkpoint.root(loop.output_dir))
-    last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
-    if t.on_nonfinite == "stop":
-        raise TrainingError(
-            f"step {step}: the loss or gradient norm is not finite (grad norm {float(grad_norm)}); "
-            f"the weights were not updated and {last}. Lower optimizer.lr, keep "
-            "trainer.max_grad_norm set, prefer bf16 to fp16, or set trainer.on_nonfinite=skip to "
-            "drop such updates."
-        )
-    loop.state.skipped_steps += 1
-    log.warning(
-        "step %d: non-finite loss or gradient; update skipped (%d so far, trainer.on_nonfinite=skip)",
-        step,
-        loop.state.skipped_steps,
-    )
-
-
-def _window_metrics(
-    accelerator: Accelerator,
-    window: _Window,
-    elapsed: float,
-    scheduler: Any,
-    grad_norm: torch.Tensor | None,
-    epoch: float,
-    flops: FlopCounter,
-) -> dict:
-    """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed over
-    all processes."""
-    counts = torch.tensor(
-        [window.micro_batches, window.samples],
-        dtype=torch.float,
-        device=window.loss_and_tokens.device,
-    )
-    totals = accelerator.reduce(torch.cat([window.loss_and_tokens, counts]), reduction="sum")
-    loss, tokens, micro, samples = totals.tolist()
-    metrics = {
-        "train/loss": loss / max(micro, 1.0),
-        "train/lr": scheduler.get_last_lr()[0],
-        "train/epoch": epoch,
-        "train/samples_per_second": samples / elapsed,
-        "train/tokens_per_second": tokens / elapsed,
-        **flops.metrics(tokens, samples, elapsed, accelerator.num_processes),
-    }
-    if grad_norm is not None:
-        metrics["train/grad_norm"] = float(grad_norm)
-    peak = device.max_memory_allocated(accelerator.device)  # None on CPU
-    if peak is not None:
-        metrics["train/peak_memory_gib"] = peak / 1024**3
-    return metrics
-
-
 def _save_final(
     accelerator: Accelerator,
     model: torch.nn.Module,
@@ -887,7 +940,8 @@ def _save_final(
     accelerator.wait_for_everyone()
 
 
-def _fmt(metrics: dict[str, float]) -> str:
+def _format_metrics(metrics: dict[str, float]) -> str:
+    """``loss=1.234, f1=56.78``: the numbers of ``metrics`` for a log line."""
     return ", ".join(
         f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))
     )

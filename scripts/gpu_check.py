@@ -178,7 +178,7 @@ def _sync_row(where: str) -> dict:
     steps(False)  # warm-up
     plain, synced = steps(False), steps(True)
     return {
-        "check": "host sync per step (_agree)",
+        "check": "host sync per step (non-finite / stop check)",
         "ok": True,
         "seconds": 400 * plain,
         "note": f"{(synced - plain) * 1e6:+.0f} us per step on a {plain * 1e3:.2f} ms step",

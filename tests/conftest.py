@@ -74,11 +74,13 @@ def run_train(
     check: bool = True,
     env: dict | None = None,
     timeout: int = 600,
+    script: tuple[str, ...] = (str(ROOT / "train.py"),),
 ) -> subprocess.CompletedProcess:
-    """``python train.py <overrides>`` in a subprocess, as a user runs it (in fp32 unless told)."""
+    """``python train.py <overrides>`` in a subprocess, as a user runs it (in fp32 unless told).
+    ``script``: what runs instead of train.py (a wrapper and its own arguments)."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *_fp32_first(overrides)],
+        [sys.executable, *script, *_fp32_first(overrides)],
         cwd=cwd,
         env=full_env,
         capture_output=True,

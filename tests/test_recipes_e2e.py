@@ -145,7 +145,7 @@ def test_gguf_model_becomes_a_plain_hugging_face_folder(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from recipes.config import ModelConfig
-    from recipes.loop import load_model, load_tokenizer
+    from recipes.model import load_model, load_tokenizer
 
     cfg = ModelConfig(
         name_or_path=str(Path(package.__file__).parent),

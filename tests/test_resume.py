@@ -91,7 +91,7 @@ def test_kill_9_while_writing_a_checkpoint(reference, tmp_path, cache_dir):
     proc = run_train(
         *_common(cache_dir),
         f"output_dir={run}",
-        env={"RECIPES_KILL_DURING_CHECKPOINT": "10"},
+        script=(str(Path(__file__).with_name("kill_during_checkpoint.py")), "10"),
         check=False,
     )
     assert proc.returncode == -signal.SIGKILL

@@ -148,13 +148,13 @@ def test_whole_word_masking_chooses_every_piece_of_a_word(tmp_path, bert_tokeniz
 def test_glue_tsv_layout_and_label_names(tmp_path, bert_tokenizer):
     task = SequenceClassification(max_seq_length=64)
     data = task.build_data(_data(tmp_path, path=str(QNLI), name="qnli"), bert_tokenizer)
-    assert task.label_names == ["entailment", "not_entailment"]
+    assert data.label_names == ["entailment", "not_entailment"]
     assert task.main_metric == "accuracy"
     rows = (QNLI / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]
     assert len(data.eval) == len(rows)
     expected = [0 if r.split("\t")[-1] == "entailment" else 1 for r in rows]
     assert data.eval["labels"] == expected
-    assert task.model_kwargs()["id2label"] == {0: "entailment", 1: "not_entailment"}
+    assert task.model_kwargs(data)["id2label"] == {0: "entailment", 1: "not_entailment"}
 
 
 def test_real_glue_files(tmp_path, shared_data, bert_tokenizer):
@@ -174,7 +174,7 @@ def test_real_glue_files(tmp_path, shared_data, bert_tokenizer):
     data = stsb.build_data(
         _data(tmp_path, path=str(shared_data / "glue" / "STS-B"), name="sts-b"), bert_tokenizer
     )
-    assert stsb.label_names is None and stsb.model_kwargs()["problem_type"] == "regression"
+    assert data.label_names is None and stsb.model_kwargs(data)["problem_type"] == "regression"
     assert len(data.eval) == 1500 and 0 <= min(data.eval["labels"]) < max(data.eval["labels"]) <= 5
 
 
@@ -185,7 +185,7 @@ def test_custom_csv_labels_and_bad_labels(tmp_path, bert_tokenizer):
     (good / "dev.csv").write_text("text,label\nbad,neg\n")
     task = SequenceClassification()
     data = task.build_data(_data(tmp_path, path=str(good)), bert_tokenizer)
-    assert task.label_names == ["neg", "pos"] and data.train["labels"] == [1, 0, 1]
+    assert data.label_names == ["neg", "pos"] and data.train["labels"] == [1, 0, 1]
 
     (good / "dev.csv").write_text("text,label\nbad,meh\n")
     with pytest.raises(DataError, match="label 'meh' in column 'label' is not one of"):

@@ -1,33 +1,38 @@
-"""What a task gives the shared loop.
+"""The contract between a task and the shared loop: fill in :class:`Task`, and nothing else.
 
-A task (``conf/task/*.yaml`` names its class) is a small object with:
+A task (``conf/task/*.yaml`` names its class) is one small subclass of :class:`Task`. It must
+give:
 
 * ``auto_model_class``: the ``transformers`` auto class of the model head it trains;
-* ``main_metric`` and ``greater_is_better``: the evaluation number that ranks checkpoints;
-* ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features;
-* ``model_kwargs() -> dict``: extra ``from_pretrained`` arguments known only once the data is
-  built (the number of labels of a classification task, say); ``check_model(model)`` refuses
-  settings the loaded model cannot run;
-* ``loss(model, batch) -> Tensor`` and ``evaluate(model, loader, accelerator, output_dir)``;
-* ``after_training(model, tokenizer, accelerator, output_dir) -> dict``: optional last words
-  (a generated sample for a language model).
+* ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features, plus
+  whatever the task learnt from its data (label names, the windows answers are read from), in a
+  :class:`TaskData` subclass of its own;
+* ``evaluate(model, loader, data, accelerator, output_dir) -> dict``: the scores of the model.
 
-:class:`Task` implements the parts most tasks share, so a task module only writes what is its own.
+and may change the defaults of ``main_metric`` / ``greater_is_better`` (the number that ranks
+checkpoints; a task may settle ``main_metric`` in ``build_data``, as a GLUE task does),
+``max_seq_length``, ``settings()``, ``model_kwargs(data)``, ``check_model(model)``,
+``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
+returned back to ``model_kwargs`` and ``evaluate``: a task keeps no hidden state between them.
 """
 
 from __future__ import annotations
 
+import abc
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from recipes.config import DataConfig
 
 
 @dataclass
@@ -45,17 +50,42 @@ class TaskData:
     random_collator: bool = False
 
 
-class Task:
-    """Defaults shared by the tasks; subclasses set ``auto_model_class`` and build data."""
+DataT = TypeVar("DataT", bound=TaskData)
 
-    auto_model_class: Any = None
-    main_metric = "loss"
-    greater_is_better = False
 
-    def build_data(self, cfg: Any, tokenizer: PreTrainedTokenizerBase) -> TaskData:
-        raise NotImplementedError
+class Task(abc.ABC, Generic[DataT]):
+    """What the loop asks of a task; ``DataT`` is the :class:`TaskData` its ``build_data``
+    returns and its ``evaluate`` reads."""
 
-    def model_kwargs(self) -> dict[str, Any]:
+    auto_model_class: Any  # e.g. AutoModelForQuestionAnswering; every task sets it
+    main_metric: str = "loss"  # the evaluation score (without "eval/") that ranks checkpoints
+    greater_is_better: bool = False
+    # The length trainer.padding=max_length pads every batch to; None where the task has no
+    # such length (packed language-model blocks all have one length already).
+    max_seq_length: int | None = None
+
+    @abc.abstractmethod
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:
+        """Load, check and featurize the train and evaluation splits."""
+
+    @abc.abstractmethod
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: DataT,
+        accelerator: Accelerator,
+        output_dir: Path | None,
+    ) -> dict[str, float]:
+        """Scores of ``model`` on ``loader`` (the batches of ``data.eval``), the same on every
+        process; the loop logs them as ``eval/<name>``."""
+
+    def settings(self) -> dict[str, Any]:
+        """The task's settings that shape its features (part of their cache key)."""
+        return dict(vars(self))
+
+    def model_kwargs(self, data: DataT) -> dict[str, Any]:
+        """Extra ``from_pretrained`` arguments learnt from the data (the number of labels)."""
         return {}
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -72,6 +102,7 @@ class Task:
         accelerator: Accelerator,
         output_dir: Path,
     ) -> dict[str, Any]:
+        """Last words logged after training (a generated sample for a language model)."""
         return {}
 
 

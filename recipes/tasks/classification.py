@@ -8,7 +8,7 @@ correlation, or Pearson / Spearman correlation for a regression target such as S
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,12 +66,19 @@ GLUE = {
 }  # fmt: skip
 
 
+@dataclass
+class ClassificationData(TaskData):
+    """Features plus the label names, in id order (None: a regression target)."""
+
+    label_names: list[str] | None = None
+
+
 def glue_task(name: str | None) -> GlueTask | None:
     """The GLUE task called ``name`` (``SST-2``, ``sst2`` and ``STS-B`` all work)."""
     return GLUE.get((name or "").lower().replace("-", "").replace("_", ""))
 
 
-class SequenceClassification(Task):
+class SequenceClassification(Task[ClassificationData]):
     """Classify a text or a text pair, or regress a score (``task=classification``).
 
     Args:
@@ -100,12 +107,11 @@ class SequenceClassification(Task):
         self.max_seq_length = max_seq_length
         self.problem_type = problem_type
         self.metric = metric
-        self.label_names: list[str] | None = None  # None: regression
         self.main_metric = metric or "accuracy"
 
     # ----------------------------------------------------------------------------- data
 
-    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ClassificationData:
         glue = glue_task(cfg.name)
         splits = data_lib.load_splits(cfg)
         train = splits["train"]
@@ -115,12 +121,11 @@ class SequenceClassification(Task):
             self.problem_type == "auto"
             and (glue.labels is None if glue else _looks_continuous(values))
         )
-        if regression:
-            self.label_names = None
-        elif glue and glue.labels:
-            self.label_names = list(glue.labels)
-        else:
-            self.label_names = sorted({str(v) for v in values})
+        label_names: list[str] | None = None  # None: regression
+        if not regression and glue and glue.labels:
+            label_names = list(glue.labels)
+        elif not regression:
+            label_names = sorted({str(v) for v in values})
         self.main_metric = self.metric or (
             glue.metric if glue else ("pearson" if regression else "accuracy")
         )
@@ -130,14 +135,16 @@ class SequenceClassification(Task):
             text,
             f" pair={pair}" if pair else "",
             label,
-            "regression" if regression else f"{len(self.label_names)} labels {self.label_names}",
+            "regression" if label_names is None else f"{len(label_names)} labels {label_names}",
         )
         columns = (text, pair, label)
         features = {}
         for role, split in splits.items():
             _columns(cfg, glue, split)  # the same columns must exist in both splits
-            features[role] = self._featurize(cfg, role, split, tokenizer, columns)
-        return TaskData(train=features["train"], eval=features["eval"])
+            features[role] = self._featurize(cfg, role, split, tokenizer, columns, label_names)
+        return ClassificationData(
+            train=features["train"], eval=features["eval"], label_names=label_names
+        )
 
     def _featurize(
         self,
@@ -146,12 +153,13 @@ class SequenceClassification(Task):
         split: data_lib.Split,
         tokenizer: PreTrainedTokenizerBase,
         columns: tuple[str, str | None, str],
+        label_names: list[str] | None,
     ) -> Dataset:
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
             columns=columns,
-            labels=self.label_names,
+            labels=label_names,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
             length=self.max_seq_length,
             version=FEATURES_VERSION,
@@ -165,6 +173,7 @@ class SequenceClassification(Task):
                 fn_kwargs={
                     "tokenizer": tokenizer,
                     "columns": columns,
+                    "label_names": label_names,
                     "source": f"{role} data {split.source}",
                 },
                 num_proc=cfg.preprocessing_num_workers,
@@ -177,6 +186,7 @@ class SequenceClassification(Task):
         batch: Mapping[str, list],
         tokenizer: PreTrainedTokenizerBase,
         columns: tuple[str, str | None, str],
+        label_names: list[str] | None,
         source: str,
     ) -> dict[str, list]:
         text, pair, label = columns
@@ -195,52 +205,37 @@ class SequenceClassification(Task):
             truncation=True,
             max_length=self.max_seq_length,
         )
-        encoded["labels"] = [self._label_id(v, source, label) for v in batch[label]]
+        encoded["labels"] = [_label_id(v, label_names, source, label) for v in batch[label]]
         return dict(encoded)
 
-    def _label_id(self, value: Any, source: str, column: str) -> float | int:
-        if self.label_names is None:
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                raise DataError(
-                    f"{source}: label {value!r} in column {column!r} is not a number "
-                    "(regression); set task.problem_type=single_label_classification?"
-                ) from None
-        if isinstance(value, str) and value in self.label_names:
-            return self.label_names.index(value)
-        if str(value) in self.label_names:
-            return self.label_names.index(str(value))
-        if isinstance(value, (int, np.integer)) and 0 <= value < len(self.label_names):
-            return int(value)
-        raise DataError(
-            f"{source}: label {value!r} in column {column!r} is not one of "
-            f"{self.label_names} (nor an id below {len(self.label_names)}); unlabelled test "
-            "data cannot be used for training or evaluation."
-        )
-
-    def model_kwargs(self) -> dict[str, Any]:
-        if self.label_names is None:
+    def model_kwargs(self, data: ClassificationData) -> dict[str, Any]:
+        if data.label_names is None:
             return {"num_labels": 1, "problem_type": "regression"}
         return {
-            "num_labels": len(self.label_names),
+            "num_labels": len(data.label_names),
             "problem_type": "single_label_classification",
-            "id2label": dict(enumerate(self.label_names)),
-            "label2id": {name: i for i, name in enumerate(self.label_names)},
+            "id2label": dict(enumerate(data.label_names)),
+            "label2id": {name: i for i, name in enumerate(data.label_names)},
         }
 
     # ----------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()
     def evaluate(
-        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ClassificationData,
+        accelerator: Accelerator,
+        output_dir: Path | None,
     ) -> dict[str, float]:
+        label_names = data.label_names
         model.eval()
         predictions, labels, losses = [], [], []
         for batch in loader:
             target = batch.pop("labels")
             logits = model(**batch).logits.float()
-            if self.label_names is None:
+            if label_names is None:
                 predicted = logits.squeeze(-1)
                 loss = (predicted - target.float()) ** 2
             else:
@@ -255,12 +250,35 @@ class SequenceClassification(Task):
         metrics: dict[str, float] = {}
         if accelerator.is_main_process:
             y_hat, y = np.concatenate(predictions), np.concatenate(labels)
-            if self.label_names is None:
+            if label_names is None:
                 metrics = regression_scores(y_hat.astype(np.float64), y.astype(np.float64))
             else:
-                metrics = classification_scores(y_hat, y.astype(np.int64), len(self.label_names))
+                metrics = classification_scores(y_hat, y.astype(np.int64), len(label_names))
             metrics["loss"] = float(np.concatenate(losses).mean())
         return broadcast_object_list([metrics])[0]
+
+
+def _label_id(value: Any, label_names: list[str] | None, source: str, column: str) -> float | int:
+    """The model's target for a label ``value``: a float (regression) or the label's id."""
+    if label_names is None:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise DataError(
+                f"{source}: label {value!r} in column {column!r} is not a number "
+                "(regression); set task.problem_type=single_label_classification?"
+            ) from None
+    if isinstance(value, str) and value in label_names:
+        return label_names.index(value)
+    if str(value) in label_names:
+        return label_names.index(str(value))
+    if isinstance(value, (int, np.integer)) and 0 <= value < len(label_names):
+        return int(value)
+    raise DataError(
+        f"{source}: label {value!r} in column {column!r} is not one of "
+        f"{label_names} (nor an id below {len(label_names)}); unlabelled test "
+        "data cannot be used for training or evaluation."
+    )
 
 
 def _columns(

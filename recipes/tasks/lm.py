@@ -8,8 +8,9 @@ processes report what one does), not a mean of per-batch means.
 
 from __future__ import annotations
 
+import abc
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached
 IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
 
 
-class LanguageModeling(Task):
+class LanguageModeling(Task[TaskData]):
     """Text in, packed blocks out; perplexity on the evaluation split. Subclasses say how a
     block becomes inputs and labels."""
 
@@ -51,9 +52,6 @@ class LanguageModeling(Task):
             raise ConfigError(f"task.block_size={block_size}: must be at least 2 tokens.")
         self.block_size = block_size
         self.add_eos_token = add_eos_token
-
-    def settings(self) -> dict[str, Any]:
-        return dict(vars(self))
 
     def _refuse_longer_than(self, positions: int | None) -> None:
         if positions and self.block_size > positions:
@@ -171,15 +169,20 @@ class LanguageModeling(Task):
 
     # ----------------------------------------------------------------------------- evaluation
 
+    @abc.abstractmethod
     def _token_losses(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its predicted tokens, and their count."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def evaluate(
-        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: TaskData,
+        accelerator: Accelerator,
+        output_dir: Path | None,
     ) -> dict[str, float]:
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)

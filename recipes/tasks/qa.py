@@ -8,10 +8,9 @@ loop's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,9 +39,10 @@ class QAData(TaskData):
 
     eval_examples: Dataset | None = None
     eval_windows: Dataset | None = None  # offsets and example index per evaluation window
+    left_padded: bool = False  # the tokenizer pads on the left: the question comes second
 
 
-class QuestionAnswering(Task):
+class QuestionAnswering(Task[QAData]):
     """SQuAD-style extractive QA: features, loss and evaluation (``task=qa``).
 
     Args:
@@ -98,13 +98,8 @@ class QuestionAnswering(Task):
         self.version_2_with_negative = version_2_with_negative
         self.null_score_diff_threshold = null_score_diff_threshold
         self.write_nbest = write_nbest
-        self.data: QAData | None = None
-        self.left_padded = False
 
     # ----------------------------------------------------------------------------- data
-
-    def settings(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k not in ("data", "left_padded")}
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> QAData:
         """Load, check and featurize the train and evaluation splits (cached on disk)."""
@@ -113,7 +108,6 @@ class QuestionAnswering(Task):
                 "model.name_or_path: question answering needs a fast tokenizer (offset mappings); "
                 "this model only has a slow one."
             )
-        self.left_padded = tokenizer.padding_side == "left"
         splits = data_lib.load_splits(cfg, reader=read_squad_json)
         for role, split in splits.items():
             check_examples(
@@ -178,13 +172,13 @@ class QuestionAnswering(Task):
             len(eval_examples),
             len(windows),
         )
-        self.data = QAData(
+        return QAData(
             train=train,
             eval=eval_inputs,
             eval_examples=eval_examples,
             eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
+            left_padded=tokenizer.padding_side == "left",
         )
-        return self.data
 
     def _tokenize(self, examples: Mapping[str, list], tokenizer: PreTrainedTokenizerBase):
         questions = [q.lstrip() for q in examples["question"]]
@@ -201,7 +195,7 @@ class QuestionAnswering(Task):
             q[: offs[-1][1]] if offs else q
             for q, offs in zip(questions, cut["offset_mapping"], strict=True)
         ]
-        pad_right = not self.left_padded
+        pad_right = tokenizer.padding_side != "left"
         first, second = (
             (questions, examples["context"]) if pad_right else (examples["context"], questions)
         )
@@ -274,19 +268,21 @@ class QuestionAnswering(Task):
 
     @torch.no_grad()
     def evaluate(
-        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: QAData,
+        accelerator: Accelerator,
+        output_dir: Path | None,
     ) -> dict[str, float]:
         """Answer every evaluation question, score EM / F1, write the predictions files.
 
         Every process runs its share of the windows; only the top candidates of each window are
         gathered, and the main process turns them into answers batch by batch.
         """
-        assert self.data is not None, "build_data() first"
         collector = None
         if accelerator.is_main_process:
-            collector = AnswerCollector(
-                self.data.eval_windows, self.n_best_size, self.max_answer_length
-            )
+            collector = AnswerCollector(data.eval_windows, self.n_best_size, self.max_answer_length)
         model.eval()
         for batch in loader:
             feature_index = batch.pop("feature_index")
@@ -296,7 +292,7 @@ class QuestionAnswering(Task):
                 outputs.end_logits,
                 batch["attention_mask"],
                 self.n_best_size,
-                self.left_padded,
+                data.left_padded,
             )
             candidates["feature_index"] = feature_index
             candidates = accelerator.gather_for_metrics(candidates)
@@ -306,12 +302,12 @@ class QuestionAnswering(Task):
         model.train()
         metrics: dict[str, float] = {}
         if collector is not None:
-            metrics = self._score(collector, output_dir)
+            metrics = self._score(collector, data.eval_examples, output_dir)
         return broadcast_object_list([metrics])[0]
 
-    def _score(self, collector: AnswerCollector, output_dir: Path | None) -> dict[str, float]:
-        assert self.data is not None
-        examples = self.data.eval_examples
+    def _score(
+        self, collector: AnswerCollector, examples: Dataset, output_dir: Path | None
+    ) -> dict[str, float]:
         with_nbest = self.write_nbest and output_dir is not None
         predictions, nbest, null_odds = collector.answers(
             examples, self.version_2_with_negative, self.null_score_diff_threshold, with_nbest
