@@ -568,7 +568,9 @@ class Trainer:
     def finish(self, final: dict[str, float]) -> RunResult:
         """The task's last words, the final model, the results file and the curves."""
         accelerator, state = self.accelerator, self.state
-        extra = self.task.after_training(self.model, self.tokenizer, accelerator, self.output_dir)
+        extra = self.task.after_training(
+            self.model, self.tokenizer, self.data, accelerator, self.output_dir
+        )
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:

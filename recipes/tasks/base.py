@@ -13,7 +13,7 @@ and may change the defaults of ``main_metric`` / ``greater_is_better`` (the numb
 checkpoints; a task may settle ``main_metric`` in ``build_data``, as a GLUE task does),
 ``max_seq_length``, ``settings()``, ``model_kwargs(data)``, ``check_model(model)``,
 ``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
-returned back to ``model_kwargs`` and ``evaluate``: a task keeps no hidden state between them.
+returned back to ``model_kwargs``, ``evaluate`` and ``after_training``: a task keeps no hidden state between them.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class Task(abc.ABC, Generic[DataT]):
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        data: DataT,
         accelerator: Accelerator,
         output_dir: Path,
     ) -> dict[str, Any]:

@@ -262,6 +262,7 @@ class CausalLanguageModeling(LanguageModeling):
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        data: TaskData,
         accelerator: Accelerator,
         output_dir: Path,
     ) -> dict[str, Any]:

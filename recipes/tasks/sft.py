@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,15 @@ log = get_logger(__name__)
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
 
 
-class SupervisedFineTuning(Task):
+@dataclass
+class ChatData(TaskData):
+    """The features, the chat template in use, and the held-out prompts answered greedily."""
+
+    template: str | None = None
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class SupervisedFineTuning(Task[ChatData]):
     """Chat SFT (``task=sft``).
 
     Args:
@@ -81,9 +90,7 @@ class SupervisedFineTuning(Task):
         self.packing = packing
         self.num_generations = num_generations
         self.generation_max_new_tokens = generation_max_new_tokens
-        self._template: str | None = None
-        self._attn = "sdpa"
-        self._prompts: list[dict[str, Any]] = []
+        self._attn = "sdpa"  # the model's attention implementation, read in check_model
 
     def settings(self) -> dict[str, Any]:
         keys = ("format", "chat_template", "max_seq_length", "truncation", "train_on_prompt")
@@ -91,39 +98,46 @@ class SupervisedFineTuning(Task):
 
     # ------------------------------------------------------------------------------- data
 
-    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
-        self._template = chat.resolve_chat_template(tokenizer, self.chat_template)
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        template = chat.resolve_chat_template(tokenizer, self.chat_template)
         splits = data_lib.load_splits(cfg, lambda path: chat.read_conversations(path, self.format))
         features, conversations = {}, {}
         for role, split in splits.items():
             conversations[role] = chat.normalise(split.examples, self.format, split.source)
-            features[role] = self._features(cfg, tokenizer, role, split, conversations[role])
-        self._prompts = _held_out_prompts(conversations["eval"], self.num_generations)
+            features[role] = self._features(
+                cfg, tokenizer, template, role, split, conversations[role]
+            )
         train = features["train"]
         if self.packing:
             train = self._pack(train)
         collator = chat.ChatCollator(tokenizer.pad_token_id)
-        return TaskData(
-            train=train, eval=features["eval"], train_collator=collator, eval_collator=collator
+        return ChatData(
+            train=train,
+            eval=features["eval"],
+            train_collator=collator,
+            eval_collator=collator,
+            template=template,
+            prompts=_held_out_prompts(conversations["eval"], self.num_generations),
         )
 
     def _features(
         self,
         cfg: DataConfig,
         tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
         role: str,
         split: data_lib.Split,
         conversations: Dataset,
     ) -> Dataset:
         """Token ids and labels of each conversation, length policy applied (cached on disk)."""
         chat.check_template(
-            tokenizer, self._template, conversations[0]["messages"], f"{split.source} row 0"
+            tokenizer, template, conversations[0]["messages"], f"{split.source} row 0"
         )
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            template=self._template,
+            template=template,
             task=self.settings(),
             version=FEATURES_VERSION,
         )
@@ -133,7 +147,7 @@ class SupervisedFineTuning(Task):
                 self._tokenize,
                 batched=True,
                 remove_columns=conversations.column_names,
-                fn_kwargs={"tokenizer": tokenizer, "source": split.source},
+                fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
                 with_indices=True,
                 num_proc=cfg.preprocessing_num_workers,
                 desc="render and tokenize conversations",
@@ -148,13 +162,14 @@ class SupervisedFineTuning(Task):
         batch: Mapping[str, list],
         indices: list[int],
         tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
         source: str,
     ) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "cut": []}
         for index, messages in zip(indices, batch["messages"], strict=True):
             try:
                 whole = chat.tokenize_conversation(
-                    tokenizer, self._template, messages, self.train_on_prompt
+                    tokenizer, template, messages, self.train_on_prompt
                 )
             except chat.TemplateMismatch as err:
                 raise ConfigError(f"task.chat_template: {err} ({source} row {index}).") from None
@@ -231,7 +246,12 @@ class SupervisedFineTuning(Task):
 
     @torch.no_grad()
     def evaluate(
-        self, model: torch.nn.Module, loader: Any, accelerator: Accelerator, output_dir: Path | None
+        self,
+        model: torch.nn.Module,
+        loader: Any,
+        data: ChatData,
+        accelerator: Accelerator,
+        output_dir: Path | None,
     ) -> dict[str, float]:
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
@@ -253,18 +273,22 @@ class SupervisedFineTuning(Task):
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        data: ChatData,
         accelerator: Accelerator,
         output_dir: Path,
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts, in ``generations.jsonl`` and the log."""
-        if not self._prompts or not accelerator.is_main_process:
+        if not data.prompts or not accelerator.is_main_process:
             return {}
         if accelerator.distributed_type == DistributedType.FSDP:
             log.info("no greedy answers under FSDP: the model is sharded; load final/ to generate")
             return {}
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.eval()
-        records = [self._answer(unwrapped, tokenizer, p, accelerator.device) for p in self._prompts]
+        records = [
+            self._answer(unwrapped, tokenizer, data.template, p, accelerator.device)
+            for p in data.prompts
+        ]
         unwrapped.train()
         with (output_dir / "generations.jsonl").open("w", encoding="utf-8") as out:
             for record in records:
@@ -284,10 +308,11 @@ class SupervisedFineTuning(Task):
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
         prompt: dict[str, Any],
         device: torch.device,
     ) -> dict[str, Any]:
-        ids = chat.render(tokenizer, self._template, prompt["messages"], generation_prompt=True)
+        ids = chat.render(tokenizer, template, prompt["messages"], generation_prompt=True)
         ids = ids[-(self.max_seq_length - 1) :]  # room for at least one new token
         new_tokens = min(self.generation_max_new_tokens, self.max_seq_length - len(ids))
         inputs = torch.tensor([ids], device=device)
