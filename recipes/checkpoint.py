@@ -51,10 +51,16 @@ class TrainerState:
     train_samples: float = 0.0
     skipped_steps: int = 0  # updates dropped for a non-finite loss (trainer.on_nonfinite=skip)
     best: dict[str, Any] | None = None  # {"metric", "value", "step"}
+    evals_since_best: int = 0  # evaluations since the last new best (early stopping)
     # Per process: [loss sum, tokens, micro-batches, samples] since the last log step.
     window: list[list[float]] = field(default_factory=list)
     guarded: dict[str, Any] = field(default_factory=dict)  # what a resumed run must not change
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config of the run
+
+
+def name_of(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"{PREFIX}{step:08d}"
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -110,7 +116,7 @@ def save(
 ) -> Path:
     """Write the checkpoint of ``state.step`` atomically; every process must call this."""
     folder = checkpoints_dir(output_dir)
-    final = folder / f"{PREFIX}{state.step:08d}"
+    final = folder / name_of(state.step)
     tmp = folder / f".tmp-{final.name}"
     if accelerator.is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
@@ -160,7 +166,7 @@ def load(accelerator: Accelerator, path: Path) -> TrainerState:
 def mark_best(output_dir: Path, state: TrainerState) -> None:
     """Record which checkpoint is the best so far (``checkpoints/best.json``)."""
     assert state.best is not None
-    best = {**state.best, "path": f"{PREFIX}{state.best['step']:08d}"}
+    best = {**state.best, "path": name_of(state.best["step"])}
     tmp = checkpoints_dir(output_dir) / f".{BEST_FILE}.tmp"
     tmp.write_text(json.dumps(best, indent=1))
     os.replace(tmp, checkpoints_dir(output_dir) / BEST_FILE)
@@ -176,7 +182,7 @@ def rotate(output_dir: Path, keep: int | None, best_step: int | None) -> None:
         return
     found = finished_checkpoints(folder)
     for old in found[: max(len(found) - keep, 0)]:
-        if best_step is None or old.name != f"{PREFIX}{best_step:08d}":
+        if best_step is None or old.name != name_of(best_step):
             _delete(old)
 
 

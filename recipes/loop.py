@@ -11,6 +11,7 @@ parallelism, gradient accumulation, gathering for metrics) goes through ``accele
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DistributedType,
     InitProcessGroupKwargs,
     ProjectConfiguration,
     broadcast_object_list,
@@ -37,7 +39,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from recipes import checkpoint, device, tracking
+from recipes import adapters, checkpoint, device, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
@@ -93,6 +95,7 @@ class Trainer:
         self.accelerator = accelerator
         self.stop = stop
         self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
+        self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
 
     def run(self) -> RunResult:
@@ -144,6 +147,23 @@ class Trainer:
             self.settings.model, self.task.auto_model_class, **self.task.model_kwargs(self.data)
         )
         self.task.check_model(self.model)
+        self.model = self._adapt(self.model)
+
+    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """LoRA adapters (``peft=lora``) and gradient checkpointing, as configured."""
+        if self.settings.peft.method == "lora":
+            if self.accelerator.distributed_type == DistributedType.FSDP:
+                raise ConfigError(
+                    "peft=lora with FSDP: not supported yet (the merged final/ needs the whole "
+                    "model on one process). Use a DDP launch config (conf/accelerate/"
+                    "multi_musa.yaml) or peft=none."
+                )
+            model = adapters.apply_lora(model, self.settings.peft, adapters.task_heads(model))
+        else:
+            log.info(adapters.trainable_summary(model))
+        if self.trainer_cfg.gradient_checkpointing:
+            adapters.enable_gradient_checkpointing(model)
+        return model
 
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
@@ -216,6 +236,8 @@ class Trainer:
         self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
             self.model, optimizer, self.train_loader, self.eval_loader
         )
+        if adapters.is_peft_model(accelerator.unwrap_model(self.model)):
+            adapters.register_checkpoint_hooks(accelerator)  # checkpoints hold what trains
         # Steps are optimizer updates of one global batch, whatever the number of processes: each
         # process takes len(train_loader) batches of its shard per epoch.
         accumulation = trainer_cfg.gradient_accumulation_steps
@@ -298,9 +320,10 @@ class Trainer:
         with self.progress:  # closed on errors too: a stale bar would hide the message
             self._evaluate_before_training()
             self.model.train()
-            while self.state.step < self.total_steps:
+            while self.state.step < self.total_steps and not self._should_stop_early():
                 self._train_epoch()
         self._evaluate_after_training()
+        self._restore_best_for_early_stopping()
         return self.final_scores
 
     def _start_fit(self) -> None:
@@ -326,7 +349,7 @@ class Trainer:
             if not self._train_micro_batch(batch):
                 continue  # the optimizer step waits for more micro-batches
             self._finish_step()
-            if self.state.step >= self.total_steps:
+            if self.state.step >= self.total_steps or self._should_stop_early():
                 return
         self._end_epoch()
 
@@ -389,7 +412,8 @@ class Trainer:
         self.state.step += 1
         self.state.steps_in_epoch += 1
         self.progress.update(1)
-        if self._should_log():
+        logged = self._should_log()
+        if logged:
             self._log_step()
         with self.stopwatch.paused():
             if self.stop_agreed:  # before any evaluation: the launcher's grace period is short
@@ -400,6 +424,8 @@ class Trainer:
             if self._should_save(new_best):
                 every = self.trainer_cfg.save_every_n_steps
                 self._save("best so far" if new_best else f"every {every} steps")
+        if not logged and self._should_stop_early():
+            self._log_step()  # the run's last step
 
     def _end_epoch(self) -> None:
         state = self.state
@@ -507,20 +533,57 @@ class Trainer:
         log.info("eval at step %d: %s", step, _format_metrics(scores))
         self.model.train()
         self.state.last_eval_step = step
-        return scores, self._record_if_best(scores.get(self.main_metric), step)
+        new_best = self._record_if_best(scores.get(self.main_metric), step)
+        if new_best:
+            self.best_scores = scores
+        return scores, new_best
 
     def _record_if_best(self, value: float | None, step: int) -> bool:
         """Whether the main metric's ``value`` at ``step`` beats the best so far (then it is
         the new best)."""
         best = self.state.best
-        if step == 0 or value is None or not math.isfinite(value):
+        if step == 0:
+            return False
+        self.state.evals_since_best += 1
+        if value is None or not math.isfinite(value):
             return False
         if best is not None and (
             value <= best["value"] if self.task.greater_is_better else value >= best["value"]
         ):
             return False
         self.state.best = {"metric": self.task.main_metric, "value": value, "step": step}
+        self.state.evals_since_best = 0
         return True
+
+    def _should_stop_early(self) -> bool:
+        patience = self.trainer_cfg.early_stopping_patience
+        return patience is not None and self.state.evals_since_best >= patience
+
+    def _restore_best_for_early_stopping(self) -> None:
+        """With early stopping, what ``final/`` holds is the best checkpoint's model (as
+        ``load_best_model_at_end`` does for ``transformers.Trainer``)."""
+        patience, best = self.trainer_cfg.early_stopping_patience, self.state.best
+        if patience is None:
+            return
+        if self._should_stop_early():
+            log.info(
+                "early stopping at step %d: %s has not improved for %d evaluations",
+                self.state.step,
+                self.main_metric,
+                patience,
+            )
+        if best is None or best["step"] == self.state.step:
+            return
+        path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(best["step"])
+        self.accelerator.load_state(str(path))
+        self.final_scores = self.best_scores or self.final_scores
+        log.info(
+            "final model from the best checkpoint, %s (%s=%.4g at step %d)",
+            path,
+            self.main_metric,
+            best["value"],
+            best["step"],
+        )
 
     def _save(self, reason: str) -> Path:
         """A checkpoint of this step (every process takes part), marked best when it is, and
@@ -867,6 +930,7 @@ def _resume_invariants(
         else False,
         "model.name_or_path": settings.model.name_or_path,
         "data": data,
+        "peft": dataclasses.asdict(settings.peft),
     }
 
 
@@ -926,8 +990,15 @@ def _save_final(
     tokenizer: PreTrainedTokenizerBase,
     folder: Path,
 ) -> None:
-    """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads."""
+    """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads; with
+    LoRA, the merged model and the adapter (``final/adapter``)."""
     accelerator.wait_for_everyone()
+    if adapters.is_peft_model(accelerator.unwrap_model(model)):
+        if accelerator.is_main_process:
+            adapters.save_final(accelerator.unwrap_model(model), folder, tokenizer)
+            log.info("saved the merged model, its adapter (adapter/) and tokenizer to %s", folder)
+        accelerator.wait_for_everyone()
+        return
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(
