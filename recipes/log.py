@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import datasets
@@ -93,6 +94,11 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     # the log lines already say what is cached and loaded, and the training bar is the run's own.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    # peft (0.21) asks transformers 5 about checkpointing by a name transformers deprecated: not
+    # ours to fix, and it repeats on every LoRA run.
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
     models = logging.getLogger("transformers.modeling_utils")
     if not any(isinstance(f, _BundledCheckpointReport) for f in models.filters):
         models.addFilter(_BundledCheckpointReport())
