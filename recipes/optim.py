@@ -84,10 +84,11 @@ def _portable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     num_training_steps: int,
-    name: str = "linear",
-    warmup_ratio: float = 0.0,
-    warmup_steps: int = 0,
-    num_processes: int = 1,
+    *,
+    name: str,
+    warmup_ratio: float,
+    warmup_steps: int,
+    num_processes: int,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """A transformers schedule by name, sized in optimizer steps.
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from transformers import AutoModelForCausalLM
 from recipes.config import ASSETS, ModelConfig
 from recipes.loop import load_tokenizer
 from recipes.tasks import chat
-from recipes.tasks.sft import SupervisedFineTuning
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from task_yaml import make_task
 
 DATA = ASSETS / "conversations" / "squad" / "train.jsonl"
 
@@ -82,7 +85,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attn)
     model.to(args.device).train()
     # Positions restart in each conversation, so rows longer than the model's positions are fine.
-    task = SupervisedFineTuning(max_seq_length=args.max_seq_length, packing=True)
+    task = make_task("sft", max_seq_length=args.max_seq_length, packing=True)
     task.check_model(model)
     collate = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     speeds: dict[str, list[float]] = {mode: [] for mode in modes}

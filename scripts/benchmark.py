@@ -69,6 +69,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # qa_reference, and task_yaml: tasks from conf/task/
+
+from task_yaml import make_task  # noqa: E402
 
 from recipes.config import ASSETS  # noqa: E402
 
@@ -193,7 +196,6 @@ def _device_name() -> str:
 def _qa_data(args: argparse.Namespace, tokenizer, eval_file: Path | None = None):
     """The project's QA windows (the same for both sides; cached once per benchmark)."""
     from recipes.config import DataConfig
-    from recipes.tasks.qa import QuestionAnswering
 
     cfg = DataConfig(
         path=str(ASSETS / "squad" / "v1"),
@@ -201,7 +203,7 @@ def _qa_data(args: argparse.Namespace, tokenizer, eval_file: Path | None = None)
         eval_file=str(eval_file) if eval_file else None,
         cache_dir=str(args.cache),
     )
-    task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
+    task = make_task("qa", max_seq_length=args.block_size, doc_stride=args.doc_stride)
     return task, task.build_data(cfg, tokenizer)
 
 
@@ -301,12 +303,11 @@ def _trainer_peer(args: argparse.Namespace, out: Path) -> dict:
     )
 
     from recipes.config import DataConfig
-    from recipes.tasks.lm import CausalLanguageModeling
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.task == "clm":
         data_cfg = DataConfig(path=str(args.data), sample_by="paragraph", cache_dir=str(args.cache))
-        data = CausalLanguageModeling(block_size=args.block_size).build_data(data_cfg, tokenizer)
+        data = make_task("clm", block_size=args.block_size).build_data(data_cfg, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(args.model)
         collate = _with_labels(default_data_collator)
         weight_decay = 0.01  # recipe=gpt2_clm's
@@ -463,11 +464,9 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
     import numpy as np
     import torch
     from accelerate import Accelerator
+    from qa_reference import reference_answers
     from torch.utils.data import DataLoader
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from qa_reference import reference_answers
 
     from recipes import device as device_lib
     from recipes.metrics.squad import squad_v1
@@ -528,19 +527,16 @@ def run_postprocess(args: argparse.Namespace) -> None:
     """Time both answer extractions on the same windows and logits; check they agree."""
     import numpy as np
     import torch
+    from qa_reference import reference_answers
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from qa_reference import reference_answers
-
     from recipes.config import DataConfig
-    from recipes.tasks.qa import QuestionAnswering
     from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 
     shared = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1-part1.json"
     eval_file = args.eval_file or (shared if shared.exists() else ASSETS / "squad/v1/dev.json")
     tokenizer = AutoTokenizer.from_pretrained(args.logits_from or args.model)
-    task = QuestionAnswering(max_seq_length=args.block_size, doc_stride=args.doc_stride)
+    task = make_task("qa", max_seq_length=args.block_size, doc_stride=args.doc_stride)
     cfg = DataConfig(
         path=str(ASSETS / "squad" / "v1"), eval_file=str(eval_file), cache_dir=str(args.cache)
     )

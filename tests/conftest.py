@@ -19,6 +19,10 @@ os.environ["HF_EVALUATE_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = os.environ.get("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tests build their tasks from conf/task/*.yaml, where the defaults are written (after the
+# settings above: it imports the project).
+from task_yaml import make_task  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_task
 from qa_reference import reference_answers
 
 from recipes.config import ASSETS, DataConfig
-from recipes.tasks.qa import QuestionAnswering
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 
 
@@ -70,7 +70,8 @@ def tokenizer():
 
 
 def _data(tokenizer, tmp_path_factory, version, **task_kwargs):
-    task = QuestionAnswering(
+    task = make_task(
+        "qa",
         max_seq_length=96,
         doc_stride=32,
         max_query_length=32,
@@ -174,7 +175,7 @@ def test_true_answers_are_extracted(tokenizer, tmp_path_factory):
 @pytest.mark.shared_data
 def test_full_dev_part1_matches_reference(tokenizer, shared_data, tmp_path):
     """All 4,961 questions of the real dev file, windows of the reference settings."""
-    task = QuestionAnswering(max_seq_length=384, doc_stride=128)
+    task = make_task("qa", max_seq_length=384, doc_stride=128)
     cfg = DataConfig(
         path=str(shared_data / "squad"),
         eval_file=str(shared_data / "squad" / "dev-v1.1-part1.json"),

@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import make_task
 from transformers import AutoTokenizer
 
 from recipes import data as data_lib
 from recipes.config import ASSETS, DataConfig
 from recipes.data import DataError
-from recipes.tasks.qa import QuestionAnswering, check_examples, read_squad_json
+from recipes.tasks.qa import check_examples, read_squad_json
 
 V1 = ASSETS / "squad" / "v1"
 V2 = ASSETS / "squad" / "v2"
@@ -104,7 +105,7 @@ def test_missing_columns_and_empty_data(tmp_path):
 
 
 def _build(tokenizer, tmp_path, version=1, **kwargs):
-    task = QuestionAnswering(version_2_with_negative=version == 2, **kwargs)
+    task = make_task("qa", version_2_with_negative=version == 2, **kwargs)
     cfg = DataConfig(path=str(ASSETS / "squad" / f"v{version}"), cache_dir=str(tmp_path))
     return task, task.build_data(cfg, tokenizer)
 

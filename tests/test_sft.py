@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GOLDEN_RUN, ROOT, read_metrics, run_train
+from conftest import GOLDEN_RUN, ROOT, make_task, read_metrics, run_train
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
 from recipes.loop import load_tokenizer
 from recipes.tasks import chat
-from recipes.tasks.sft import SupervisedFineTuning, token_losses
+from recipes.tasks.sft import token_losses
 
 CONVERSATIONS = ROOT / "recipes/assets/conversations/squad"
 TURNS = [
@@ -216,9 +216,9 @@ def test_length_policy_truncates_or_drops():
 
 def test_task_settings_are_checked():
     with pytest.raises(ConfigError, match=r"task.truncation='cut'"):
-        SupervisedFineTuning(truncation="cut")
+        make_task("sft", truncation="cut")
     with pytest.raises(ConfigError, match=r"task.format='csv'"):
-        SupervisedFineTuning(format="csv")
+        make_task("sft", format="csv")
 
 
 # ------------------------------------------------------------------------------ packing
@@ -265,7 +265,7 @@ def test_packed_conversations_score_as_they_do_alone(tokenizer, attn):
     features = _conversation_features(tokenizer, 6)
     packed = Dataset.from_dict(chat.packed_rows(Dataset.from_list(features), capacity=512))
     assert len(packed) < len(features)  # several conversations do share a row
-    task = SupervisedFineTuning(packing=True, max_seq_length=512)
+    task = make_task("sft", packing=True, max_seq_length=512)
     model = _tiny_llama(attn)
     task.check_model(model)
     collate = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
@@ -294,7 +294,7 @@ def test_packed_conversations_score_as_they_do_alone(tokenizer, attn):
 
 
 def test_packing_is_refused_where_the_attention_cannot_take_it():
-    task = SupervisedFineTuning(packing=True, max_seq_length=256)
+    task = make_task("sft", packing=True, max_seq_length=256)
     model = _tiny_llama("eager")
     model.config._attn_implementation = "flex_attention"  # as loaded with that implementation
     with pytest.raises(ConfigError, match=r"task.packing=true: .*flex_attention"):
@@ -304,7 +304,7 @@ def test_packing_is_refused_where_the_attention_cannot_take_it():
 
 def test_task_refuses_sequences_longer_than_the_model():
     with pytest.raises(ConfigError, match=r"task.max_seq_length=1024"):
-        SupervisedFineTuning(max_seq_length=1024).check_model(_tiny_llama("eager"))
+        make_task("sft", max_seq_length=1024).check_model(_tiny_llama("eager"))
 
 
 # --------------------------------------------------------------------------- end to end

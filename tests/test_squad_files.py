@@ -12,14 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import make_task, run_train
 from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
 from recipes.config import ASSETS, DataConfig
 from recipes.data import DataError
-from recipes.tasks.qa import QAData, QuestionAnswering
+from recipes.tasks.qa import QAData
 from recipes.tasks.qa_examples import check_examples, read_squad_json
 
 V1 = ASSETS / "squad" / "v1"
@@ -73,7 +73,8 @@ def _build(
         cache_dir=str(tmp_path / "cache"),
         **data,
     )
-    task = QuestionAnswering(
+    task = make_task(
+        "qa",
         version_2_with_negative=version == 2,
         max_seq_length=128,
         doc_stride=48,

@@ -7,12 +7,11 @@ import json
 import logging
 
 import pytest
+from conftest import make_task
 from transformers import AutoTokenizer
 
 from recipes.config import ASSETS, DataConfig
 from recipes.data import DataError, load_splits
-from recipes.tasks.classification import SequenceClassification
-from recipes.tasks.lm import CausalLanguageModeling, MaskedLanguageModeling
 
 SHAKESPEARE = ASSETS / "text" / "tinyshakespeare.txt"
 QNLI = ASSETS / "glue" / "qnli-squad"
@@ -78,7 +77,7 @@ def test_json_lines_with_a_text_column_pack_into_full_blocks(tmp_path, gpt2_toke
     path = tmp_path / "speeches.jsonl"
     path.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(lines)))
     cfg = _data(tmp_path, path=str(path), text_column="body", eval_fraction=0.1)
-    task = CausalLanguageModeling(block_size=64, add_eos_token=True)
+    task = make_task("clm", block_size=64, add_eos_token=True)
     data = task.build_data(cfg, gpt2_tokenizer)
     assert set(data.train.column_names) == {"input_ids", "attention_mask"}
     assert {len(ids) for ids in data.train["input_ids"]} == {64}
@@ -99,8 +98,8 @@ def test_parquet_and_block_size_longer_than_the_data(tmp_path, gpt2_tokenizer):
     Dataset.from_dict({"text": ["short text"] * 30}).to_parquet(str(path))
     cfg = _data(tmp_path, path=str(path), eval_fraction=0.2)
     with pytest.raises(DataError, match=r"lower task\.block_size"):
-        CausalLanguageModeling(block_size=128).build_data(cfg, gpt2_tokenizer)
-    data = CausalLanguageModeling(block_size=8).build_data(cfg, gpt2_tokenizer)
+        make_task("clm", block_size=128).build_data(cfg, gpt2_tokenizer)
+    data = make_task("clm", block_size=8).build_data(cfg, gpt2_tokenizer)
     assert len(data.train) > 0 and len(data.eval) > 0
 
 
@@ -111,8 +110,8 @@ def test_no_eval_split_and_no_fraction_names_the_fix(tmp_path):
 
 def test_masked_lm_eval_blocks_are_masked_once_the_same_way(tmp_path, bert_tokenizer):
     cfg = _data(tmp_path, path=str(SHAKESPEARE), sample_by="paragraph")
-    first = MaskedLanguageModeling(block_size=64).build_data(cfg, bert_tokenizer)
-    second = MaskedLanguageModeling(block_size=64).build_data(cfg, bert_tokenizer)
+    first = make_task("mlm", block_size=64).build_data(cfg, bert_tokenizer)
+    second = make_task("mlm", block_size=64).build_data(cfg, bert_tokenizer)
     assert first.eval["input_ids"] == second.eval["input_ids"]
     labels = [t for row in first.eval["labels"] for t in row]
     chosen = sum(t != -100 for t in labels) / len(labels)
@@ -132,9 +131,7 @@ def test_masked_lm_eval_blocks_are_masked_once_the_same_way(tmp_path, bert_token
 
 def test_whole_word_masking_chooses_every_piece_of_a_word(tmp_path, bert_tokenizer):
     cfg = _data(tmp_path, path=str(SHAKESPEARE), sample_by="paragraph")
-    data = MaskedLanguageModeling(block_size=64, whole_word_mask=True).build_data(
-        cfg, bert_tokenizer
-    )
+    data = make_task("mlm", block_size=64, whole_word_mask=True).build_data(cfg, bert_tokenizer)
     pieces = 0
     for ids, labels in zip(data.eval["input_ids"], data.eval["labels"], strict=True):
         for i in range(1, len(labels)):
@@ -146,7 +143,7 @@ def test_whole_word_masking_chooses_every_piece_of_a_word(tmp_path, bert_tokeniz
 
 
 def test_glue_tsv_layout_and_label_names(tmp_path, bert_tokenizer):
-    task = SequenceClassification(max_seq_length=64)
+    task = make_task("classification", max_seq_length=64)
     data = task.build_data(_data(tmp_path, path=str(QNLI), name="qnli"), bert_tokenizer)
     assert data.label_names == ["entailment", "not_entailment"]
     assert task.main_metric == "accuracy"
@@ -158,7 +155,7 @@ def test_glue_tsv_layout_and_label_names(tmp_path, bert_tokenizer):
 
 
 def test_real_glue_files(tmp_path, shared_data, bert_tokenizer):
-    mrpc = SequenceClassification()
+    mrpc = make_task("classification")
     folder = shared_data / "glue" / "MRPC"
     data = mrpc.build_data(_data(tmp_path, path=str(folder), name="mrpc"), bert_tokenizer)
     # Every line but the header is a pair: none is lost to the quotes inside sentences, and the
@@ -170,7 +167,7 @@ def test_real_glue_files(tmp_path, shared_data, bert_tokenizer):
     assert [len(data.train), len(data.eval)] == lines
     assert mrpc.main_metric == "f1" and sum(data.eval["labels"]) == 279  # 68 % positive
 
-    stsb = SequenceClassification()
+    stsb = make_task("classification")
     data = stsb.build_data(
         _data(tmp_path, path=str(shared_data / "glue" / "STS-B"), name="sts-b"), bert_tokenizer
     )
@@ -183,16 +180,16 @@ def test_custom_csv_labels_and_bad_labels(tmp_path, bert_tokenizer):
     good.mkdir()
     (good / "train.csv").write_text("text,label\ngreat film,pos\nawful,neg\nfine,pos\n")
     (good / "dev.csv").write_text("text,label\nbad,neg\n")
-    task = SequenceClassification()
+    task = make_task("classification")
     data = task.build_data(_data(tmp_path, path=str(good)), bert_tokenizer)
     assert data.label_names == ["neg", "pos"] and data.train["labels"] == [1, 0, 1]
 
     (good / "dev.csv").write_text("text,label\nbad,meh\n")
     with pytest.raises(DataError, match="label 'meh' in column 'label' is not one of"):
-        SequenceClassification().build_data(
+        make_task("classification").build_data(
             _data(tmp_path / "other", path=str(good)), bert_tokenizer
         )
     with pytest.raises(DataError, match=r"data\.text_pair_column=nope: no such column"):
-        SequenceClassification().build_data(
+        make_task("classification").build_data(
             _data(tmp_path, path=str(good), text_pair_column="nope"), bert_tokenizer
         )

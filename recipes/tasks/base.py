@@ -1,7 +1,8 @@
 """The contract between a task and the shared loop: fill in :class:`Task`, and nothing else.
 
-A task (``conf/task/*.yaml`` names its class) is one small subclass of :class:`Task`. It must
-give:
+A task (``conf/task/*.yaml`` names its class and holds its settings' defaults, the only place
+they are written: the constructor takes them as required keywords) is one small subclass of
+:class:`Task`. It must give:
 
 * ``auto_model_class``: the ``transformers`` auto class of the model head it trains;
 * ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features, plus

@@ -94,9 +94,10 @@ class SequenceClassification(Task[ClassificationData]):
 
     def __init__(
         self,
-        max_seq_length: int = 128,
-        problem_type: str = "auto",
-        metric: str | None = None,
+        *,
+        max_seq_length: int,
+        problem_type: str,
+        metric: str | None,
     ) -> None:
         if max_seq_length < 2:
             raise ConfigError(f"task.max_seq_length={max_seq_length}: must be at least 2.")

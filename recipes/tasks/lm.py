@@ -47,7 +47,7 @@ class LanguageModeling(Task[TaskData]):
     greater_is_better = False
     add_special_tokens = False
 
-    def __init__(self, block_size: int = 1024, add_eos_token: bool = False) -> None:
+    def __init__(self, *, block_size: int, add_eos_token: bool) -> None:
         if block_size < 2:
             raise ConfigError(f"task.block_size={block_size}: must be at least 2 tokens.")
         self.block_size = block_size
@@ -225,12 +225,13 @@ class CausalLanguageModeling(LanguageModeling):
 
     def __init__(
         self,
-        block_size: int = 1024,
-        add_eos_token: bool = False,
-        sample_prompt: str | None = "The",
-        sample_max_new_tokens: int = 40,
+        *,
+        block_size: int,
+        add_eos_token: bool,
+        sample_prompt: str | None,
+        sample_max_new_tokens: int,
     ) -> None:
-        super().__init__(block_size, add_eos_token)
+        super().__init__(block_size=block_size, add_eos_token=add_eos_token)
         self.sample_prompt = sample_prompt
         self.sample_max_new_tokens = sample_max_new_tokens
 
@@ -307,12 +308,13 @@ class MaskedLanguageModeling(LanguageModeling):
 
     def __init__(
         self,
-        block_size: int = 512,
-        mlm_probability: float = 0.15,
-        whole_word_mask: bool = False,
-        eval_mask_seed: int = 0,
+        *,
+        block_size: int,
+        mlm_probability: float,
+        whole_word_mask: bool,
+        eval_mask_seed: int,
     ) -> None:
-        super().__init__(block_size, add_eos_token=False)
+        super().__init__(block_size=block_size, add_eos_token=False)
         if not 0 < mlm_probability < 1:
             raise ConfigError(f"task.mlm_probability={mlm_probability}: must be in (0, 1).")
         self.mlm_probability = mlm_probability

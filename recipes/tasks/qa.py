@@ -63,14 +63,15 @@ class QuestionAnswering(Task[QAData]):
 
     def __init__(
         self,
-        max_seq_length: int = 384,
-        doc_stride: int = 128,
-        max_query_length: int = 64,
-        n_best_size: int = 20,
-        max_answer_length: int = 30,
-        version_2_with_negative: bool = False,
-        null_score_diff_threshold: float = 0.0,
-        write_nbest: bool = True,
+        *,
+        max_seq_length: int,
+        doc_stride: int,
+        max_query_length: int,
+        n_best_size: int,
+        max_answer_length: int,
+        version_2_with_negative: bool,
+        null_score_diff_threshold: float,
+        write_nbest: bool,
     ) -> None:
         if doc_stride >= max_seq_length:
             raise ConfigError(

@@ -62,14 +62,15 @@ class SupervisedFineTuning(Task[ChatData]):
 
     def __init__(
         self,
-        format: str = "auto",
-        chat_template: str | None = None,
-        max_seq_length: int = 2048,
-        truncation: str = "truncate",
-        train_on_prompt: bool = False,
-        packing: bool = False,
-        num_generations: int = 4,
-        generation_max_new_tokens: int = 64,
+        *,
+        format: str,
+        chat_template: str | None,
+        max_seq_length: int,
+        truncation: str,
+        train_on_prompt: bool,
+        packing: bool,
+        num_generations: int,
+        generation_max_new_tokens: int,
     ) -> None:
         if format not in chat.FORMATS:
             raise ConfigError(f"task.format={format!r}: choose {', '.join(chat.FORMATS)}.")
