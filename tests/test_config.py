@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import shutil
 from dataclasses import fields
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import get_class, get_method
 from omegaconf import OmegaConf
 
 from recipes.config import (
@@ -235,6 +237,29 @@ def test_group_files_list_only_what_they_change(group):
             assert key in names, f"{path.name}: {key}"
             if not OmegaConf.is_missing(defaults, key):
                 assert value != OmegaConf.to_container(defaults)[key], f"{path.name}: {key}"
+
+
+def _keyword_settings(func) -> dict[str, inspect.Parameter]:
+    return {
+        p.name: p for p in inspect.signature(func).parameters.values() if p.kind is p.KEYWORD_ONLY
+    }
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "task").glob("*.yaml")))
+def test_task_defaults_live_in_their_yaml_only(name):
+    """conf/task/<name>.yaml gives every setting of its task (so each can be overridden on the
+    command line), and the constructor defaults none of them (a second copy that could drift)."""
+    task_cfg = OmegaConf.load(CONF / "task" / f"{name}.yaml")
+    settings = _keyword_settings(get_class(task_cfg._target_).__init__)
+    assert set(settings) == set(task_cfg) - {"_target_"}
+    assert [n for n, p in settings.items() if p.default is not p.empty] == []
+
+
+def test_build_scheduler_repeats_no_default_of_the_schema():
+    """The loop passes the optimizer and lengths, SchedulerConfig the rest: no default twice."""
+    settings = _keyword_settings(get_method(SchedulerConfig._target_))
+    assert {f.name for f in fields(SchedulerConfig) if not f.name.startswith("_")} <= set(settings)
+    assert [n for n, p in settings.items() if p.default is not p.empty] == []
 
 
 @pytest.mark.parametrize(
