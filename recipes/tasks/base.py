@@ -29,11 +29,16 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from recipes.log import get_logger
+
 if TYPE_CHECKING:
     from recipes.config import DataConfig
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -119,3 +124,19 @@ def _to_builtin(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def model_for_generation(
+    model: torch.nn.Module, accelerator: Accelerator, what: str
+) -> torch.nn.Module | None:
+    """The unwrapped model in eval mode, for greedy generation after training; None on the other
+    processes, and under FSDP, where one process alone cannot run the sharded model (every
+    forward gathers the shards)."""
+    if not accelerator.is_main_process:
+        return None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        log.info("no %s under FSDP: the model is sharded; load final/ to generate", what)
+        return None
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    return unwrapped

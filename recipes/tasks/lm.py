@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
@@ -31,7 +31,7 @@ from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import Task, TaskData
+from recipes.tasks.base import Task, TaskData, model_for_generation
 
 log = get_logger(__name__)
 
@@ -268,14 +268,11 @@ class CausalLanguageModeling(LanguageModeling):
         output_dir: Path,
     ) -> dict[str, Any]:
         """A greedy continuation of ``sample_prompt``, so a person sees what the model learnt."""
-        if not self.sample_prompt or not accelerator.is_main_process:
+        if not self.sample_prompt:
             return {}
-        if accelerator.distributed_type == DistributedType.FSDP:
-            # One process alone cannot run a sharded model (every forward gathers the shards).
-            log.info("no greedy sample under FSDP: the model is sharded; load final/ to generate")
+        unwrapped = model_for_generation(model, accelerator, "greedy sample")
+        if unwrapped is None:
             return {}
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.eval()
         prompt = tokenizer(self.sample_prompt, return_tensors="pt").to(accelerator.device)
         generated = unwrapped.generate(
             **prompt,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
@@ -27,7 +27,7 @@ from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import chat
-from recipes.tasks.base import Task, TaskData
+from recipes.tasks.base import Task, TaskData, model_for_generation
 
 log = get_logger(__name__)
 
@@ -279,13 +279,11 @@ class SupervisedFineTuning(Task[ChatData]):
         output_dir: Path,
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts, in ``generations.jsonl`` and the log."""
-        if not data.prompts or not accelerator.is_main_process:
+        if not data.prompts:
             return {}
-        if accelerator.distributed_type == DistributedType.FSDP:
-            log.info("no greedy answers under FSDP: the model is sharded; load final/ to generate")
+        unwrapped = model_for_generation(model, accelerator, "greedy answers")
+        if unwrapped is None:
             return {}
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.eval()
         records = [
             self._answer(unwrapped, tokenizer, data.template, p, accelerator.device)
             for p in data.prompts
