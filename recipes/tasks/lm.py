@@ -76,11 +76,9 @@ class LanguageModeling(Task[TaskData]):
     ) -> dict[str, Dataset]:
         """Train and eval splits as packed blocks of ``block_size`` tokens (cached on disk)."""
         self._check_block_size(tokenizer)
-        splits = data_lib.load_splits(cfg)
         column = cfg.text_column or "text"
-        tokenizer_hash = data_lib.tokenizer_fingerprint(tokenizer)
         blocks = {}
-        for role, split in splits.items():
+        for role, split in data_lib.load_splits(cfg).items():
             examples = split.examples
             if column not in examples.column_names:
                 raise DataError(
@@ -92,42 +90,18 @@ class LanguageModeling(Task[TaskData]):
                 role=role,
                 data=split.fingerprint,
                 column=column,
-                tokenizer=tokenizer_hash,
+                tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
                 task=self.settings(),
                 offsets=keep_offsets,
                 kind=type(self).__name__,
                 version=FEATURES_VERSION,
             )
-
-            def build(examples: Dataset = examples, role: str = role, split=split) -> Dataset:
-                texts = examples.select_columns([column]).filter(
-                    lambda batch: [bool(t) for t in batch[column]],
-                    batched=True,
-                    desc="drop empty texts",
-                )
-                tokens = texts.map(
-                    self._tokenize,
-                    batched=True,
-                    remove_columns=[column],
-                    fn_kwargs={"tokenizer": tokenizer, "column": column, "offsets": keep_offsets},
-                    num_proc=cfg.preprocessing_num_workers,
-                    desc="tokenize",
-                )
-                packed = tokens.map(
-                    self._pack,
-                    batched=True,
-                    batch_size=1000,
-                    num_proc=cfg.preprocessing_num_workers,
-                    desc=f"pack into {self.block_size}-token blocks",
-                )
-                if len(packed) == 0:
-                    raise DataError(
-                        f"{role} data {split.source}: {len(examples)} texts make no full block "
-                        f"of {self.block_size} tokens; lower task.block_size or add text."
-                    )
-                return packed
-
-            blocks[role] = data_lib.cached(data_lib.cache_root(cfg) / f"lm-{role}-{key}", build)
+            blocks[role] = data_lib.cached(
+                data_lib.cache_root(cfg) / f"lm-{role}-{key}",
+                lambda role=role, split=split: self._build_blocks(
+                    cfg, tokenizer, role, split, column, keep_offsets
+                ),
+            )
             log.info(
                 "%s: %d texts -> %d blocks of %d tokens",
                 role,
@@ -136,6 +110,43 @@ class LanguageModeling(Task[TaskData]):
                 self.block_size,
             )
         return blocks
+
+    def _build_blocks(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        role: str,
+        split: data_lib.Split,
+        column: str,
+        keep_offsets: bool,
+    ) -> Dataset:
+        """Drop empty texts, tokenize, and pack the tokens into blocks."""
+        texts = split.examples.select_columns([column]).filter(
+            lambda batch: [bool(t) for t in batch[column]],
+            batched=True,
+            desc="drop empty texts",
+        )
+        tokens = texts.map(
+            self._tokenize,
+            batched=True,
+            remove_columns=[column],
+            fn_kwargs={"tokenizer": tokenizer, "column": column, "offsets": keep_offsets},
+            num_proc=cfg.preprocessing_num_workers,
+            desc="tokenize",
+        )
+        packed = tokens.map(
+            self._pack,
+            batched=True,
+            batch_size=1000,
+            num_proc=cfg.preprocessing_num_workers,
+            desc=f"pack into {self.block_size}-token blocks",
+        )
+        if len(packed) == 0:
+            raise DataError(
+                f"{role} data {split.source}: {len(split.examples)} texts make no full "
+                f"block of {self.block_size} tokens; lower task.block_size or add text."
+            )
+        return packed
 
     def _tokenize(
         self,

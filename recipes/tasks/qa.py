@@ -8,7 +8,7 @@ loop's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,57 +115,11 @@ class QuestionAnswering(Task[QAData]):
                 split.examples, f"{role} data {split.source}", self.version_2_with_negative
             )
         check_disjoint(splits["train"], splits["eval"])
-
-        tokenizer_hash = data_lib.tokenizer_fingerprint(tokenizer)
-        root = data_lib.cache_root(cfg)
-
-        def key(role: str) -> str:
-            return data_lib.cache_key(
-                role=role,
-                data=splits[role].fingerprint,
-                tokenizer=tokenizer_hash,
-                task=self.settings(),
-                version=FEATURES_VERSION,
-            )
-
-        train_examples, eval_examples = splits["train"].examples, splits["eval"].examples
-        num_proc = cfg.preprocessing_num_workers
-        train = data_lib.cached(
-            root / f"qa-train-{key('train')}",
-            lambda: train_examples.map(
-                self._train_features,
-                batched=True,
-                remove_columns=train_examples.column_names,
-                fn_kwargs={"tokenizer": tokenizer},
-                num_proc=num_proc,
-                desc="train features",
-            ),
-        )
-        windows = data_lib.cached(
-            root / f"qa-eval-{key('eval')}",
-            lambda: eval_examples.map(
-                self._eval_features,
-                batched=True,
-                with_indices=True,
-                remove_columns=eval_examples.column_names,
-                fn_kwargs={"tokenizer": tokenizer},
-                num_proc=num_proc,
-                desc="eval features",
-            ),
-        )
+        train = self._features(cfg, tokenizer, splits["train"], "train", self._train_features)
+        windows = self._features(cfg, tokenizer, splits["eval"], "eval", self._eval_features)
         if len(train) == 0:
             raise DataError("train data: no features could be built (all contexts empty?).")
-        model_inputs = [c for c in tokenizer.model_input_names if c in windows.column_names]
-        # Longest windows first: batches of similar lengths carry little padding, which makes
-        # evaluation about twice as fast as file order on a CPU. Answers are collected by
-        # feature_index, so the order changes no score; the longest batch comes first, so an
-        # out-of-memory shows at once.
-        by_length = np.argsort(-data_lib.feature_lengths(windows), kind="stable")
-        eval_inputs = (
-            windows.select_columns(model_inputs)
-            .add_column("feature_index", list(range(len(windows))))
-            .select(by_length, keep_in_memory=True)  # an index map in memory, no cache file
-        )
+        train_examples, eval_examples = splits["train"].examples, splits["eval"].examples
         log.info(
             "train: %d questions -> %d features; eval: %d questions -> %d features",
             len(train_examples),
@@ -175,10 +129,40 @@ class QuestionAnswering(Task[QAData]):
         )
         return QAData(
             train=train,
-            eval=eval_inputs,
+            eval=_longest_first(windows, tokenizer),
             eval_examples=eval_examples,
             eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
             left_padded=tokenizer.padding_side == "left",
+        )
+
+    def _features(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        split: data_lib.Split,
+        role: str,
+        featurize: Callable[..., dict],
+    ) -> Dataset:
+        """The split's features, built by ``featurize`` once and cached on disk."""
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            task=self.settings(),
+            version=FEATURES_VERSION,
+        )
+        examples = split.examples
+        return data_lib.cached(
+            data_lib.cache_root(cfg) / f"qa-{role}-{key}",
+            lambda: examples.map(
+                featurize,
+                batched=True,
+                with_indices=role == "eval",
+                remove_columns=examples.column_names,
+                fn_kwargs={"tokenizer": tokenizer},
+                num_proc=cfg.preprocessing_num_workers,
+                desc=f"{role} features",
+            ),
         )
 
     def _tokenize(self, examples: Mapping[str, list], tokenizer: PreTrainedTokenizerBase):
@@ -332,3 +316,19 @@ class QuestionAnswering(Task[QAData]):
             if null_odds:
                 write_json(output_dir / "null_odds.json", null_odds)
         return {k: float(v) for k, v in scores.items() if k != "total"}
+
+
+def _longest_first(windows: Dataset, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """The model inputs of the evaluation windows, longest first, each with its feature_index.
+
+    Batches of similar lengths carry little padding, which makes evaluation about twice as fast
+    as file order on a CPU. Answers are collected by feature_index, so the order changes no
+    score; the longest batch comes first, so an out-of-memory shows at once.
+    """
+    model_inputs = [c for c in tokenizer.model_input_names if c in windows.column_names]
+    by_length = np.argsort(-data_lib.feature_lengths(windows), kind="stable")
+    return (
+        windows.select_columns(model_inputs)
+        .add_column("feature_index", list(range(len(windows))))
+        .select(by_length, keep_in_memory=True)  # an index map in memory, no cache file
+    )
