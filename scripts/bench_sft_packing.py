@@ -26,7 +26,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ASSETS, ModelConfig
-from recipes.loop import load_tokenizer
+from recipes.model import load_tokenizer
 from recipes.tasks import chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
-from recipes.loop import load_tokenizer
+from recipes.model import load_tokenizer
 from recipes.tasks import chat
 from recipes.tasks.sft import token_losses
 
