@@ -8,13 +8,16 @@ run's position. fp32 on CPU: losses must be exactly equal.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_train, start_train
+from conftest import ROOT, free_port, read_metrics, run_train, start_train
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -138,3 +141,52 @@ def test_early_stopping_without_evaluations_is_refused(tmp_path):
         "trainer.early_stopping_patience=2" in done.stderr and "eval_every_n_steps" in done.stderr
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_sft_packed_in_two_processes_trains_like_one(tmp_path, cache_dir):
+    """torchrun with two CPU processes (gloo) against one process, same global batch: LoRA
+    (dropout off, so no per-process randomness), packed rows, fp32."""
+    common = (
+        "recipe=llama_sft",
+        "debug=smoke",
+        "peft=lora",
+        "peft.dropout=0.0",
+        "task.packing=true",
+        "logger=none",
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.progress_bar=false",
+        "task.num_generations=0",
+    )
+    single = tmp_path / "single"
+    run_train(*common, "trainer.per_device_train_batch_size=8", f"output_dir={single}")
+    pair = tmp_path / "pair"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(ROOT / "train.py"),
+            *common,
+            "trainer.mixed_precision=no",
+            "trainer.per_device_train_batch_size=4",
+            f"output_dir={pair}",
+        ],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(4 per device x 2 processes x 1 accumulation)" in (pair / "train.log").read_text()
+
+    def losses(run: Path, key: str) -> list[float]:
+        return [m[key] for m in read_metrics(run) if key in m]
+
+    assert losses(pair, "train/loss") == pytest.approx(losses(single, "train/loss"), rel=1e-5)
+    assert losses(pair, "eval/loss") == pytest.approx(losses(single, "eval/loss"), rel=1e-5)
+    assert (pair / "final" / "adapter").is_dir()

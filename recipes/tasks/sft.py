@@ -241,9 +241,17 @@ class SupervisedFineTuning(Task[ChatData]):
         return model(**inputs)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over the batch's labelled tokens."""
+        """Mean cross-entropy over the labelled tokens of the batch on every process.
+
+        Rows carry different numbers of assistant tokens, so each process's mean would weigh its
+        tokens by how few there are; the data-parallel wrapper averages gradients over the
+        processes, so each scales its sum by processes / all tokens (one scalar all-reduce)."""
         nll, count = token_losses(self.forward(model, batch).logits, batch["labels"])
-        return nll.sum() / count.sum().clamp(min=1)
+        total, tokens = nll.sum(), count.sum()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tokens)  # a sum over processes
+            return total * torch.distributed.get_world_size() / tokens.clamp(min=1)
+        return total / tokens.clamp(min=1)
 
     @torch.no_grad()
     def evaluate(
