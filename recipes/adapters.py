@@ -146,8 +146,9 @@ def apply_lora(
         lora_dropout=cfg.dropout,
         target_modules=targets if isinstance(targets, str) else list(targets),
         # A head is trained in full; an adapter on top of it would be trained twice over.
-        exclude_modules=heads or None,
-        modules_to_save=heads or None,
+        # Copies: peft appends its task type's head names to the list it is given.
+        exclude_modules=list(heads) or None,
+        modules_to_save=list(heads) or None,
         task_type=task_type(model),
         bias="none",
         # GPT-2's Conv1D stores its weight transposed; said here, peft does not warn per layer.
