@@ -633,7 +633,9 @@ def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int
 
     model = AutoModelForQuestionAnswering.from_pretrained(model_dir).eval()
     collate = DataCollatorWithPadding(AutoTokenizer.from_pretrained(model_dir))
-    starts, ends = [], []
+    # The evaluation features run longest first; each carries its window's feature_index.
+    starts: list = [None] * len(lengths)
+    ends: list = [None] * len(lengths)
     with torch.no_grad():
         for first in range(0, len(features), batch_size):
             rows = [features[i] for i in range(first, min(first + batch_size, len(features)))]
@@ -644,10 +646,11 @@ def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int
                 ]
             )
             out = model(**batch)
-            for row, index in enumerate(range(first, first + len(rows))):
+            for row, r in enumerate(rows):
+                index = r["feature_index"]
                 n = lengths[index]
-                starts.append(out.start_logits[row, :n].float().numpy().astype(np.float32))
-                ends.append(out.end_logits[row, :n].float().numpy().astype(np.float32))
+                starts[index] = out.start_logits[row, :n].float().numpy().astype(np.float32)
+                ends[index] = out.end_logits[row, :n].float().numpy().astype(np.float32)
     return starts, ends
 
 
