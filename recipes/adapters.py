@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.config import ConfigError
+from recipes.config import ConfigError, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -158,7 +158,7 @@ def apply_lora(
         wrapped = get_peft_model(model, config)
     except ValueError as err:  # a matched module peft cannot adapt (a LayerNorm, say)
         raise ConfigError(
-            f"peft.target_modules={targets}: peft refused it ({_first_line(err)}). Name linear "
+            f"peft.target_modules={targets}: peft refused it ({first_line(err)}). Name linear "
             "layers, or set peft.target_modules=null for all of them."
         ) from None
     adapted = sorted({name.rsplit(".", 1)[-1] for name in adapted_modules(wrapped)})
@@ -268,9 +268,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         # checkpointing copes; a model whose own code calls the reentrant variant would then
         # silently train nothing in its checkpointed layers.
         base.enable_input_require_grads()
-    base.config.use_cache = (
-        False  # a KV cache is of no use in training and conflicts with recompute
-    )
+    base.config.use_cache = False  # a KV cache is of no use in training, and clashes with recompute
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -296,7 +294,7 @@ def load_trainable_state_dict(model: torch.nn.Module, state: Mapping[str, torch.
         model.load_state_dict(dict(state), strict=False)
     except RuntimeError as err:  # same names, other shapes: peft.r changed
         raise ConfigError(
-            f"resume: the checkpoint's adapters have other shapes ({_first_line(err)}). Resume "
+            f"resume: the checkpoint's adapters have other shapes ({first_line(err)}). Resume "
             "with the peft.* settings the run was started with, or start a new run."
         ) from None
 
@@ -389,8 +387,3 @@ def _check_heads_merged(model: torch.nn.Module, merged: Mapping[str, torch.Tenso
             merged_key = f"{name.removeprefix(prefix)}.{key}"
             if not torch.equal(merged[merged_key], value):
                 raise RuntimeError(f"the merged model lost the trained head weight {merged_key}")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

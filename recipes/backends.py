@@ -17,11 +17,6 @@ import torch
 from recipes import device
 from recipes.device import CUDA, MUSA
 
-# Collective-communication backends for torch.distributed.
-MCCL = "mccl"
-NCCL = "nccl"
-GLOO = "gloo"
-
 # Environment variables that hide or expose devices; a stray empty value is the most common
 # reason a container sees no accelerator.
 VISIBLE_DEVICES_ENV_VARS: tuple[str, ...] = (
@@ -146,49 +141,6 @@ def device_total_memory(index: int = 0) -> int | None:
     if module is None or index >= device.device_count():
         return None
     return int(module.get_device_properties(index).total_memory)
-
-
-def mccl_available() -> bool:
-    """Whether torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds ship
-    without it)."""
-    if not device.torch_musa_info()["imported"]:
-        return False
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return False
-    checker = getattr(dist, "is_backend_available", None)  # torch >= 2.3
-    if checker is not None:
-        try:
-            return bool(checker(MCCL))
-        except (RuntimeError, ValueError):
-            pass
-    return MCCL in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend, "MCCL")
-
-
-def distributed_backend() -> tuple[str | None, str]:
-    """The collective backend a multi-process run here would use (``"mccl"`` on MUSA, ``"nccl"``
-    on CUDA, ``"gloo"`` on cpu; None when it is missing) and a short sentence saying why, which
-    says what to do instead when there is none."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None, "this torch build has no torch.distributed"
-    name = device.backend()
-    if name == MUSA:
-        if mccl_available():
-            return MCCL, "MCCL (registered by torch_musa)"
-        return None, (
-            "this torch_musa build has no MCCL (MTT S80/S3000 builds ship none), so multi-GPU "
-            "training is unsupported here: run on one device (conf/accelerate/single_device.yaml)"
-        )
-    if name == CUDA:
-        if dist.is_nccl_available():
-            return NCCL, "NCCL"
-        return None, "this torch build has no NCCL, so multi-GPU training is unsupported here"
-    if dist.is_gloo_available():
-        return GLOO, "gloo (CPU processes)"
-    return None, "this torch build has no gloo backend"
 
 
 def accelerate_distributed_type(num_processes: int, name: str) -> str:

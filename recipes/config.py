@@ -29,6 +29,13 @@ class ConfigError(ValueError):
     """A setting is wrong; the message names the key and how to fix it."""
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none), for one-line
+    messages that quote a library's error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class Choice(str, Enum):
     """A setting with a fixed set of values. It compares, prints, formats and serialises as its
     plain string: the loop compares settings to strings, and checkpoints store them as JSON and

@@ -29,7 +29,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from torch.utils.data import Sampler
 
-from recipes.config import DataConfig
+from recipes.config import DataConfig, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -154,7 +154,7 @@ def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Da
         if isinstance(cause, UnicodeDecodeError):
             for path in paths:
                 read_text(path)  # raises, naming the byte and line
-        raise DataError(f"{where}: could not be read as {builder}: {_first_line(cause)}") from None
+        raise DataError(f"{where}: could not be read as {builder}: {first_line(cause)}") from None
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -163,11 +163,6 @@ def _root_cause(err: BaseException) -> BaseException:
     while err.__cause__ is not None:
         err = err.__cause__
     return err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_saved(path: Path, split: str, role: str) -> Dataset:

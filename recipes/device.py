@@ -28,6 +28,10 @@ import torch
 MUSA = "musa"
 CUDA = "cuda"
 CPU = "cpu"
+# Collective-communication backends for torch.distributed (the environment doctor reports them).
+MCCL = "mccl"
+NCCL = "nccl"
+GLOO = "gloo"
 
 # torch_musa releases from which MuDNN's flash SDPA has a backward pass (``MuDNNFlashSDPABwd`` in
 # torch_musa/csrc/aten/ops/attention/mudnn/SDP.cpp, first in v1.2.1); before it only eager
@@ -461,3 +465,46 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
         return None
     index = device.index if device.index is not None else module.current_device()
     return peak_flops_by_name(str(module.get_device_name(index)), dtype)
+
+
+def mccl_available() -> bool:
+    """Whether torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds ship
+    without it)."""
+    if not torch_musa_info()["imported"]:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    checker = getattr(dist, "is_backend_available", None)  # torch >= 2.3
+    if checker is not None:
+        try:
+            return bool(checker(MCCL))
+        except (RuntimeError, ValueError):
+            pass
+    return MCCL in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend, "MCCL")
+
+
+def distributed_backend() -> tuple[str | None, str]:
+    """The collective backend a multi-process run here would use (``"mccl"`` on MUSA, ``"nccl"``
+    on CUDA, ``"gloo"`` on cpu; None when it is missing) and a short sentence saying why, which
+    says what to do instead when there is none."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None, "this torch build has no torch.distributed"
+    name = backend()
+    if name == MUSA:
+        if mccl_available():
+            return MCCL, "MCCL (registered by torch_musa)"
+        return None, (
+            "this torch_musa build has no MCCL (MTT S80/S3000 builds ship none), so multi-GPU "
+            "training is unsupported here: run on one device (conf/accelerate/single_device.yaml)"
+        )
+    if name == CUDA:
+        if dist.is_nccl_available():
+            return NCCL, "NCCL"
+        return None, "this torch build has no NCCL, so multi-GPU training is unsupported here"
+    if dist.is_gloo_available():
+        return GLOO, "gloo (CPU processes)"
+    return None, "this torch build has no gloo backend"

@@ -204,7 +204,7 @@ def collect() -> dict[str, Any]:
     )
     backend = device.backend()
     precision = _precision(backend)
-    distributed, distributed_reason = backends.distributed_backend()
+    distributed, distributed_reason = device.distributed_backend()
     report: dict[str, Any] = {
         "backend": backend,
         "device_count": device.device_count(),
@@ -233,7 +233,7 @@ def collect() -> dict[str, Any]:
         "image_gpu": backends.image_gpu(os.environ.get(backends.BASE_IMAGE_ENV_VAR)),
         "distributed_backend": distributed,
         "distributed_backend_reason": distributed_reason,
-        "mccl_available": backends.mccl_available(),
+        "mccl_available": device.mccl_available(),
         "vendor_tools": {name: shutil.which(tool) for name, tool in backends.VENDOR_TOOLS.items()},
         "kernel_modules": backends.kernel_modules_loaded(),
         "visible_devices_env": backends.visible_devices_env(),

@@ -573,7 +573,7 @@ class Trainer:
         if best is None or best["step"] == self.state.step:
             return
         path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(best["step"])
-        self.accelerator.load_state(str(path))
+        checkpoint.load(self.accelerator, path)  # the weights; the run's own state stays
         self.final_scores = self.best_scores or self.final_scores
         log.info(
             "final model from the best checkpoint, %s (%s=%.4g at step %d)",
@@ -845,7 +845,6 @@ def _save_final(
     if adapters.is_peft_model(accelerator.unwrap_model(model)):
         if accelerator.is_main_process:
             adapters.save_final(accelerator.unwrap_model(model), folder, tokenizer)
-            log.info("saved the merged model, its adapter (adapter/) and tokenizer to %s", folder)
         accelerator.wait_for_everyone()
         return
     state_dict = accelerator.get_state_dict(model)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from recipes import device
-from recipes.config import ConfigError, ModelConfig
+from recipes.config import ConfigError, ModelConfig, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -33,7 +33,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         )
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({_first_line(err)}). "
+            f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({first_line(err)}). "
             "Give a local save_pretrained folder, or a hub name while online."
         ) from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
@@ -68,7 +68,7 @@ def load_model(cfg: ModelConfig, auto_class: Any, **task_kwargs: Any) -> torch.n
             )
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load the model ({_first_line(err)})."
+            f"model.name_or_path={cfg.name_or_path}: cannot load the model ({first_line(err)})."
         ) from None
     if cfg.gguf_file:
         model = _plain_copy(model, auto_class)
@@ -87,8 +87,3 @@ def _plain_copy(model: torch.nn.Module, auto_class: Any) -> torch.nn.Module:
     plain = auto_class.from_config(config, attn_implementation=config._attn_implementation)
     plain.load_state_dict(model.state_dict())
     return plain.to(next(model.parameters()).dtype)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

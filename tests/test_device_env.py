@@ -58,7 +58,7 @@ def test_cpu_backend_defaults() -> None:
     assert device.device_names() == []
     assert device.default_mixed_precision() == CPU_DEFAULT_PRECISION
     assert device.default_attn_implementation() == "sdpa"
-    assert backends.distributed_backend()[0] == "gloo"
+    assert device.distributed_backend()[0] == "gloo"
 
 
 @on_cpu
@@ -129,7 +129,7 @@ def test_env_json_subprocess() -> None:
     assert versions["python"] == ".".join(map(str, sys.version_info[:3]))
     assert versions["accelerate"] and versions["transformers"]
     assert report["default_mixed_precision"] == device.default_mixed_precision()
-    assert report["distributed_backend"] == backends.distributed_backend()[0]
+    assert report["distributed_backend"] == device.distributed_backend()[0]
     assert set(report["visible_devices_env"]) == set(backends.VISIBLE_DEVICES_ENV_VARS)
     if device.backend() == device.CPU:
         assert report["device_count"] == 0
