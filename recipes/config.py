@@ -139,8 +139,14 @@ class TrainerConfig:
     save_final_model: bool = True  # <output_dir>/final, loadable with from_pretrained
     pad_to_multiple_of: int | None = 8  # the batch's longest, rounded up for tensor cores
     padding: Padding = Padding.longest
-    # With padding=longest: batches of similar lengths, in random order (less padding).
-    group_by_length: bool = True
+    # With padding=longest, for tasks whose loss is a mean over rows (QA, classification): each
+    # micro-batch runs as up to this many sub-batches of similar lengths, each padded to its own
+    # longest. The batches and the gradient stay the plain ones (up to float rounding) in fewer
+    # padded tokens; 1 runs each micro-batch whole.
+    sub_batches: int = 4
+    # With padding=longest: batches of similar lengths, in random order (less padding still, but
+    # each step then learns from windows of one length, which can cost quality).
+    group_by_length: bool = False
     # Global batches sorted together: more saves padding, fewer keeps batches mixed.
     length_group_size: int = 8
     dataloader_num_workers: int = 0
@@ -278,6 +284,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda v: v is None or v > 0,
         "must be > 0, or null to disable clipping",
     ),
+    ("trainer.sub_batches", _at_least(1), "must be >= 1 (1 runs each micro-batch whole)"),
     (
         "trainer.length_group_size",
         _at_least(1),

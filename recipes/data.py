@@ -16,6 +16,7 @@ import codecs
 import csv
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -411,3 +412,53 @@ class EpochLengthGroupedSampler(Sampler[int]):
             if short and self.lengths[short[0][0]] > self.lengths[batches[0][0]]:
                 batches[0][0], short[0][0] = short[0][0].item(), batches[0][0].item()
         return iter(torch.cat([*batches, *short]).tolist() if batches or short else [])
+
+
+def length_pieces(lengths: Sequence[int], pieces: int) -> list[list[int]]:
+    """Cut a batch into at most ``pieces`` groups of rows, each padded to its own longest, with
+    the fewest padded tokens in all: the rows sorted longest first, then the cut points that
+    minimise the sum of (rows x longest) over the groups (a small dynamic programme: a batch has
+    tens of rows). Returns the row indices of each group, longest group first."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    sizes = [lengths[i] for i in order]
+    n, pieces = len(sizes), max(1, min(pieces, len(sizes)))
+    # cost[k][j]: fewest tokens for the first j sorted rows in k groups; cut[k][j]: where the
+    # last of those groups starts.
+    cost = [[0] + [math.inf] * n] + [[math.inf] * (n + 1) for _ in range(pieces)]
+    cut = [[0] * (n + 1) for _ in range(pieces + 1)]
+    for k in range(1, pieces + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                tokens = cost[k - 1][i] + (j - i) * sizes[i]
+                if tokens < cost[k][j]:
+                    cost[k][j], cut[k][j] = tokens, i
+    k = min(range(1, pieces + 1), key=lambda k: (cost[k][n], k))  # fewer groups on a tie
+    groups, end = [], n
+    while k:
+        start = cut[k][end]
+        groups.append(order[start:end])
+        end, k = start, k - 1
+    return groups[::-1]
+
+
+class SubBatchCollator:
+    """Collates a batch as length-sorted sub-batches (``trainer.sub_batches``): a list of batches,
+    each padded to its own longest, which the loop runs as one micro-batch (their losses weighted
+    by rows). The examples of every step stay those of the plain batch, so training follows the
+    same path as without it (the gradient is the same up to float rounding) in fewer padded
+    tokens. For tasks whose loss is a mean over rows.
+
+    Why not a library's: transformers and accelerate only group by length across batches
+    (``LengthGroupedSampler``, ``group_by_length``), which changes what each step learns from."""
+
+    def __init__(
+        self, collate: Callable[[list[dict]], dict], pieces: int, multiple: int | None
+    ) -> None:
+        self.collate = collate
+        self.pieces = pieces
+        self.multiple = multiple or 1
+
+    def __call__(self, features: list[dict]) -> list[dict]:
+        lengths = [-(-len(f["input_ids"]) // self.multiple) * self.multiple for f in features]
+        groups = length_pieces(lengths, self.pieces)
+        return [self.collate([features[i] for i in group]) for group in groups]

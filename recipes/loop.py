@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -173,10 +173,20 @@ class Trainer:
             pad_to_multiple_of=trainer_cfg.pad_to_multiple_of,
         )
         self.collator = data.train_collator or padding
+        # Padded to max_length (or packed blocks of one length), lengths would save nothing.
+        varied = not fixed and _lengths_differ(data.train)
+        if varied and trainer_cfg.sub_batches > 1 and self.task.loss_is_mean_over_rows:
+            self.collator = data_lib.SubBatchCollator(
+                self.collator, trainer_cfg.sub_batches, trainer_cfg.pad_to_multiple_of
+            )
+            log.info(
+                "each micro-batch runs as up to %d sub-batches of similar lengths "
+                "(trainer.sub_batches; the same batches and gradient, less padding)",
+                trainer_cfg.sub_batches,
+            )
         if data.random_collator:
             self.collator = SeededCollator(self.collator, trainer_cfg.seed)
-        # Padded to max_length, grouping by length would save nothing.
-        self.sampler = None if fixed else self._length_grouped_sampler()
+        self.sampler = self._length_grouped_sampler() if varied else None
         loader_kwargs = {
             "num_workers": trainer_cfg.dataloader_num_workers,
             **device.pin_memory_kwargs(trainer_cfg.pin_memory, self.accelerator.device),
@@ -201,12 +211,12 @@ class Trainer:
         trainer_cfg = self.trainer_cfg
         if not trainer_cfg.group_by_length:
             return None
-        lengths = data_lib.feature_lengths(self.data.train)
-        if not (len(lengths) and lengths.min() < lengths.max()):  # packed blocks: plain shuffle
-            return None
         # One sampler batch per optimizer step: the same examples in every layout of it.
         return data_lib.EpochLengthGroupedSampler(
-            self.global_batch, lengths, trainer_cfg.seed, megabatch=trainer_cfg.length_group_size
+            self.global_batch,
+            data_lib.feature_lengths(self.data.train),
+            trainer_cfg.seed,
+            megabatch=trainer_cfg.length_group_size,
         )
 
     @property
@@ -378,15 +388,31 @@ class Trainer:
             self.trainer_cfg.seed, accelerator.process_index, state.epoch, state.batches_in_epoch
         )
         state.batches_in_epoch += 1
+        pieces = batch if isinstance(batch, list) else [batch]  # trainer.sub_batches
         with accelerator.accumulate(self.model):
-            loss = self.task.loss(self.model, batch)
-            accelerator.backward(loss)
-            self.step_loss += loss.detach().float()
+            loss = self._backward(pieces)
+            self.step_loss += loss
             if accelerator.sync_gradients:
                 self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.window.add(batch, loss)
+        self.window.add(pieces, loss)
         return accelerator.sync_gradients
+
+    def _backward(self, pieces: list[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of a micro-batch's sub-batches, each loss weighted by its share
+        of the rows (so their gradients add up to the whole micro-batch's); returns the
+        micro-batch's loss. Gradients are synchronised across processes after the last only."""
+        accelerator, rows = self.accelerator, sum(len(p["input_ids"]) for p in pieces)
+        total = torch.zeros((), device=accelerator.device)
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with nullcontext() if last else accelerator.no_sync(self.model):
+                loss = self.task.loss(self.model, piece)
+                if len(pieces) > 1:
+                    loss = loss * (len(piece["input_ids"]) / rows)
+                accelerator.backward(loss)
+            total += loss.detach().float()
+        return total
 
     def _optimizer_step(self) -> None:
         """Clip, learn from every process whether the step is finite and whether to stop, then
@@ -697,17 +723,27 @@ class _Window:
         sums = torch.tensor([loss, tokens], dtype=torch.float, device=where)
         return cls(sums, int(micro), int(samples))
 
-    def add(self, batch: Mapping[str, torch.Tensor], loss: torch.Tensor) -> None:
-        mask = batch.get("attention_mask")
-        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+    def add(self, pieces: list[Mapping[str, torch.Tensor]], loss: torch.Tensor) -> None:
+        """One micro-batch (its sub-batches) and its loss."""
+        tokens = sum(_real_tokens(piece) for piece in pieces)
         self.loss_and_tokens += torch.stack(
             [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
         )
         self.micro_batches += 1
-        self.samples += batch["input_ids"].shape[0]
+        self.samples += sum(piece["input_ids"].shape[0] for piece in pieces)
 
     def as_list(self) -> list[float]:
         return [*self.loss_and_tokens.tolist(), self.micro_batches, self.samples]
+
+
+def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else batch["input_ids"].numel()
+
+
+def _lengths_differ(features: Any) -> bool:
+    lengths = data_lib.feature_lengths(features)
+    return bool(len(lengths) and lengths.min() < lengths.max())
 
 
 def _nonfinite_or_stop_on_any_rank(

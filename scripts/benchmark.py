@@ -16,9 +16,11 @@ transformers, read for their defaults, not copied), on the same windows:
   (``pad_to_max_length=True``, ``default_data_collator``), random order, clipping at 1.0,
   AdamW, linear schedule, no warm-up, fp32 unless ``--bf16``.
 
-``--padding max_length --no-group-by-length`` makes ours pad and order as ``run_qa`` does (equal
-settings); by default ours pads each batch to its longest window and groups windows of similar
-lengths (the project's defaults). ``--mixed-precision auto`` runs each side at its own default
+``--padding max_length`` makes ours pad as ``run_qa`` does (equal settings); by default ours
+draws the same plain random batches as ``run_qa_no_trainer`` and runs each as length-sorted
+sub-batches, each padded to its own longest (``trainer.sub_batches``, the project's default;
+``--sub-batches 1`` runs them whole, ``--group-by-length`` sorts windows across batches).
+``--mixed-precision auto`` runs each side at its own default
 (ours ``trainer.mixed_precision=auto``, the peers fp32).
 
 ``qa-eval``: evaluation of the same model on the same windows: ours is ``train.py``'s own
@@ -111,6 +113,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         ]
         if args.group_by_length is not None:  # else the project's default
             task_overrides.append(f"trainer.group_by_length={str(args.group_by_length).lower()}")
+        if args.sub_batches is not None:
+            task_overrides.append(f"trainer.sub_batches={args.sub_batches}")
     if args.compile:
         task_overrides.append("trainer.compile=true")
     overrides = [
@@ -411,6 +415,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "--eval-batch-size", str(args.eval_batch_size),
         *(["--eval-file", str(args.eval_file)] if args.eval_file else []),
         *({True: ["--group-by-length"], False: ["--no-group-by-length"]}.get(args.group_by_length, [])),
+        *(["--sub-batches", str(args.sub_batches)] if args.sub_batches else []),
         *(["--compile"] if args.compile else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
     ]  # fmt: skip
@@ -701,6 +706,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="qa: ours with trainer.group_by_length true / false (default: the project's)",
+    )
+    parser.add_argument(
+        "--sub-batches",
+        type=int,
+        default=None,
+        help="qa: ours' trainer.sub_batches (default: the project's)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="ours with trainer.compile (warm-up compiles)"

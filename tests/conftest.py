@@ -41,10 +41,11 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("feature-cache")
 
 
-# Five logged fp32 steps in plain shuffled order and nothing else: what the golden-loss tests run
-# on each recipe.
+# Five logged fp32 steps in plain shuffled order, each micro-batch run whole, and nothing else:
+# what the golden-loss tests run on each recipe.
 GOLDEN_RUN = (
     "trainer.group_by_length=false",
+    "trainer.sub_batches=1",
     "trainer.max_steps=5",
     "trainer.log_every_n_steps=1",
     "trainer.per_device_train_batch_size=8",

@@ -58,6 +58,7 @@ class QuestionAnswering(Task[QAData]):
     """
 
     auto_model_class = AutoModelForQuestionAnswering
+    loss_is_mean_over_rows = True  # (start + end cross-entropy) / 2, averaged over windows
     main_metric = "f1"
     greater_is_better = True
 
@@ -99,6 +100,23 @@ class QuestionAnswering(Task[QAData]):
         self.version_2_with_negative = version_2_with_negative
         self.null_score_diff_threshold = null_score_diff_threshold
         self.write_nbest = write_nbest
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The head's loss, (start + end cross-entropy) / 2 over the windows, with the padding's
+        positions left out of the softmax: ``transformers``' own loss scores them as candidate
+        answers, so a window's loss would depend on how far its batch pads it. Here it does
+        not, so cutting a batch into sub-batches (``trainer.sub_batches``) changes no loss,
+        and training sees the positions evaluation reads answers from."""
+        labels = ("start_positions", "end_positions")
+        outputs = model(**{k: v for k, v in batch.items() if k not in labels})
+        padding = batch["attention_mask"] == 0
+        losses = [
+            torch.nn.functional.cross_entropy(
+                logits.float().masked_fill(padding, torch.finfo(torch.float32).min), batch[k]
+            )
+            for logits, k in zip((outputs.start_logits, outputs.end_logits), labels, strict=True)
+        ]
+        return (losses[0] + losses[1]) / 2
 
     # ----------------------------------------------------------------------------- data
 
