@@ -175,7 +175,7 @@ class Trainer:
         self.collator = data.train_collator or padding
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         varied = not fixed and _lengths_differ(data.train)
-        if varied and trainer_cfg.sub_batches > 1 and self.task.loss_is_mean_over_rows:
+        if varied and trainer_cfg.sub_batches > 1 and self.task.splits_exactly:
             self.collator = data_lib.SubBatchCollator(
                 self.collator, trainer_cfg.sub_batches, trainer_cfg.pad_to_multiple_of
             )

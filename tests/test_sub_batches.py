@@ -153,3 +153,35 @@ def test_sub_batches_train_as_whole_batches_on_one_and_two_processes(
         assert worst < 4e-3, worst  # lr 1e-3 x 4 steps
         close = sum(torch.isclose(other[n], t, atol=1e-6).sum().item() for n, t in weights.items())
         assert close / sum(t.numel() for t in weights.values()) > 0.99
+
+
+@pytest.mark.parametrize("ignores_padding", [True, False])
+def test_the_qa_loss_does_not_depend_on_padding_unless_asked(ignores_padding):
+    from conftest import make_task
+    from transformers import AutoModelForQuestionAnswering
+
+    task = make_task("qa", loss_ignores_padding=ignores_padding)
+    assert task.splits_exactly is ignores_padding
+    assert "loss_ignores_padding" not in task.settings()  # shapes no feature: not in the cache key
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-bert")
+    model = AutoModelForQuestionAnswering.from_pretrained(ASSETS / "tiny-bert").eval()
+    features = [
+        {**tokenizer("who wrote it?", "a long context that goes on " * n), "start_positions": 6}
+        for n in (1, 3)
+    ]
+    for feature in features:
+        feature["end_positions"] = 8
+    losses = [
+        float(
+            task.loss(
+                model, DataCollatorWithPadding(tokenizer, padding=pad, max_length=64)(features)
+            )
+        )
+        for pad in ("longest", "max_length")
+    ]
+    if ignores_padding:
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    else:  # transformers' head scores the padding too, as the examples train
+        assert abs(losses[0] - losses[1]) > 1e-3
+        whole = DataCollatorWithPadding(tokenizer)(features)
+        assert losses[0] == pytest.approx(float(model(**whole).loss), rel=1e-6)

@@ -69,9 +69,10 @@ class Task(abc.ABC, Generic[DataT]):
     # The length trainer.padding=max_length pads every batch to; None where the task has no
     # such length (packed language-model blocks all have one length already).
     max_seq_length: int | None = None
-    # loss() is a mean of one value per row (the default loss of QA and classification heads), so
-    # a batch's loss is its sub-batches' losses weighted by rows (``trainer.sub_batches``).
-    loss_is_mean_over_rows: bool = False
+    # loss() is a mean of one value per row that padding does not change (classification; QA
+    # with its padding-free softmax), so a batch's loss is its sub-batches' losses weighted by
+    # rows (``trainer.sub_batches``).
+    splits_exactly: bool = False
 
     @abc.abstractmethod
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:

@@ -90,7 +90,7 @@ class SequenceClassification(Task[ClassificationData]):
     """
 
     auto_model_class = AutoModelForSequenceClassification
-    loss_is_mean_over_rows = True  # cross-entropy or squared error, averaged over rows
+    splits_exactly = True  # cross-entropy or squared error of the first token, averaged over rows
     greater_is_better = True
 
     def __init__(

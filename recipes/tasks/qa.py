@@ -58,7 +58,6 @@ class QuestionAnswering(Task[QAData]):
     """
 
     auto_model_class = AutoModelForQuestionAnswering
-    loss_is_mean_over_rows = True  # (start + end cross-entropy) / 2, averaged over windows
     main_metric = "f1"
     greater_is_better = True
 
@@ -73,6 +72,7 @@ class QuestionAnswering(Task[QAData]):
         version_2_with_negative: bool,
         null_score_diff_threshold: float,
         write_nbest: bool,
+        loss_ignores_padding: bool,
     ) -> None:
         if doc_stride >= max_seq_length:
             raise ConfigError(
@@ -100,13 +100,17 @@ class QuestionAnswering(Task[QAData]):
         self.version_2_with_negative = version_2_with_negative
         self.null_score_diff_threshold = null_score_diff_threshold
         self.write_nbest = write_nbest
+        self.loss_ignores_padding = loss_ignores_padding
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The head's loss, (start + end cross-entropy) / 2 over the windows, with the padding's
         positions left out of the softmax: ``transformers``' own loss scores them as candidate
         answers, so a window's loss would depend on how far its batch pads it. Here it does
         not, so cutting a batch into sub-batches (``trainer.sub_batches``) changes no loss,
-        and training sees the positions evaluation reads answers from."""
+        and training sees the positions evaluation reads answers from.
+        ``task.loss_ignores_padding=false``: the head's own loss, as the examples train."""
+        if not self.loss_ignores_padding:  # as the Hugging Face examples train
+            return model(**batch).loss
         labels = ("start_positions", "end_positions")
         outputs = model(**{k: v for k, v in batch.items() if k not in labels})
         padding = batch["attention_mask"] == 0
@@ -117,6 +121,14 @@ class QuestionAnswering(Task[QAData]):
             for logits, k in zip((outputs.start_logits, outputs.end_logits), labels, strict=True)
         ]
         return (losses[0] + losses[1]) / 2
+
+    @property
+    def splits_exactly(self) -> bool:  # type: ignore[override]
+        return self.loss_ignores_padding
+
+    def settings(self) -> dict[str, object]:
+        """Everything but the loss's setting, which shapes no feature."""
+        return {k: v for k, v in vars(self).items() if k != "loss_ignores_padding"}
 
     # ----------------------------------------------------------------------------- data
 
