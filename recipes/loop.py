@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
@@ -174,7 +175,8 @@ class Trainer:
         )
         self.collator = data.train_collator or padding
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
-        varied = not fixed and _lengths_differ(data.train)
+        lengths = None if fixed else data_lib.feature_lengths(data.train)
+        varied = lengths is not None and len(lengths) > 0 and lengths.min() < lengths.max()
         if varied and trainer_cfg.sub_batches > 1 and self.task.splits_exactly:
             self.collator = data_lib.SubBatchCollator(
                 self.collator, trainer_cfg.sub_batches, trainer_cfg.pad_to_multiple_of
@@ -186,7 +188,7 @@ class Trainer:
             )
         if data.random_collator:
             self.collator = SeededCollator(self.collator, trainer_cfg.seed)
-        self.sampler = self._length_grouped_sampler() if varied else None
+        self.sampler = self._length_grouped_sampler(lengths) if varied else None
         loader_kwargs = {
             "num_workers": trainer_cfg.dataloader_num_workers,
             **device.pin_memory_kwargs(trainer_cfg.pin_memory, self.accelerator.device),
@@ -206,17 +208,16 @@ class Trainer:
             **loader_kwargs,
         )
 
-    def _length_grouped_sampler(self) -> data_lib.EpochLengthGroupedSampler | None:
+    def _length_grouped_sampler(
+        self, lengths: np.ndarray
+    ) -> data_lib.EpochLengthGroupedSampler | None:
         """Batches of similar lengths (``trainer.group_by_length``), or None: a plain shuffle."""
         trainer_cfg = self.trainer_cfg
         if not trainer_cfg.group_by_length:
             return None
         # One sampler batch per optimizer step: the same examples in every layout of it.
         return data_lib.EpochLengthGroupedSampler(
-            self.global_batch,
-            data_lib.feature_lengths(self.data.train),
-            trainer_cfg.seed,
-            megabatch=trainer_cfg.length_group_size,
+            self.global_batch, lengths, trainer_cfg.seed, megabatch=trainer_cfg.length_group_size
         )
 
     @property
@@ -739,11 +740,6 @@ class _Window:
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
     mask = batch.get("attention_mask")
     return mask.sum() if mask is not None else batch["input_ids"].numel()
-
-
-def _lengths_differ(features: Any) -> bool:
-    lengths = data_lib.feature_lengths(features)
-    return bool(len(lengths) and lengths.min() < lengths.max())
 
 
 def _nonfinite_or_stop_on_any_rank(

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, read_metrics, run_train
+from conftest import ROOT, free_port, make_task, read_metrics, run_train
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, DataCollatorWithPadding
+from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
 from recipes.config import ASSETS
 from recipes.data import SubBatchCollator, length_pieces
@@ -157,9 +157,6 @@ def test_sub_batches_train_as_whole_batches_on_one_and_two_processes(
 
 @pytest.mark.parametrize("ignores_padding", [True, False])
 def test_the_qa_loss_does_not_depend_on_padding_unless_asked(ignores_padding):
-    from conftest import make_task
-    from transformers import AutoModelForQuestionAnswering
-
     task = make_task("qa", loss_ignores_padding=ignores_padding)
     assert task.splits_exactly is ignores_padding
     assert "loss_ignores_padding" not in task.settings()  # shapes no feature: not in the cache key
