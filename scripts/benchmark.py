@@ -29,6 +29,8 @@ the peer does what ``run_qa_no_trainer.py`` does after training: a forward pass 
 in file order with dynamic padding, logits gathered into one -100-filled array, then the
 per-window n-best search of ``postprocess_qa_predictions`` (``tests/qa_reference.py``) and the
 SQuAD score. Both report EM / F1, which must agree when both run in the same precision.
+It also counts the tokens each order's batches carry (the windows' own, file order padded,
+longest first padded): a CPU forward pass costs about its padded tokens.
 
 Each side runs in a fresh process, alternating ``--rounds`` times; only the steps after
 ``--warmup`` count. Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and
@@ -473,6 +475,7 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
+    from recipes import data as data_lib
     from recipes import device as device_lib
     from recipes.metrics.squad import squad_v1
 
@@ -516,13 +519,25 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
     references = dict(zip(examples["id"], (a["text"] for a in examples["answers"]), strict=True))
     scores = squad_v1(predictions, references)
     seconds = time.perf_counter() - started
+    lengths = data_lib.feature_lengths(windows)  # what each side's batches carry
     result = {
         "seconds": seconds,
         "exact_match": scores["exact_match"],
         "f1": scores["f1"],
         "peak_memory_mb": _peak_memory_mb(accelerator.device),
+        "tokens": int(lengths.sum()),
+        "padded_tokens_file_order": _padded(lengths, args.eval_batch_size),
+        "padded_tokens_longest_first": _padded(np.sort(lengths)[::-1], args.eval_batch_size),
     }
     (out / "peer.json").write_text(json.dumps(result))
+
+
+def _padded(lengths, batch_size: int) -> int:
+    """Tokens in batches of ``batch_size`` consecutive windows, each padded to its longest."""
+    return sum(
+        int(lengths[i : i + batch_size].max()) * len(lengths[i : i + batch_size])
+        for i in range(0, len(lengths), batch_size)
+    )
 
 
 # ------------------------------------------------------------------------------------ postprocess
@@ -840,6 +855,11 @@ def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str], pe
         ours, other = summary["ours"][name], summary["peer"][name]
         share = f"{ours / other:.3f}" if other else ""
         lines.append(f"| {label} | {fmt.format(ours)} | {fmt.format(other)} | {share} |")
+    if "tokens" in summary["peer"]:  # qa-eval: what each side's batches carry (its order)
+        counts = summary["peer"]
+        ours, other = counts["padded_tokens_longest_first"], counts["padded_tokens_file_order"]
+        label = f"padded tokens (of {counts['tokens']:,} real)"
+        lines.append(f"| {label} | {ours:,} | {other:,} | {ours / other:.3f} |")
     what = "evaluation speed-up" if key == "seconds" else key.replace("_per_second", "/s")
     lines.append(f"\nours/{peer} {what}: {ratio:.3f}")
     return "\n".join(lines)
