@@ -134,6 +134,26 @@ def cpu_launch_command(*args: str) -> list[str]:
     ]
 
 
+def run_torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """train.py in two gloo processes started by ``torchrun`` (one thread each), fp32 unless
+    told; the caller asserts on the result."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(ROOT / "train.py"),
+            *_fp32_first(args),
+        ],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_cpu_launch(
     script: Path, *args: str, cwd: Path = ROOT, timeout: int = 600
 ) -> subprocess.CompletedProcess:

@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import FP32, ROOT, cpu_launch_command, free_port, read_metrics, run_train
+from conftest import (
+    FP32,
+    ROOT,
+    cpu_launch_command,
+    free_port,
+    read_metrics,
+    run_torchrun,
+    run_train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,23 +67,7 @@ def test_torchrun_two_nodes_and_one_process_train_alike(tmp_path, cache_dir):
     run_train(*_common(cache_dir), _per_device(1), f"output_dir={single}")
 
     torchrun = tmp_path / "torchrun"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(ROOT / "train.py"),
-            *_common(cache_dir),
-            _per_device(2),
-            f"output_dir={torchrun}",
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_torchrun(*_common(cache_dir), _per_device(2), f"output_dir={torchrun}")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     # Two "nodes" on this machine: two launcher invocations, one process each.

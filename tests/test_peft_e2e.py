@@ -8,16 +8,13 @@ run's position. fp32 on CPU: losses must be exactly equal.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, read_metrics, run_train, start_train
+from conftest import read_metrics, run_torchrun, run_train, start_train
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -163,24 +160,7 @@ def test_lora_sft_packed_in_two_processes_trains_like_one(tmp_path, cache_dir):
     single = tmp_path / "single"
     run_train(*common, "trainer.per_device_train_batch_size=8", f"output_dir={single}")
     pair = tmp_path / "pair"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(ROOT / "train.py"),
-            *common,
-            "trainer.mixed_precision=no",
-            "trainer.per_device_train_batch_size=4",
-            f"output_dir={pair}",
-        ],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_torchrun(*common, "trainer.per_device_train_batch_size=4", f"output_dir={pair}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(4 per device x 2 processes x 1 accumulation)" in (pair / "train.log").read_text()
 

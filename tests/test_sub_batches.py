@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, make_task, read_metrics, run_train
+from conftest import make_task, read_metrics, run_torchrun, run_train
 from safetensors.torch import load_file
 from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
@@ -121,22 +118,9 @@ def test_sub_batches_train_as_whole_batches_on_one_and_two_processes(
     run_train(*_qa_run(dropout_free_bert, cache_dir, whole, "trainer.sub_batches=1"))
     proc = run_train(*_qa_run(dropout_free_bert, cache_dir, pieces, "trainer.sub_batches=4"))
     assert "up to 4 sub-batches" in (pieces / "train.log").read_text(), proc.stderr[-2000:]
-    torchrun = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(ROOT / "train.py"),
-            "trainer.mixed_precision=no",
-            *_qa_run(dropout_free_bert, cache_dir, two, "trainer.sub_batches=4"),
-            "trainer.per_device_train_batch_size=4",
-        ],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    torchrun = run_torchrun(
+        *_qa_run(dropout_free_bert, cache_dir, two, "trainer.sub_batches=4"),
+        "trainer.per_device_train_batch_size=4",
     )
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
 
