@@ -534,10 +534,8 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
 
 def _padded(lengths, batch_size: int) -> int:
     """Tokens in batches of ``batch_size`` consecutive windows, each padded to its longest."""
-    return sum(
-        int(lengths[i : i + batch_size].max()) * len(lengths[i : i + batch_size])
-        for i in range(0, len(lengths), batch_size)
-    )
+    batches = (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size))
+    return sum(int(batch.max()) * len(batch) for batch in batches)
 
 
 # ------------------------------------------------------------------------------------ postprocess
