@@ -178,6 +178,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     gguf_file: str | None = None  # a .gguf file in name_or_path, dequantised on load
     ignore_mismatched_sizes: bool = False
+    # null keeps the model's own; a value sets its config's attention-dropout field, whatever
+    # the architecture calls it (recipes/model.py ATTENTION_DROPOUT_FIELDS).
+    attention_dropout: float | None = None
+    # Config fields set before the weights load, as run_clm.py's --config_overrides
+    # (model.config_overrides.hidden_dropout_prob=0.0); applied after attention_dropout.
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -305,6 +311,11 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "trainer.early_stopping_patience",
         _null_or_at_least(1),
         "must be >= 1 (evaluations without a new best), or null to train to the end",
+    ),
+    (
+        "model.attention_dropout",
+        lambda v: v is None or 0 <= v < 1,
+        "must be in [0, 1), or null for the model's own",
     ),
     ("data.max_train_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     ("data.max_eval_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),

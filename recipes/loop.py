@@ -44,7 +44,7 @@ from recipes.config import ConfigError, Settings, instantiate, validate
 from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
-from recipes.model import load_model, load_tokenizer
+from recipes.model import config_overrides, load_model, load_tokenizer
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
 from recipes.tasks.base import Task, TaskData
@@ -139,11 +139,13 @@ class Trainer:
         set_seed(trainer_cfg.seed)
 
     def _setup_model_and_data(self) -> None:
-        self.tokenizer = load_tokenizer(self.settings.model)
+        model_cfg = self.settings.model
+        self.tokenizer = load_tokenizer(model_cfg)
+        overrides = config_overrides(model_cfg)  # checked before the data is read
         with self.accelerator.main_process_first():
             self.data: TaskData = self.task.build_data(self.settings.data, self.tokenizer)
         self.model = load_model(
-            self.settings.model, self.task.auto_model_class, **self.task.model_kwargs(self.data)
+            model_cfg, self.task.auto_model_class, overrides, **self.task.model_kwargs(self.data)
         )
         self.task.check_model(self.model)
         self.model = self._adapt(self.model)

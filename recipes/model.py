@@ -9,13 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from recipes import device
 from recipes.config import ConfigError, ModelConfig, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
+
+# What configs call the dropout on attention probabilities: BERT, RoBERTa, ELECTRA, MiniLM;
+# DistilBERT, Llama, Qwen2, Mistral, GPT-Neo; GPT-2; a few others.
+ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -41,17 +45,77 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, auto_class: Any, **task_kwargs: Any) -> torch.nn.Module:
+def config_overrides(cfg: ModelConfig) -> dict[str, Any]:
+    """The config fields ``model.attention_dropout`` and ``model.config_overrides`` set, checked
+    against the model's own config, so that a field it does not have fails with the key to fix
+    before any data is read (transformers would hand an unknown field to the model's
+    ``__init__``, or keep it on the config unused)."""
+    if cfg.attention_dropout is None and not cfg.config_overrides:
+        return {}
+    try:
+        config = AutoConfig.from_pretrained(
+            cfg.name_or_path,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+            **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}),
+        )
+    except (OSError, ValueError, ImportError) as err:
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load its config ({first_line(err)})."
+        ) from None
+    changes: dict[str, Any] = {}
+    if cfg.attention_dropout is not None:
+        fields = [f for f in ATTENTION_DROPOUT_FIELDS if _is_rate(getattr(config, f, None))]
+        if not fields:
+            raise ConfigError(
+                f"model.attention_dropout={cfg.attention_dropout}: {type(config).__name__} has "
+                f"no attention-dropout field ({', '.join(ATTENTION_DROPOUT_FIELDS)}). Set "
+                "model.attention_dropout=null, or name the field in model.config_overrides "
+                f"(its dropout fields: {_dropout_fields(config)})."
+            )
+        changes.update(dict.fromkeys(fields, cfg.attention_dropout))
+    for name, value in cfg.config_overrides.items():
+        if not hasattr(config, name):
+            raise ConfigError(
+                f"model.config_overrides.{name}: {type(config).__name__} has no such field. "
+                f"Name one of its fields (dropout: {_dropout_fields(config)}), or remove it."
+            )
+        changes[name] = value
+    log.info("model config changes: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return changes
+
+
+def _is_rate(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _dropout_fields(config: Any) -> str:
+    names = [k for k, v in config.to_dict().items() if "drop" in k and _is_rate(v)]
+    return ", ".join(names) or "none"
+
+
+def load_model(
+    cfg: ModelConfig,
+    auto_class: Any,
+    overrides: dict[str, Any] | None = None,
+    **task_kwargs: Any,
+) -> torch.nn.Module:
     """The pretrained model with the task's head (new heads are initialised by transformers).
 
-    ``task_kwargs`` are what the task learnt from its data (``num_labels``, say). A GGUF file
+    ``overrides`` are config fields to set (:func:`config_overrides`); ``task_kwargs`` are what
+    the task learnt from its data (``num_labels``, say). A GGUF file
     (``model.gguf_file``) is dequantised on load and rebuilt as a plain model, so training and
     the saved folder are those of an ordinary Hugging Face model.
     """
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = device.default_attn_implementation()
-    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **task_kwargs}
+    kwargs = {
+        "revision": cfg.revision,
+        "trust_remote_code": cfg.trust_remote_code,
+        **(overrides or {}),
+        **task_kwargs,
+    }
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
     if cfg.gguf_file:

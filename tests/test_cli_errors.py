@@ -31,6 +31,10 @@ def _fails(*overrides: str, tmp_path) -> str:
         ("data.path=./no/such/squad", "data.path=./no/such/squad: no such file or folder"),
         ("task.doc_stride=300", "task.doc_stride=300 must be smaller than task.max_seq_length=256"),
         (
+            "+model.config_overrides.hidden_dropout=0.0",
+            "model.config_overrides.hidden_dropout: BertConfig has no such field",
+        ),
+        (
             "trainer.per_device_train_batch_size=0",
             "trainer.per_device_train_batch_size=0: must be at least 1",
         ),
