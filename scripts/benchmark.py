@@ -117,6 +117,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
             task_overrides.append(f"trainer.group_by_length={str(args.group_by_length).lower()}")
         if args.sub_batches is not None:
             task_overrides.append(f"trainer.sub_batches={args.sub_batches}")
+        if args.attention_dropout is not None:
+            task_overrides.append(f"model.attention_dropout={args.attention_dropout}")
     if args.compile:
         task_overrides.append("trainer.compile=true")
     overrides = [
@@ -725,6 +727,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=None,
         help="qa: ours' trainer.sub_batches (default: the project's)",
+    )
+    parser.add_argument(
+        "--attention-dropout",
+        default=None,
+        help="qa: ours' model.attention_dropout (default: the project's; null: the model's own, "
+        "as the peer)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="ours with trainer.compile (warm-up compiles)"
