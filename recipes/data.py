@@ -319,10 +319,17 @@ def cache_key(**parts: object) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """What about a tokenizer decides the features it makes (its whole definition when fast)."""
-    definition = (
-        tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else sorted(tokenizer.get_vocab())
-    )
+    """What about a tokenizer decides the features it makes (its whole definition when fast).
+
+    Without the fast tokenizer's truncation and padding state: each call with ``truncation=``
+    or ``padding=`` sets it, so it says what the last call asked for, not what the tokenizer is
+    (the same features would get a new key once a tokenizer had been used)."""
+    if tokenizer.is_fast:
+        definition: Any = json.loads(tokenizer.backend_tokenizer.to_str())
+        definition.pop("truncation", None)
+        definition.pop("padding", None)
+    else:
+        definition = sorted(tokenizer.get_vocab())
     return cache_key(
         definition=definition, cls=type(tokenizer).__name__, side=tokenizer.padding_side
     )
@@ -339,9 +346,17 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         data.save_to_disk(str(tmp))
         (tmp / ".complete").touch()
-        if folder.exists():  # a stale, incomplete folder from an interrupted run
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        if (folder / ".complete").exists():  # another run sharing the cache finished first
+            shutil.rmtree(tmp)
+        else:
+            if folder.exists():  # a stale, incomplete folder from an interrupted run
+                shutil.rmtree(folder)
+            try:
+                tmp.rename(folder)
+            except OSError:  # another run renamed its copy in between
+                if not (folder / ".complete").exists():
+                    raise
+                shutil.rmtree(tmp)
         log.info("cached features in %s", folder)
     else:
         log.info("reusing cached features from %s", folder)

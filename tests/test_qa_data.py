@@ -153,11 +153,29 @@ def test_eval_windows_keep_ids_and_context_offsets(tokenizer, tmp_path):
 def test_features_are_cached_by_content(tokenizer, tmp_path, caplog):
     _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
     folders = sorted(p.name for p in tmp_path.iterdir())
+    # A call with other truncation and padding changes the fast tokenizer's state, not its
+    # features: the same key.
+    tokenizer("a question", "a context", truncation="only_second", max_length=16, padding=True)
     with caplog.at_level("INFO", logger="recipes"):
         _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
     assert sorted(p.name for p in tmp_path.iterdir()) == folders
     _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=64, max_query_length=32)
     assert len(list(tmp_path.iterdir())) == len(folders) + 2  # new settings, new features
+
+
+def test_features_another_run_cached_meanwhile_are_kept(tmp_path):
+    """Two runs sharing a cache (pytest -n 2, or two jobs) may build the same features at once:
+    the one that finishes second uses the first's folder and removes its own copy."""
+    from datasets import Dataset
+
+    folder = tmp_path / "features"
+
+    def build() -> Dataset:
+        data_lib.cached(folder, lambda: Dataset.from_dict({"x": [1]}))  # the other run
+        return Dataset.from_dict({"x": [2]})
+
+    assert data_lib.cached(folder, build)["x"] == [1]
+    assert [p.name for p in tmp_path.iterdir()] == ["features"]
 
 
 def test_v2_unanswerable_questions_are_labelled_cls(tokenizer, tmp_path):
