@@ -18,6 +18,13 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_EVALUATE_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = os.environ.get("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest -n N (pytest-xdist) each worker and the train.py processes it starts compute on
+# one thread: N workers of several OpenMP threads each on N cores spin against each other, and
+# a tiny model's run gets many times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # already imported: its thread pool is set
+        sys.modules["torch"].set_num_threads(1)
 
 # Tests build their tasks from conf/task/*.yaml, where the defaults are written (after the
 # settings above: it imports the project).
