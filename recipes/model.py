@@ -22,6 +22,14 @@ log = get_logger(__name__)
 ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
 
 
+def _source(cfg: ModelConfig) -> dict[str, Any]:
+    """Which files of ``model.name_or_path`` to read: the revision, remote code, a GGUF file."""
+    source: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file:
+        source["gguf_file"] = cfg.gguf_file
+    return source
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer; a missing or unreachable model fails with the key to fix.
 
@@ -29,12 +37,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     usual for these models; the attention mask keeps padding out of the loss.
     """
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            cfg.name_or_path,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-            **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}),
-        )
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, **_source(cfg))
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load a tokenizer ({first_line(err)}). "
@@ -53,12 +56,7 @@ def config_overrides(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.attention_dropout is None and not cfg.config_overrides:
         return {}
     try:
-        config = AutoConfig.from_pretrained(
-            cfg.name_or_path,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-            **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}),
-        )
+        config = AutoConfig.from_pretrained(cfg.name_or_path, **_source(cfg))
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load its config ({first_line(err)})."
@@ -110,16 +108,9 @@ def load_model(
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = device.default_attn_implementation()
-    kwargs = {
-        "revision": cfg.revision,
-        "trust_remote_code": cfg.trust_remote_code,
-        **(overrides or {}),
-        **task_kwargs,
-    }
+    kwargs = {**_source(cfg), **(overrides or {}), **task_kwargs}
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
-    if cfg.gguf_file:
-        kwargs["gguf_file"] = cfg.gguf_file
     try:
         try:
             model = auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
