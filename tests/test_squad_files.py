@@ -257,6 +257,30 @@ MALFORMED = [
         ["id 572657d9dd62a815002e8230: no answer", "recipe=bert_squad_v2"],
         id="v2-data-for-v1-recipe",
     ),
+    pytest.param(
+        "train.json",
+        _nested(lambda raw: _qa(raw)["answers"][0].update(text=" ")),
+        ["data[0].paragraphs[0].qas[0]", "answer 0: 'text' is empty", "'answers': []"],
+        id="answer-text-blank",
+    ),
+    pytest.param(
+        "train.jsonl",
+        _jsonl([ROW, _with(ROW, id="q2", answers={"text": [""], "answer_start": [-1]})]),
+        ["line 2 (id q2): answer 0: 'text' is empty", "'answers': []"],
+        id="no-answer-written-as-empty-text",
+    ),
+    pytest.param(
+        "train.json",
+        _nested(lambda raw: _qa(raw)["answers"][0].update(answer_start=10**30)),
+        ["data[0].paragraphs[0].qas[0]", f"answer_start={10**30} is past the end of the context"],
+        id="answer-start-beyond-int64",
+    ),
+    pytest.param(
+        "train.json",
+        json.dumps(_dev()) + "\n" + json.dumps(_dev()),
+        ["not valid JSON at line 2 column 1", "more data after the end of the JSON document"],
+        id="two-files-joined",
+    ),
 ]
 
 
@@ -331,6 +355,10 @@ def test_parquet_and_saved_data_are_checked_too(tokenizer, tmp_path):
     Dataset.from_list([rows[0], rows[1], _with(rows[2], id=rows[0]["id"])]).to_parquet(bad)
     message = _refused(tokenizer, tmp_path, bad)
     assert f"id {rows[0]['id']!r} is used 2 times (row 0, row 2)" in message
+    blank = _with(rows[1], answers={"text": [""], "answer_start": [0]})
+    Dataset.from_list([rows[0], blank, rows[2]]).to_parquet(bad)
+    message = _refused(tokenizer, tmp_path, bad)
+    assert f"id {rows[1]['id']}: answers.text[0] is empty" in message
     saved = tmp_path / "saved"
     without_id = Dataset.from_list([_with(rows[0], id=None), *rows[1:]])
     DatasetDict({"train": without_id}).save_to_disk(str(saved))

@@ -168,9 +168,11 @@ def _is_json_lines(text: str) -> bool:
     if not rest.strip():
         return False
     try:
-        return isinstance(json.loads(first), dict)
+        row = json.loads(first)
     except json.JSONDecodeError:
         return False
+    # A whole SQuAD file on the first line with more after it is JSON with extra data.
+    return isinstance(row, dict) and "data" not in row
 
 
 def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
@@ -190,13 +192,18 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 
 
 def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> str:
+    where = f"{path}: not valid JSON at line {err.lineno} column {err.colno}"
+    if err.msg == "Extra data":  # e.g. two files joined into one
+        return (
+            f"{where} (more data after the end of the JSON document). Keep one document per "
+            "file: remove what follows, or split it into its own file."
+        )
     # A string running to the end of the file is the usual sign of a download cut short.
     cut = not text[err.pos :].strip() or err.msg.startswith("Unterminated string")
     ends = "; the file ends before it is complete: cut short?" if cut else ""
     return (
-        f"{path}: not valid JSON at line {err.lineno} column {err.colno} "
-        f"({err.msg.removesuffix(' at')}{ends}). Fix the file there (a missing comma, quote or "
-        "bracket?)."
+        f"{where} ({err.msg.removesuffix(' at')}{ends}). Fix the file there (a missing comma, "
+        "quote or bracket?)."
     )
 
 
@@ -227,6 +234,13 @@ def _question_row(place: str, raw: Any, problems: list[str]) -> dict[str, Any] |
             f"is_impossible is true but it has {len(answers[0])} answer(s); empty 'answers' "
             "(plausible answers go in 'plausible_answers') or set is_impossible to false"
         )
+    if not wrong and not raw["context"].strip():
+        wrong.append("empty context")
+    elif not wrong and any(start > len(raw["context"]) for start in answers[1]):
+        wrong.append(
+            f"answer_start={max(answers[1])} is past the end of the context "
+            f"({len(raw['context'])} characters)"
+        )
     if wrong:
         problems.append(f"{label}: {'; '.join(wrong)}")
         return None
@@ -244,6 +258,11 @@ def _question_row(place: str, raw: Any, problems: list[str]) -> dict[str, Any] |
 ANSWERS_SHAPE = (
     '\'answers\' must be a list of {"text", "answer_start"} objects or '
     '{"text": [...], "answer_start": [...]}'
+)
+
+
+NO_ANSWER = (
+    "a question without an answer has no answers ('answers': []; SQuAD v2.0, recipe=bert_squad_v2)"
 )
 
 
@@ -267,6 +286,8 @@ def _answer_columns(answers: Any) -> tuple[list[str], list[int]] | str:
         offset = _offset(start)
         if not isinstance(text, str):
             return f"answer {n}: 'text' must be a string, found {_kind(text)}"
+        if not text.strip():  # also the "" at -1 some exports write for "no answer"
+            return f"answer {n}: 'text' is empty: {NO_ANSWER}"
         if offset is None:
             return f"answer {n}: answer_start={start!r} is not a character offset (an integer >= 0)"
         texts_out.append(text)
@@ -450,6 +471,9 @@ def _label_problems(row: Mapping[str, Any], allow_unanswerable: bool) -> list[st
             "task.version_2_with_negative=true)"
         )
     for n, (text, start) in enumerate(zip(texts, starts, strict=True)):
+        if not text.strip():
+            problems.append(f"answers.text[{n}] is empty: {NO_ANSWER}")
+            continue
         found = context[start : start + len(text)] if start >= 0 else None
         if found != text:
             problems.append(
