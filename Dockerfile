@@ -46,7 +46,11 @@ COPY scripts ./scripts
 # - the project goes in with --no-deps, then its requirements other than torch under the pins,
 #   so pip never weighs torch itself (vendor builds carry versions like 2.2.0a0+git8ac9b20);
 # - the floor is checked on the release number instead (2.2.0a0 passes, 2.0.0 fails the build),
-#   and the pins and torch's location are compared before and after: any change fails the build.
+#   before any other requirement is resolved (packaging, which reads versions, goes in first), so
+#   a wrong image fails on that and not on a resolver conflict;
+# - a dependency whose newest release wants a newer torch than the image's (accelerate 1.16 wants
+#   torch>=2.6) resolves to an older release that accepts it (accelerate 1.15 on torch 2.2);
+# - the pins and torch's location are compared before and after: any change fails the build.
 # Nothing here imports torch (TORCH_DEVICE_BACKEND_AUTOLOAD=0 in case something does): newer
 # torch_musa releases load with torch, and may need MUSA driver libraries a build does not have.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -65,6 +69,14 @@ RUN set -eux; \
     torch_pins > "$tmp/keep.txt"; \
     torch_at > "$tmp/torch-at.txt"; \
     python -m pip install --no-deps .; \
+    python -m pip install --constraint "$tmp/keep.txt" packaging; \
+    python -c "import importlib.metadata as m, sys; \
+        from packaging.requirements import Requirement; from packaging.version import Version; \
+        have = Version(m.version('torch')); \
+        need = [Requirement(r) for r in m.requires('musa-recipes')]; \
+        bad = [r for r in need if r.name == 'torch' \
+               and not r.specifier.contains(have.base_version, prereleases=True)]; \
+        sys.exit(f'the image has torch {have}; musa-recipes needs {bad[0]}' if bad else 0)"; \
     python -c "import importlib.metadata as m, re; \
         reqs = [r for r in m.requires('musa-recipes') if 'extra ==' not in r]; \
         print(*(r for r in reqs if re.match('[A-Za-z0-9._-]+', r)[0].lower() != 'torch'), \
@@ -73,13 +85,6 @@ RUN set -eux; \
     python -m pip install --constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt"; \
     torch_pins | diff "$tmp/keep.txt" -; \
     torch_at | diff "$tmp/torch-at.txt" -; \
-    python -c "import importlib.metadata as m, sys; \
-        from packaging.requirements import Requirement; from packaging.version import Version; \
-        have = Version(m.version('torch')); \
-        need = [Requirement(r) for r in m.requires('musa-recipes')]; \
-        bad = [r for r in need if r.name == 'torch' \
-               and not r.specifier.contains(have.base_version, prereleases=True)]; \
-        sys.exit(f'the image has torch {have}; musa-recipes needs {bad[0]}' if bad else 0)"; \
     rm -rf "$tmp"
 
 # A non-root user where the base allows it (an image without useradd, or with the UID taken, still

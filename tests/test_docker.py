@@ -276,19 +276,47 @@ def test_install_step_keeps_the_installed_torch(throwaway: Throwaway) -> None:
     assert metadata.version("torch") == torch_version  # this environment untouched
 
 
+def _wants_newer_torch(torch_version: str) -> dict[str, str]:
+    """The project's requirements whose release installed here declares a torch requirement that
+    ``torch_version`` does not meet (accelerate 1.16 wants torch>=2.6), each with the project's
+    floor for it: name -> floor version."""
+    found = {}
+    for need in pyproject_requirements("dependencies"):
+        if need.name == "torch" or find_spec(need.name.replace("-", "_")) is None:
+            continue
+        wants = [Requirement(r) for r in metadata.requires(need.name) or []]
+        if any(
+            r.name == "torch"
+            and r.marker is None
+            and not r.specifier.contains(torch_version, prereleases=True)
+            for r in wants
+        ):
+            found[need.name] = min(spec.version for spec in need.specifier)
+    return found
+
+
 @pytest.mark.slow
 def test_install_step_keeps_a_vendor_torch_build(throwaway: Throwaway) -> None:
     # What a torch_musa 1.3 image reports. Its torch is a pre-release by version number, so the
     # project's torch>=2.2 alone would not accept it; the install must keep it all the same.
-    _fake_installed(throwaway.site, "torch", "2.2.0a0+git8ac9b20")
+    vendor_torch = "2.2.0a0+git8ac9b20"
+    _fake_installed(throwaway.site, "torch", vendor_torch)
     _fake_installed(throwaway.site, "torch_musa", "1.3.0")
+    # A requirement whose newest release wants a newer torch must resolve to an older release
+    # that accepts the image's, as pip does against PyPI (accelerate 1.15 on torch 2.2). Offline,
+    # the older release is a wheel at the project's floor that accepts any torch 2.
+    older = _wants_newer_torch(vendor_torch)
+    for name, version in older.items():
+        _write_wheel(throwaway.links, name, version, requires=("torch>=2.0",))
     before = throwaway.pins()
-    assert before == {"torch": "2.2.0a0+git8ac9b20", "torch_musa": "1.3.0"}
+    assert before == {"torch": vendor_torch, "torch_musa": "1.3.0"}
     done = throwaway.run_install_step()
     assert done.returncode == 0, _output(done)
     assert throwaway.pins() == before
-    installer = throwaway.site / "torch-2.2.0a0+git8ac9b20.dist-info" / "INSTALLER"
+    installer = throwaway.site / f"torch-{vendor_torch}.dist-info" / "INSTALLER"
     assert installer.read_text() == "vendor\n"
+    for name, version in older.items():
+        assert (throwaway.site / f"{name}-{version}.dist-info").is_dir(), _output(done)
 
 
 @pytest.mark.slow
