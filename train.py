@@ -16,8 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from recipes.config import ConfigError, register_resolvers
-from recipes.data import DataError
+from recipes.config import ConfigError, DataError, register_resolvers, validate
 
 register_resolvers()
 
@@ -26,8 +25,14 @@ register_resolvers()
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the task's main metric of the final evaluation (F1 for QA,
     perplexity for language modelling, ...), the objective of a Hydra sweeper."""
+    try:
+        # Settings first, before torch and transformers load: a bad one is refused in about a
+        # second instead of ten (train() checks them again, with the data and the model).
+        validate(cfg)
+    except ConfigError as err:
+        return _failed(cfg, err, exit_code=2)
     from recipes.faults import Interrupted, TrainingError, peer_failure
-    from recipes.loop import train  # imported late: `--help` and `--cfg` stay fast
+    from recipes.loop import train  # imported late: `--help`, `--cfg` and refusals stay fast
 
     try:
         result = train(cfg)

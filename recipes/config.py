@@ -29,6 +29,12 @@ class ConfigError(ValueError):
     """A setting is wrong; the message names the key and how to fix it."""
 
 
+class DataError(ValueError):
+    """The data cannot be used as given; the message names the file, example and field. (Defined
+    here, beside :class:`ConfigError`, so that ``train.py`` catches both without importing torch
+    and datasets; ``recipes.data`` re-exports it.)"""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an error's message (its type's name when it has none), for one-line
     messages that quote a library's error."""

@@ -30,7 +30,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from torch.utils.data import Sampler
 
-from recipes.config import DataConfig, first_line
+from recipes.config import DataConfig, DataError, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -50,10 +50,6 @@ EXTENSIONS = {
 
 # A reader for a task-specific file format: returns None when the file is not in that format.
 Reader = Callable[[Path], "Dataset | None"]
-
-
-class DataError(ValueError):
-    """The data cannot be used as given; the message names the file, example and field."""
 
 
 class MissingSplit(DataError):

@@ -12,8 +12,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import datasets
-import transformers
 from tqdm.auto import tqdm
 
 from recipes.config import ASSETS
@@ -68,6 +66,9 @@ def get_logger(name: str) -> logging.Logger:
 def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     """Route ``recipes.*`` logs to the terminal (and a file), quiet libraries on other ranks, and
     keep library progress bars and expected load reports out of every run's output."""
+    import datasets  # here, not at the top: train.py's refusals stay free of them
+    import transformers
+
     root = logging.getLogger("recipes")
     root.handlers.clear()
     root.propagate = False

@@ -9,12 +9,13 @@ import secrets
 import string
 import time
 from pathlib import Path
-from typing import Any
-
-from accelerate import Accelerator
+from typing import TYPE_CHECKING, Any
 
 from recipes.config import LoggerConfig
 from recipes.log import get_logger
+
+if TYPE_CHECKING:  # annotations only: train.py reports a failed sweep job without torch
+    from accelerate import Accelerator
 
 log = get_logger(__name__)
 
