@@ -21,7 +21,9 @@ draws the same plain random batches as ``run_qa_no_trainer`` and runs each as le
 sub-batches, each padded to its own longest (``trainer.sub_batches``, the project's default;
 ``--sub-batches 1`` runs them whole, ``--group-by-length`` sorts windows across batches).
 ``--mixed-precision auto`` runs each side at its own default
-(ours ``trainer.mixed_precision=auto``, the peers fp32).
+(ours ``trainer.mixed_precision=auto``, the peers fp32). ``--against KEY=VALUE ...`` replaces the
+peer by ours again with those overrides added: an A/B of two settings of ``train.py`` in one run
+(``--against trainer.mixed_precision=no`` measures what bf16 autocast gives).
 
 ``qa-eval``: evaluation of the same model on the same windows: ours is ``train.py``'s own
 evaluation (``eval/runtime_s``: forward passes, answer extraction, EM / F1, predictions files);
@@ -65,6 +67,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -92,8 +96,9 @@ def _peak_memory_mb(device) -> float:
 # ------------------------------------------------------------------------------------ our side
 
 
-def run_ours(args: argparse.Namespace, out: Path) -> dict:
-    """``train.py`` itself, as a user runs it, with one log window for warm-up and one measured."""
+def run_ours(args: argparse.Namespace, out: Path, extra: Sequence[str] = ()) -> dict:
+    """``train.py`` itself, as a user runs it, with one log window for warm-up and one measured;
+    ``extra`` overrides come last (``--against``)."""
     run_dir = out / "ours"
     if args.task == "clm":
         task_overrides = [
@@ -137,6 +142,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         "trainer.progress_bar=false",
         "logger=none",
         f"output_dir={run_dir}",
+        *extra,
     ]
     records = _train_records(overrides, run_dir)
     windows = [r for r in records if "train/tokens_per_second" in r and r["step"] > args.warmup]
@@ -165,9 +171,12 @@ def _precisions(args: argparse.Namespace) -> dict[str, str]:
     """The mixed precision each side trains in (``auto`` resolved as train.py resolves it)."""
     from recipes.loop import resolve_mixed_precision
 
-    if args.mixed_precision != "auto":
-        return {"ours": args.mixed_precision, "peer": args.mixed_precision}
-    return {"ours": resolve_mixed_precision("auto"), "peer": "no"}
+    ours = resolve_mixed_precision(args.mixed_precision)
+    if args.against:  # ours again, in the precision its overrides give
+        against = dict(o.split("=", 1) for o in args.against)
+        peer = against.get("trainer.mixed_precision", args.mixed_precision)
+        return {"ours": ours, "peer": resolve_mixed_precision(peer)}
+    return {"ours": ours, "peer": _peer_precision(args)}
 
 
 def _window_seconds(record: dict, args: argparse.Namespace) -> float:
@@ -744,6 +753,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="postprocess: a trained QA model folder whose logits to use (default: random ones)",
     )
+    parser.add_argument(
+        "--against",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="qa: instead of the peer, ours again with these train.py overrides added (an A/B "
+        "of settings in one run, e.g. --against trainer.mixed_precision=no)",
+    )
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = {  # per task: model, sequence length, batch
@@ -755,6 +772,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.model = args.model or defaults[0]
     args.block_size = args.block_size or defaults[1]
     args.batch_size = args.batch_size or defaults[2]
+    if args.against and args.task != "qa":
+        parser.error("--against compares train.py settings in training (task qa)")
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the log window)")
     return args
@@ -773,11 +792,12 @@ def main(argv: list[str]) -> None:
         if args.resize:
             args.model = _resized_model(args.model, args.resize, Path(tmp) / "model", args.task)
         for round_ in range(args.rounds):
-            sides = (
-                (("ours", run_ours_eval), ("peer", run_peer))
-                if args.task == "qa-eval"
-                else (("ours", run_ours), ("peer", run_peer))
-            )
+            if args.task == "qa-eval":
+                sides = (("ours", run_ours_eval), ("peer", run_peer))
+            elif args.against:
+                sides = (("ours", run_ours), ("peer", partial(run_ours, extra=args.against)))
+            else:
+                sides = (("ours", run_ours), ("peer", run_peer))
             for side, run in sides:
                 out = Path(tmp) / f"{side}{round_}"
                 out.mkdir()
@@ -832,6 +852,8 @@ def _resized_model(source: Path, changes: str, folder: Path, task: str) -> Path:
 
 
 def _peer_name(args: argparse.Namespace) -> str:
+    if args.against:
+        return "ours " + " ".join(args.against)
     if args.task == "qa":
         return args.peer
     return "run_qa_no_trainer" if args.task == "qa-eval" else "Trainer"
