@@ -182,6 +182,9 @@ def test_compiled_model_trains_like_eager_and_saves_plain_keys(tmp_path, cache_d
             "trainer.log_every_n_steps=1",
             "trainer.save_every_n_steps=4",
             f"trainer.compile={str(compiled).lower()}",
+            # One compiled evaluation (at the end) is enough; no generated sample.
+            "trainer.eval_at_start=false",
+            "task.sample_prompt=null",
         )
         losses[compiled] = [r["train/loss"] for r in _metrics(run) if "train/loss" in r]
     assert len(losses[True]) == 4
