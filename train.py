@@ -27,15 +27,15 @@ def main(cfg: DictConfig) -> float | None:
     perplexity for language modelling, ...), the objective of a Hydra sweeper."""
     try:
         # Settings first, before torch and transformers load: a bad one is refused in about a
-        # second instead of ten (train() checks them again, with the data and the model).
-        validate(cfg)
+        # second instead of ten (train() then checks the task, the data and the model).
+        settings = validate(cfg)
     except ConfigError as err:
         return _failed(cfg, err, exit_code=2)
     from recipes.faults import Interrupted, TrainingError, peer_failure
     from recipes.loop import train  # imported late: `--help`, `--cfg` and refusals stay fast
 
     try:
-        result = train(cfg)
+        result = train(cfg, settings)
     except (ConfigError, DataError) as err:
         return _failed(cfg, err, exit_code=2)
     except TrainingError as err:

@@ -40,7 +40,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from recipes import adapters, checkpoint, device, runs, tracking
 from recipes import data as data_lib
-from recipes.config import ConfigError, Settings, instantiate, validate
+from recipes.config import ConfigError, Settings, instantiate
 from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
@@ -53,15 +53,15 @@ from recipes.tracking import MetricsLogger
 log = get_logger(__name__)
 
 
-def train(cfg: DictConfig) -> RunResult:
-    """Run the recipe described by the composed config ``cfg``; returns its final evaluation.
+def train(cfg: DictConfig, settings: Settings) -> RunResult:
+    """Run the recipe described by the composed config ``cfg``, whose typed view
+    :func:`recipes.config.validate` returned as ``settings``; returns its final evaluation.
 
     Raises:
         ConfigError / DataError: bad settings or data, before any expensive work.
         TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
         Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
     """
-    settings: Settings = validate(cfg)
     task = instantiate(cfg, "task")  # checks its own settings before any heavy work
     accelerator = _build_accelerator(cfg, settings)
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)

@@ -282,9 +282,12 @@ def _wants_newer_torch(torch_version: str) -> dict[str, str]:
     floor for it: name -> floor version."""
     found = {}
     for need in pyproject_requirements("dependencies"):
-        if need.name == "torch" or find_spec(need.name.replace("-", "_")) is None:
+        if need.name == "torch":
             continue
-        wants = [Requirement(r) for r in metadata.requires(need.name) or []]
+        try:  # by distribution name: hydra-core's module is hydra
+            wants = [Requirement(r) for r in metadata.requires(need.name) or []]
+        except metadata.PackageNotFoundError:
+            continue
         if any(
             r.name == "torch"
             and r.marker is None
