@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from recipes import device
 from recipes.device import CUDA, MUSA
@@ -47,20 +48,22 @@ _SYS_MODULE = "/sys/module"
 TORCH_MUSA_RELEASES_URL = "https://github.com/MooreThreads/torch_musa/releases"
 MUSA_IMAGE = "registry.mthreads.com/mcconline/musa-pytorch-release-public:<tag>"
 
-# The torch each torch_musa release is built against (the ``TORCH_MIN_VERSION`` / "torch version
-# should be" check in each tag's torch_musa/__init__.py): (release as Moore Threads names it, the
-# version prefix it reports, torch). v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>`` (setup.py
+# The torch each torch_musa release is built against, and the oldest it imports with, as each
+# tag's torch_musa/__init__.py checks them: it raises below ``TORCH_MIN_VERSION`` (compared by
+# base version, so 2.2.0a0 counts as 2.2.0) and warns unless the build's version string is in
+# ``torch.__version__``. Rows: (release as Moore Threads names it, the version prefix it reports,
+# built against, TORCH_MIN_VERSION). v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>`` (setup.py
 # writes version.txt plus the commit), so 2.0 maps to two torch releases and either one matches.
-_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str], ...] = (
-    ("v1.0-v1.2", (1, 0), "2.0.0"),
-    ("v1.0-v1.2", (1, 1), "2.0.0"),
-    ("v1.0-v1.2", (1, 2), "2.0.0"),
-    ("v1.3.x", (1, 3), "2.2.0"),
-    ("v2.0.x", (2, 0), "2.2.0"),
-    ("v2.0.0-pt25", (2, 0), "2.5.0"),
-    ("v2.1.x", (2, 1), "2.5.0"),
-    ("v2.5.0", (2, 5), "2.5.0"),
-    ("v2.7.x", (2, 7), "2.7.1"),
+_TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str, str], ...] = (
+    ("v1.0-v1.2", (1, 0), "2.0.0", "2.0.0"),
+    ("v1.0-v1.2", (1, 1), "2.0.0", "2.0.0"),
+    ("v1.0-v1.2", (1, 2), "2.0.0", "2.0.0"),
+    ("v1.3.x", (1, 3), "2.2.0", "2.0.0"),
+    ("v2.0.x", (2, 0), "2.2.0", "2.0.0"),
+    ("v2.0.0-pt25", (2, 0), "2.5.0", "2.5.0"),
+    ("v2.1.x", (2, 1), "2.5.0", "2.5.0"),
+    ("v2.5.0", (2, 5), "2.5.0", "2.5.0"),
+    ("v2.7.x", (2, 7), "2.7.1", "2.7.1"),
 )
 
 # The Dockerfile passes its base image on; the vendor's tags name the GPU family they are built
@@ -73,22 +76,45 @@ def _major_minor(version: str) -> tuple[int, int] | None:
     return None if match is None else (int(match[1]), int(match[2]))
 
 
+def _builds(version: str) -> list[tuple[str, str]]:
+    """(built against, TORCH_MIN_VERSION) of the releases a torch_musa version may be."""
+    key = _major_minor(version)
+    found = [(built, low) for _, release, built, low in _TORCH_MUSA_BUILDS if release == key]
+    if "pt25" in version:
+        found = [(built, low) for built, low in found if built == "2.5.0"]
+    return found
+
+
 def torch_for_torch_musa(version: str) -> tuple[str, ...]:
     """The torch releases a torch_musa ``__version__`` (``"2.0.0+8b583b3"``) or release name
     (``"v2.0.0-pt25"``) may be built against: ``("2.2.0",)``, both for a 2.0 build that does not
     say which, empty for a release not in the table (not guessed)."""
-    key = _major_minor(version)
-    found = [built for _, release, built in _TORCH_MUSA_BUILDS if release == key]
-    if "pt25" in version:
-        found = [built for built in found if built == "2.5.0"]
-    return tuple(dict.fromkeys(found))
+    return tuple(dict.fromkeys(built for built, _ in _builds(version)))
+
+
+def torch_musa_minimum_torch(version: str) -> str | None:
+    """The oldest torch a torch_musa version imports with (its ``TORCH_MIN_VERSION``; the lower
+    one where the version string does not say which build it is); None when not in the table."""
+    lows = [low for _, low in _builds(version)]
+    return min(lows, key=Version) if lows else None
+
+
+def torch_base_version(torch_version: str) -> Version:
+    """``2.2.0`` of a vendor build's ``2.2.0a0+git8ac9b20``: what torch_musa compares."""
+    return Version(Version(torch_version).base_version)
 
 
 def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
-    """The torch_musa releases built against a torch release, compared by major.minor
-    (``["v1.3.x", "v2.0.x"]``); empty when none is."""
+    """The torch_musa releases built for a torch's major.minor that also import with it (not
+    below their ``TORCH_MIN_VERSION``: v2.7.x refuses torch 2.7.0), e.g. ``["v1.3.x",
+    "v2.0.x"]``; empty when none is."""
     key = _major_minor(torch_version)
-    releases = [label for label, _, built in _TORCH_MUSA_BUILDS if _major_minor(built) == key]
+    have = torch_base_version(torch_version)
+    releases = [
+        label
+        for label, _, built, low in _TORCH_MUSA_BUILDS
+        if _major_minor(built) == key and have >= Version(low)
+    ]
     return list(dict.fromkeys(releases))
 
 

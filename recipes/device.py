@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 import re
 import types
 from pathlib import Path
@@ -149,14 +150,28 @@ def device_capability(index: int = 0) -> tuple[int, int] | None:
     return int(props.major), int(props.minor)
 
 
+def own_device_index(module: types.ModuleType) -> int:
+    """The device this process trains on: its ``LOCAL_RANK`` under a launcher (accelerate and
+    torchrun give each local process the device of its rank), else the current device.
+
+    Asked before accelerate has set each rank's device, ``current_device()`` is 0 in every rank,
+    and reading device 0 may open a context on card 0 in all eight processes of a node.
+    """
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if local_rank.isdigit():
+        count = int(module.device_count())
+        return int(local_rank) % count if count else 0
+    return int(module.current_device())
+
+
 def _native(index: int | None) -> bool:
-    """Whether a device of this backend (the current one by default) reaches the capability
+    """Whether a device of this backend (this process's own by default) reaches the capability
     from which bf16 and TF32 are native."""
     name = backend()
     module = device_module(name)
     if module is None:
         return False
-    capability = device_capability(module.current_device() if index is None else index)
+    capability = device_capability(own_device_index(module) if index is None else index)
     return capability is not None and capability >= _NATIVE_BF16_TF32.get(name, (99, 0))
 
 
@@ -171,7 +186,7 @@ def supports_bf16(index: int | None = None) -> bool:
     if name == CPU:
         return True
     if name == CUDA and getattr(torch.version, "hip", None):
-        index = torch.cuda.current_device() if index is None else index
+        index = own_device_index(torch.cuda) if index is None else index
         return index < device_count()
     return _native(index)
 
@@ -252,31 +267,42 @@ def _fused_kernel_devices(found: tuple[int, int]) -> frozenset[str]:
     return frozenset(kinds)
 
 
+def _has_fused_adamw_kernel(kind: str) -> bool:
+    """Whether torch's ``_fused_adamw_`` has a kernel for an out-of-tree device type: torch_musa
+    registers one for MUSA from v2.1.1 (``musa_functions.yaml``); before, AdamW(fused=True)
+    builds on MUSA and fails at its first step."""
+    if kind != torch._C._get_privateuse1_backend_name():
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1")
+
+
 def fused_adamw_ok(
     target: torch.device | str,
     params_on: torch.device | str,
     release: tuple[int, int] | None = None,
 ) -> bool:
     """Whether ``torch.optim.AdamW(fused=True)`` can be built where the parameters are now
-    (``params_on``: the CPU, before ``accelerator.prepare``) and stepped on ``target``, under
-    torch ``release`` (this torch's by default). False on MUSA, where torch's fused AdamW fails
-    and torch_musa has its own (:func:`musa_fused_adamw`)."""
+    (``params_on``: the device, or the CPU where a launcher places the model later) and stepped
+    on ``target``, under torch ``release`` (this torch's by default)."""
     # Device types as strings: "musa" only parses as a torch.device once torch_musa is loaded.
     target_kind, params_kind = (
         where.type if isinstance(where, torch.device) else str(where).partition(":")[0]
         for where in (target, params_on)
     )
-    if target_kind not in (CUDA, CPU):
-        return False
     kinds = _fused_kernel_devices(torch_version() if release is None else release)
-    return target_kind in kinds and params_kind in kinds
+    if target_kind not in kinds or params_kind not in kinds:
+        return False
+    return target_kind in (CUDA, CPU) or _has_fused_adamw_kernel(target_kind)
 
 
 def musa_fused_adamw() -> type[torch.optim.Optimizer] | None:
-    """torch_musa's ``FusedAdamW`` (v2.5 and later; the vendor's recommendation on MUSA), or None.
+    """torch_musa's ``FusedAdamW`` (v2.1.1 and later; the vendor's recommendation on MUSA), or
+    None.
 
     It takes AdamW's hyper-parameters (no ``fused`` / ``foreach``) and keeps the same state
     (``step``, ``exp_avg``, ``exp_avg_sq``), so its checkpoints load into ``torch.optim.AdamW``.
+    Up to v2.7.0 its constructor refuses parameters that are not on the MUSA device yet
+    (``optim/fused_adamw.py``: "musa only"); v2.7.1 also takes CPU ones.
     """
     if not _import_torch_musa():
         return None
@@ -290,8 +316,8 @@ def musa_fused_adamw() -> type[torch.optim.Optimizer] | None:
 def compile_unsupported_reason(name: str | None = None) -> str | None:
     """Why ``torch.compile`` cannot train on this backend, or None when it can.
 
-    torch_musa registers its dynamo device interface and inductor backend from v2.0
-    (``torch_musa/_dynamo``, ``torch_musa/_inductor``); v1.3 has neither.
+    torch_musa registers its dynamo device interface and inductor backend from v1.3.2
+    (``torch_musa/_dynamo``, ``torch_musa/_inductor``); v1.3.0 has neither.
     """
     name = backend() if name is None else name
     if name != MUSA or importlib.util.find_spec("torch_musa._dynamo") is not None:
@@ -299,7 +325,35 @@ def compile_unsupported_reason(name: str | None = None) -> str | None:
     version = torch_musa_info()["version"] or "this version"
     return (
         f"torch_musa {version} has no torch.compile (dynamo/inductor) backend for MUSA; it "
-        "first ships in torch_musa v2.0"
+        "first ships in torch_musa v1.3.2"
+    )
+
+
+def checkpointing_autocast_unsupported_reason(
+    mixed_precision: str, name: str | None = None, release: tuple[int, int] | None = None
+) -> str | None:
+    """Why activation checkpointing cannot recompute under autocast here, or None when it can.
+
+    Before torch 2.4, ``torch.utils.checkpoint`` asks the device module itself for the autocast
+    state (``torch.musa.is_autocast_enabled`` / ``get_autocast_dtype``); torch_musa has them from
+    v1.3.2 (v1.3.0 names them ``is_autocast_musa_enabled`` / ``get_autocast_musa_dtype``).
+    Without them the backward pass recomputes each layer without autocast, in fp32, and torch's
+    check of the recomputed tensors stops the run at its first backward.
+    """
+    name = backend() if name is None else name
+    release = torch_version() if release is None else release
+    if mixed_precision not in ("fp16", "bf16") or name != MUSA or release >= (2, 4):
+        return None
+    module = device_module(MUSA)
+    if module is None or all(
+        hasattr(module, attr) for attr in ("is_autocast_enabled", "get_autocast_dtype")
+    ):
+        return None
+    version = torch_musa_info()["version"] or "this version"
+    return (
+        f"torch_musa {version} lacks torch.musa.is_autocast_enabled / get_autocast_dtype, which "
+        f"torch {release[0]}.{release[1]}'s checkpointing calls (they arrive in torch_musa "
+        f"v1.3.2), so the recomputed layers would run without {mixed_precision} autocast"
     )
 
 
@@ -440,49 +494,66 @@ _DTYPE_ALIASES = {
 }
 
 
-def peak_flops_by_name(name: str, dtype: str) -> float | None:
-    """Peak dense FLOP/s of a device named as its driver names it (``"MTT S4000"``,
-    ``"NVIDIA A100-SXM4-80GB"``) for ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``
-    (or the long names); None when the device or the dtype is not in the table (not guessed).
-    An unknown dtype raises ValueError: that is a caller bug, not a device gap."""
+def peak_flops_basis(name: str, dtype: str) -> str | None:
+    """Which column of the peak table a device's peak for ``dtype`` is read from: the dtype's
+    own, ``"fp32"`` where the device has no figure of its own for it, None where none applies.
+
+    Without TF32 units, "TF32 enabled" matmuls run at the fp32 rate. Moore Threads publishes no
+    fp16 figure for the MTT S80 / S3000, whose default precision is fp16: half precision runs at
+    least at the fp32 rate, so the fp32 figure bounds their peak from below and MFU from above.
+    An unknown dtype raises ValueError: that is a caller bug, not a device gap.
+    """
     key = _DTYPE_ALIASES.get(dtype.lower())
     if key is None:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_ALIASES)}")
     for pattern, figures in _PEAK_FLOPS:
         if pattern.search(name):
-            if key == "tf32" and key not in figures:
-                # Without TF32 units, "TF32 enabled" matmuls run at full fp32 rate.
-                return figures.get("fp32")
-            return figures.get(key)
+            if key in figures:
+                return key
+            return "fp32" if key in ("tf32", "fp16") and "fp32" in figures else None
     return None
+
+
+def peak_flops_by_name(name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a device named as its driver names it (``"MTT S4000"``,
+    ``"NVIDIA A100-SXM4-80GB"``) for ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``
+    (or the long names), from the column :func:`peak_flops_basis` names; None when the device
+    or the dtype is not in the table (not guessed)."""
+    basis = peak_flops_basis(name, dtype)
+    if basis is None:
+        return None
+    return next(figures[basis] for pattern, figures in _PEAK_FLOPS if pattern.search(name))
+
+
+def device_name(device: torch.device) -> str | None:
+    """The driver's name of the device the model runs on (``"MTT S4000"``); None on cpu."""
+    device, module = _module_for(device)
+    if module is None or not hasattr(module, "get_device_name"):
+        return None
+    index = device.index if device.index is not None else module.current_device()
+    return str(module.get_device_name(index))
 
 
 def peak_flops(device: torch.device, dtype: str) -> float | None:
     """Peak dense FLOP/s of the device the model runs on, for MFU; None on cpu and for devices
     not in the table."""
-    device, module = _module_for(device)
-    if module is None or not hasattr(module, "get_device_name"):
-        return None
-    index = device.index if device.index is not None else module.current_device()
-    return peak_flops_by_name(str(module.get_device_name(index)), dtype)
+    name = device_name(device)
+    return None if name is None else peak_flops_by_name(name, dtype)
 
 
 def mccl_available() -> bool:
     """Whether torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds ship
-    without it)."""
+    without it).
+
+    Read from ``torch.distributed.Backend.backend_list``, which ``register_backend`` extends only
+    in builds with MCCL: ``dist.is_backend_available("mccl")`` resolves to torch_musa's patched
+    ``is_mccl_available``, a constant True (``torch_patches/torch_distributed_distributed_c10d``).
+    """
     if not torch_musa_info()["imported"]:
         return False
     import torch.distributed as dist
 
-    if not dist.is_available():
-        return False
-    checker = getattr(dist, "is_backend_available", None)  # torch >= 2.3
-    if checker is not None:
-        try:
-            return bool(checker(MCCL))
-        except (RuntimeError, ValueError):
-            pass
-    return MCCL in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend, "MCCL")
+    return dist.is_available() and MCCL in getattr(dist.Backend, "backend_list", [])
 
 
 def distributed_backend() -> tuple[str | None, str]:

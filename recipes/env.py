@@ -15,6 +15,7 @@ any machine by feeding :func:`advice` a report dict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -22,7 +23,7 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ if __name__ == "__main__":
 
 import torch
 import yaml
+from packaging.version import Version
 
 from recipes import backends, device
 
@@ -75,6 +77,12 @@ def _devices() -> list[dict[str, Any]]:
                 "peak_flops": {
                     dtype: device.peak_flops_by_name(name, dtype)
                     for dtype in ("fp32", "tf32", "fp16", "bf16", "fp8")
+                },
+                # Where a dtype's peak is another column's figure (fp16 on MTT S80 / S3000).
+                "peak_flops_basis": {
+                    dtype: basis
+                    for dtype in ("fp32", "tf32", "fp16", "bf16", "fp8")
+                    if (basis := device.peak_flops_basis(name, dtype)) not in (None, dtype)
                 },
             }
         )
@@ -133,16 +141,31 @@ def sdpa_probe(where: str, dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
     results: dict[str, Any] = {"device": where, "ok": True, "dtypes": {}}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
-        try:
-            error = _sdpa_error(base, keep, where, dtype)
-        except Exception as err:  # any failure of the kernels is the finding
-            results["dtypes"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            results["ok"] = False
-            continue
-        ok = error <= tolerance.get(dtype, 5e-3)
-        results["dtypes"][name] = {"ok": ok, "relative_error": error}
-        results["ok"] = results["ok"] and ok
+        with _full_fp32(dtype == torch.float32):
+            found: dict[str, Any] = {"tf32": device.tf32_enabled()}
+            try:
+                error = _sdpa_error(base, keep, where, dtype)
+            except Exception as err:  # any failure of the kernels is the finding
+                found.update(ok=False, error=f"{type(err).__name__}: {err}")
+            else:
+                found.update(ok=error <= tolerance.get(dtype, 5e-3), relative_error=error)
+        results["dtypes"][name] = found
+        results["ok"] = results["ok"] and found["ok"]
     return results
+
+
+@contextlib.contextmanager
+def _full_fp32(wanted: bool) -> Iterator[None]:
+    """TF32 off for the fp32 check, restored afterwards: torch_musa 2.7 runs fp32 matmuls and
+    SDPA in TF32 by default, whose error would exceed the fp32 tolerance on a sound kernel."""
+    was = device.tf32_enabled()
+    if wanted and was:
+        device.set_tf32(False)
+    try:
+        yield
+    finally:
+        if wanted and was:
+            device.set_tf32(True)
 
 
 def _sdpa_error(
@@ -327,6 +350,9 @@ def _advice_musa_unseen(report: dict[str, Any]) -> list[str]:
 
 
 def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
+    """torch and torch_musa as torch_musa itself checks them when it is imported: it refuses a
+    torch below its ``TORCH_MIN_VERSION`` and warns unless the torch is the one it was built
+    against."""
     version = report["versions"]["torch_musa"]
     if not version:
         return []
@@ -337,16 +363,23 @@ def _advice_torch_musa_version(report: dict[str, Any]) -> list[str]:
             f"torch_musa {version} is not in the known compatibility table (recipes/backends.py): check "
             f"its release notes for the torch it needs (this Python has torch {torch_version})."
         ]
-    if _version_tuple(torch_version) in {_version_tuple(built) for built in expected}:
+    if any(built in torch_version for built in expected):
         return []
     wanted = " or ".join(expected)
-    pin = expected[0]
+    minimum = backends.torch_musa_minimum_torch(version)
+    if minimum and backends.torch_base_version(torch_version) < Version(minimum):
+        problem = f"refuses to import with torch {torch_version} (it needs torch >= {minimum})"
+    else:
+        problem = (
+            f"is built against torch {wanted}, but this Python has torch {torch_version}: "
+            "torch_musa warns, and a mismatched pair fails at import (undefined symbols) or at "
+            "run time"
+        )
     return [
-        f"torch_musa {version} is built against torch {wanted}, but this Python has torch "
-        f"{torch_version}: a mismatched pair fails at import (undefined symbols) or at run time. "
-        f"Install the torch wheel published with that torch_musa release "
-        f"({backends.TORCH_MUSA_RELEASES_URL}) or use the MUSA image that ships the pair, and keep pip from "
-        f"replacing it (pip install --no-deps, or a constraints file with torch=={pin})."
+        f"torch_musa {version} {problem}. Install the torch {wanted} wheel published with that "
+        f"torch_musa release ({backends.TORCH_MUSA_RELEASES_URL}) or use the MUSA image that "
+        "ships the pair, and keep pip from replacing it (pip install --no-deps, or a "
+        f"constraints file with torch=={expected[0]})."
     ]
 
 
@@ -700,8 +733,11 @@ def _probe_text(probe: dict[str, Any]) -> str:
 
 def _device_row(dev: dict[str, Any]) -> tuple[str, str]:
     memory = dev["total_memory_bytes"]
+    basis = dev.get("peak_flops_basis", {})
     peak_text = ", ".join(
-        f"{dtype} {value / 1e12:g}" for dtype, value in dev["peak_flops"].items() if value
+        f"{dtype} {value / 1e12:g}" + (f" ({basis[dtype]} figure)" if dtype in basis else "")
+        for dtype, value in dev["peak_flops"].items()
+        if value
     )
     return (
         f"device {dev['index']}",

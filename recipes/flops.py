@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from recipes import device
+from recipes.log import get_logger
+
+log = get_logger(__name__)
 
 
 class FlopCounter:
@@ -28,6 +31,18 @@ class FlopCounter:
         self.dense = 6.0 * weights
         self.attention = 12.0 * layers * width
         self.peak = device.peak_flops(where, precision)  # None on CPU and unknown devices
+        name = device.device_name(where)
+        basis = None if name is None else device.peak_flops_basis(name, precision)
+        if self.peak and precision in ("fp16", "bf16") and basis != precision:
+            log.info(
+                "MFU in %s on %s is against its %s peak, %.4g TFLOP/s (no %s figure is "
+                "published for it): an upper bound",
+                precision,
+                name,
+                basis,
+                self.peak / 1e12,
+                precision,
+            )
 
     def per_token(self, mean_length: float) -> float:
         return self.dense + self.attention * mean_length

@@ -40,7 +40,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from recipes import adapters, checkpoint, device, runs, tracking
 from recipes import data as data_lib
-from recipes.config import ConfigError, Settings, instantiate
+from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
 from recipes.faults import Interrupted, StopRequest, TrainingError
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
@@ -129,10 +129,7 @@ class Trainer:
             accelerator.distributed_type,
         )
         _check_grad_scaler(accelerator)
-        if trainer_cfg.compile and (
-            reason := device.compile_unsupported_reason(accelerator.device.type)
-        ):
-            raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
+        _check_device_support(trainer_cfg, accelerator)
         # Set both ways: torch_musa 2.7 turns TF32 on by default.
         self.tf32 = device.set_tf32(trainer_cfg.tf32)
         device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
@@ -234,6 +231,11 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
+        if places_model_first(accelerator.distributed_type, accelerator.device_placement):
+            # As transformers.Trainer does: a fused optimizer is built over parameters where
+            # it will step (torch_musa's FusedAdamW up to v2.7.0 refuses CPU ones, torch's
+            # fused AdamW before 2.4 too); prepare() would move the model there anyway.
+            self.model.to(accelerator.device)
         optimizer = build_optimizer(
             instantiate(self.cfg, "optimizer"), self.model, accelerator.device
         )
@@ -784,6 +786,18 @@ def _build_accelerator(cfg: DictConfig, settings: Settings) -> Accelerator:
     )
 
 
+def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:
+    """Whether the loop moves the model to its device before building the optimizer: wherever
+    accelerate would place it whole (one device, DDP). FSDP shards it from where it is, and
+    DeepSpeed and Megatron-LM place it themselves."""
+    launcher_places = (
+        DistributedType.FSDP,
+        DistributedType.DEEPSPEED,
+        DistributedType.MEGATRON_LM,
+    )
+    return device_placement and distributed_type not in launcher_places
+
+
 def _reset_accelerate() -> None:
     """Forget accelerate's process-wide state, so that the next job of a sweep (run in this
     process by Hydra's launcher) builds its own Accelerator, with its own precision, say.
@@ -816,6 +830,21 @@ def _check_grad_scaler(accelerator: Accelerator) -> None:
             "trainer.mixed_precision=fp16: this accelerate creates no grad scaler on "
             f"{accelerator.device.type} (accelerate 0.33-0.34 on MUSA). Install accelerate>=1.0, "
             "or set trainer.mixed_precision=no (or bf16 where the device has it)."
+        )
+
+
+def _check_device_support(trainer_cfg: TrainerConfig, accelerator: Accelerator) -> None:
+    """Refuse, before any model loads, what this device's torch_musa release cannot run."""
+    where, precision = accelerator.device.type, accelerator.mixed_precision
+    if trainer_cfg.compile and (reason := device.compile_unsupported_reason(where)):
+        raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
+    if trainer_cfg.gradient_checkpointing and (
+        reason := device.checkpointing_autocast_unsupported_reason(precision, where)
+    ):
+        raise ConfigError(
+            f"trainer.gradient_checkpointing=true with trainer.mixed_precision={precision}: "
+            f"{reason}. Use a MUSA image with torch_musa v1.3.2 or later, or set "
+            "trainer.mixed_precision=no, or trainer.gradient_checkpointing=false."
         )
 
 

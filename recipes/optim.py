@@ -9,7 +9,10 @@ import torch
 from transformers import get_scheduler
 
 from recipes import device
-from recipes.config import ConfigError
+from recipes.config import ConfigError, first_line
+from recipes.log import get_logger
+
+log = get_logger(__name__)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -40,8 +43,9 @@ def build_optimizer(
     """Call the ``optimizer`` config's partial with decay / no-decay parameter groups.
 
     AdamW with ``fused: null`` (the default) gets a fused kernel where ``target`` has one, as
-    ``transformers.Trainer`` does: torch's on CUDA (and the CPU from torch 2.4), torch_musa's
-    ``FusedAdamW`` on MUSA (torch's ``fused=True`` fails there). ``fused: false`` keeps the
+    ``transformers.Trainer`` does: torch's on CUDA (and the CPU from torch 2.4); on MUSA
+    torch_musa's ``FusedAdamW`` where its constructor takes the parameters where they are, else
+    torch's own fused AdamW where torch_musa registers its kernel. ``fused: false`` keeps the
     foreach implementation. Whichever is built, checkpoints load into the others.
     """
     keywords = dict(getattr(make_optimizer, "keywords", {}))
@@ -50,16 +54,30 @@ def build_optimizer(
     fused = keywords.get("fused")
     if fused is False or target is None or func not in (torch.optim.AdamW, torch.optim.Adam):
         return _portable(make_optimizer(params=groups))
-    on_musa = func is torch.optim.AdamW and target.type == device.MUSA
-    musa_fused = device.musa_fused_adamw() if on_musa else None
-    if musa_fused is not None:  # also for fused: true, which torch's AdamW fails with on MUSA
-        hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
-        return _portable(musa_fused(groups, **hyper))
+    if func is torch.optim.AdamW and target.type == device.MUSA:
+        musa_fused = _musa_fused_adamw(groups, keywords)
+        if musa_fused is not None:  # also for fused: true, which torch's AdamW may fail on MUSA
+            return _portable(musa_fused)
     if fused:  # asked for explicitly: torch's own error if this torch cannot
         return _portable(make_optimizer(params=groups))
     params_on = next(model.parameters()).device
     extra = {"fused": True} if device.fused_adamw_ok(target, params_on) else {}
     return _portable(make_optimizer(params=groups, **extra))
+
+
+def _musa_fused_adamw(groups: list[dict], keywords: dict) -> torch.optim.Optimizer | None:
+    """torch_musa's ``FusedAdamW`` over ``groups``, or None where this release has none or its
+    constructor refuses where the parameters are (CPU parameters up to v2.7.0: under FSDP the
+    model is placed by the launcher, after the optimizer is built)."""
+    fused_adamw = device.musa_fused_adamw()
+    if fused_adamw is None:
+        return None
+    hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
+    try:
+        return fused_adamw(groups, **hyper)
+    except RuntimeError as err:  # its device check; torch's fused AdamW is tried next
+        log.info("torch_musa's FusedAdamW not used: %s", first_line(err))
+        return None
 
 
 def _portable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -4,17 +4,27 @@ Each release is written as an importable ``torch_musa`` package (plus its distri
 with the layout, ``torch.musa`` functions, version string and defaults read in that tag of
 github.com/MooreThreads/torch_musa:
 
-- ``__version__``: setup.py's dump_version writes version.txt + "+" + the commit's first 7 hex
-  digits, so v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>``.
+- ``__version__``: setup.py's dump_version writes version.txt + "+" + the first 7 hex digits of
+  the commit it builds (here the tag's), so v2.0.0 and v2.0.0-pt25 both report ``2.0.0+<sha>``.
 - ``torch.backends.mudnn.allow_tf32``: csrc/aten/utils/Context.h, false up to v2.5.0, true in
   v2.7.x.
-- ``torch_musa._dynamo`` (the torch.compile backend): from v2.0.0.
-- ``torch_musa.optim.FusedAdamW``: from v2.5.0; state ``step`` (a CPU float32 tensor),
-  ``exp_avg``, ``exp_avg_sq``, and ``fused: True`` in its groups (optim/fused_adamw.py).
+- ``torch_musa._dynamo`` (the torch.compile backend): from v1.3.2.
+- ``torch.musa.is_autocast_enabled`` / ``get_autocast_dtype`` (what torch 2.2's checkpointing
+  calls): from v1.3.2; v1.3.0 has ``is_autocast_musa_enabled`` / ``get_autocast_musa_dtype``.
+- ``torch_musa.optim.FusedAdamW``: from v2.1.1; state ``step`` (a CPU float32 tensor),
+  ``exp_avg``, ``exp_avg_sq``, and ``fused: True`` in its groups (optim/fused_adamw.py). Its
+  constructor refuses parameters on any device but MUSA up to v2.7.0 ("musa only"); v2.7.1 also
+  takes CPU ones.
+- torch's own ``_fused_adamw_`` registered for MUSA (csrc/aten/ops/musa_functions.yaml): from
+  v2.1.1.
+- MCCL: ``Backend.register_backend("mccl", ...)`` runs only in builds with MCCL (the S4000's;
+  ``USE_MCCL`` in Module.cpp), while the patched ``torch.distributed.is_mccl_available``
+  returns a constant True in every build (torch_patches/torch_distributed_distributed_c10d).
 - the ``torch.backends`` entry point (torch loads it on ``import torch``): from v2.0.0-pt25.
 
-The device is simulated (one card of the given name and capability); tensors cannot be moved to
-it, which is what a broken build looks like to the doctor's SDPA check.
+The devices are simulated (cards of the given name and capability; the indices whose
+capability or properties are read are kept in ``torch.musa.queried``); tensors cannot be moved
+to them, which is what a broken build looks like to the doctor's SDPA check.
 """
 
 from __future__ import annotations
@@ -30,14 +40,20 @@ class Release:
     version: str  # torch_musa.__version__ as that tag's setup.py writes it
     tf32_default: bool
     has_dynamo: bool
-    has_fused_adamw: bool
+    fused_adamw: tuple[str, ...]  # the devices FusedAdamW's constructor takes; () for none
+    fused_adamw_kernel: bool  # torch's _fused_adamw_ registered for MUSA
+    device_autocast_names: bool  # torch.musa.is_autocast_enabled / get_autocast_dtype
     autoload_entry_point: bool
 
 
+MUSA_ONLY = ("musa",)
 RELEASES = {
-    "v1.3.0": Release("v1.3.0", "1.3.0+aa63a73", False, False, False, False),
-    "v2.0.0": Release("v2.0.0", "2.0.0+1c4c9f2", False, True, False, False),
-    "v2.7.1": Release("v2.7.1", "2.7.1+101c131", True, True, True, True),
+    "v1.3.0": Release("v1.3.0", "1.3.0+73c9f5b", False, False, (), False, False, False),
+    "v1.3.2": Release("v1.3.2", "1.3.2+af1592c", False, True, (), False, True, False),
+    "v2.0.0": Release("v2.0.0", "2.0.0+8c8e412", False, True, (), False, True, False),
+    "v2.5.0": Release("v2.5.0", "2.5.0+0dbf6f1", False, True, MUSA_ONLY, True, True, True),
+    "v2.7.0": Release("v2.7.0", "2.7.0+7a6f07a", True, True, MUSA_ONLY, True, True, True),
+    "v2.7.1": Release("v2.7.1", "2.7.1+0bc05bf", True, True, ("musa", "cpu"), True, True, True),
 }
 
 _INIT = """
@@ -45,6 +61,7 @@ import sys
 import types
 
 import torch
+import torch.distributed as dist
 
 __version__ = {version!r}
 
@@ -68,6 +85,7 @@ class _Properties:
 
 
 _current = 0
+queried = []  # device indices whose capability or properties were read
 
 
 def is_available():
@@ -75,7 +93,7 @@ def is_available():
 
 
 def device_count():
-    return 1
+    return {devices!r}
 
 
 def current_device():
@@ -96,10 +114,12 @@ def get_device_name(index=None):
 
 
 def get_device_capability(index=None):
+    queried.append(_current if index is None else int(index))
     return (_Properties.major, _Properties.minor)
 
 
 def get_device_properties(index=None):
+    queried.append(_current if index is None else int(index))
     return _Properties()
 
 
@@ -118,19 +138,50 @@ def manual_seed_all(seed):
     pass
 
 
+_autocast = {{"enabled": False, "dtype": torch.float16}}
+
+
+def {is_autocast}():
+    return _autocast["enabled"]
+
+
+def {get_autocast_dtype}():
+    return _autocast["dtype"]
+
+
 torch.musa = sys.modules[__name__]
 
 mudnn = types.ModuleType("torch_musa.core.mudnn")
 mudnn.allow_tf32 = {tf32_default!r}
 torch.backends.mudnn = mudnn
+
+# The vendor's patched distributed_c10d: a constant, in builds with and without MCCL.
+dist.distributed_c10d.is_mccl_available = lambda: True
+dist.is_mccl_available = dist.distributed_c10d.is_mccl_available
+if {mccl!r}:
+    def _mccl_creator(store, rank, world_size, timeout):
+        raise RuntimeError("a simulated MUSA device has no MCCL process group")
+
+    dist.Backend.register_backend("mccl", _mccl_creator, devices=["musa"])
+
+if {fused_adamw_kernel!r}:
+    def _fused_adamw_(*args, **kwargs):
+        raise RuntimeError("a simulated MUSA device runs no kernels")
+
+    _library = torch.library.Library("aten", "IMPL", "PrivateUse1")
+    _library.impl("_fused_adamw_", _fused_adamw_)
 """
 
-_FUSED_ADAMW = '''
+_FUSED_ADAMW = """
 import torch
+
+# optim/fused_adamw.py of this release: the devices its constructor takes.
+_DEVICES = {devices!r}
 
 
 class FusedAdamW(torch.optim.Optimizer):
-    """AdamW with torch_musa's FusedAdamW signature and state layout (a CPU reference)."""
+    \"\"\"AdamW with torch_musa's FusedAdamW signature, constructor check and state layout (a
+    CPU reference).\"\"\"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, capturable=False, differentiable=False):
@@ -138,6 +189,17 @@ class FusedAdamW(torch.optim.Optimizer):
                         maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=True)
         super().__init__(params, defaults)
+        supported = [torch._C._get_privateuse1_backend_name() if d == "musa" else d
+                     for d in _DEVICES]
+        if not all(
+            p.device.type in supported and torch.is_floating_point(p)
+            for group in self.param_groups
+            for p in group["params"]
+        ):
+            raise RuntimeError(
+                "FusedAdamW requires all the params to be floating point Tensors of "
+                f"supported devices: {{supported}}."
+            )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -158,7 +220,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
-'''
+"""
 
 
 def write_release(
@@ -167,10 +229,19 @@ def write_release(
     *,
     device_name: str = "MTT S4000",
     capability: tuple[int, int] = (2, 2),
+    devices: int = 1,
+    mccl: bool = True,
     broken: bool = False,
 ) -> Path:
-    """Write ``torch_musa`` of release ``tag`` under ``root`` (put ``root`` on PYTHONPATH)."""
+    """Write ``torch_musa`` of release ``tag`` under ``root`` (put ``root`` on PYTHONPATH); a
+    build for ``devices`` cards, with MCCL or (as S80 / S3000 builds) without."""
     release = RELEASES[tag]
+    autocast = ("is_autocast", "get_autocast_dtype")
+    names = (
+        ("is_autocast_enabled", "get_autocast_dtype")
+        if release.device_autocast_names
+        else ("is_autocast_musa_enabled", "get_autocast_musa_dtype")
+    )
     package = root / "torch_musa"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(
@@ -179,16 +250,22 @@ def write_release(
             broken=broken,
             name=device_name,
             capability=capability,
+            devices=devices,
             tf32_default=release.tf32_default,
+            mccl=mccl,
+            fused_adamw_kernel=release.fused_adamw_kernel,
+            **dict(zip(autocast, names, strict=True)),
         ),
         encoding="utf-8",
     )
     if release.has_dynamo:
         (package / "_dynamo").mkdir()
         (package / "_dynamo" / "__init__.py").write_text("", encoding="utf-8")
-    if release.has_fused_adamw:
+    if release.fused_adamw:
         (package / "optim").mkdir()
-        (package / "optim" / "__init__.py").write_text(_FUSED_ADAMW, encoding="utf-8")
+        (package / "optim" / "__init__.py").write_text(
+            _FUSED_ADAMW.format(devices=release.fused_adamw), encoding="utf-8"
+        )
     dist = root / f"torch_musa-{release.version.split('+')[0]}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(

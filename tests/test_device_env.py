@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import free_port, run_cpu_launch
+from packaging.version import Version
 
 from recipes import backends, device, env
 
@@ -93,10 +95,27 @@ def test_cpu_device_helpers_are_harmless() -> None:
         ("Tesla V100-SXM2-32GB", "fp16", 125e12),
         # No TF32 units: TF32-enabled matmuls run at the fp32 rate.
         ("Tesla V100-SXM2-32GB", "tf32", 15.7e12),
+        # No published fp16 figure: fp16 runs at least at the fp32 rate (MFU an upper bound).
+        ("MTT S80", "fp16", 14.4e12),
+        ("MTT S3000", "float16", 15.2e12),
     ],
 )
 def test_lookup_peak_known(name: str, dtype: str, expected: float) -> None:
     assert device.peak_flops_by_name(name, dtype) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "basis"),
+    [
+        ("MTT S4000", "fp16", "fp16"),
+        ("MTT S80", "fp16", "fp32"),
+        ("MTT S80", "bf16", None),  # no bf16 at all on S80: not guessed
+        ("Tesla V100-SXM2-32GB", "tf32", "fp32"),
+        ("MTT S5000", "fp16", None),  # only an fp8 figure
+    ],
+)
+def test_peak_basis_says_which_figure_is_used(name: str, dtype: str, basis: str | None) -> None:
+    assert device.peak_flops_basis(name, dtype) == basis
 
 
 @pytest.mark.parametrize(
@@ -106,7 +125,7 @@ def test_lookup_peak_known(name: str, dtype: str, expected: float) -> None:
         ("NVIDIA A10G", "bf16"),  # not the A10, and not in the table
         ("NVIDIA GeForce RTX 4090 D", "bf16"),
         ("Tesla V100-SXM2-32GB", "bf16"),  # no native bf16: not guessed
-        ("MTT S80", "fp16"),  # no published figure
+        ("MTT S80", "bf16"),  # fp16 only
         ("MTT S5000", "bf16"),
     ],
 )
@@ -207,6 +226,14 @@ def test_reference_multi_musa_config() -> None:
     assert config.rdzv_backend == "static"
     assert config.same_network is True
     assert config.use_cpu is False
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").rglob("*.yaml")), ids=lambda p: p.name)
+def test_documents_cited_in_configs_are_in_the_repository(path: Path) -> None:
+    # Documents, as cited: README.md, MUSA.md, docs/launching.md (not output files: summary.md).
+    comments = [line.partition("#")[2] for line in path.read_text(encoding="utf-8").splitlines()]
+    for cited in re.findall(r"(?:docs/[\w./-]+|\b[A-Z][A-Za-z_]*)\.md\b", "\n".join(comments)):
+        assert (ROOT / cited).exists(), (path.name, cited)
 
 
 # --- the doctor (recipes.env / scripts/env_check.py) ---------------------------------------
@@ -503,7 +530,9 @@ def test_s4000_with_mccl_is_multi_musa(tmp_path: Path) -> None:
         ("2.7.1+101c131", "2.7.1", None),
         ("2.7.0", "2.5.0", "torch==2.7.1"),
         ("2.0.0-pt25", "2.5.0", None),
-        ("2.1.0", "2.5.1", None),
+        ("2.1.0", "2.5.1", "torch==2.5.0"),  # imports, but torch_musa warns
+        ("2.7.1+0bc05bf", "2.7.0", "torch==2.7.1"),  # below its TORCH_MIN_VERSION: refused
+        ("2.5.0+0dbf6f1", "2.5.0a0+gitabc1234", None),  # a vendor build of 2.5.0
         ("2.7.1", "2.7.1", None),
     ],
 )
@@ -517,6 +546,9 @@ def test_advice_torch_version_against_torch_musa(
         assert "torch_musa" not in advice
     else:  # the torch to pin, and where the matching wheels are
         assert pin in advice and backends.TORCH_MUSA_RELEASES_URL in advice
+        minimum = backends.torch_musa_minimum_torch(torch_musa)
+        below = backends.torch_base_version(torch_version) < Version(minimum)
+        assert ("refuses to import" in advice) is below, advice
 
 
 def test_advice_torch_musa_not_in_the_table() -> None:
@@ -635,6 +667,17 @@ def test_torch_musa_releases_for_torch() -> None:
     assert backends.torch_musa_releases_for_torch("2.7.1+cpu") == ["v2.7.x"]
     assert backends.torch_musa_releases_for_torch("2.0.1") == ["v1.0-v1.2"]
     assert backends.torch_musa_releases_for_torch("2.4.0") == []
+    # torch_musa 2.7.x refuses torch below its TORCH_MIN_VERSION 2.7.1; 2.2 builds take 2.2.0a0.
+    assert backends.torch_musa_releases_for_torch("2.7.0") == []
+    assert backends.torch_musa_releases_for_torch("2.2.0a0+git8ac9b20") == ["v1.3.x", "v2.0.x"]
+
+
+@pytest.mark.parametrize(
+    ("version", "minimum"),
+    [("1.3.0", "2.0.0"), ("2.0.0+8c8e412", "2.0.0"), ("2.0.0-pt25", "2.5.0"), ("2.7.0", "2.7.1")],
+)
+def test_torch_musa_minimum_torch(version: str, minimum: str) -> None:
+    assert backends.torch_musa_minimum_torch(version) == minimum
 
 
 @pytest.mark.parametrize(

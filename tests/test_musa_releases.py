@@ -15,20 +15,23 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from fake_torch_musa import write_release
 
 from recipes import backends, device
+from recipes.loop import places_model_first
 from recipes.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _DECISIONS = """
-import functools, io, json
+import functools, io, json, os
 import torch
 from recipes import device, env
 from recipes.flops import precision_for_peak
@@ -36,6 +39,12 @@ from recipes.optim import build_optimizer
 
 backend = device.backend()  # imports torch_musa where torch did not load it (before 2.0-pt25)
 musa = torch.device("musa:0")
+# Rank 3 of a launch, before accelerate has set its device: which cards does precision read?
+os.environ["LOCAL_RANK"] = "3"
+torch.musa.queried.clear()
+device.default_mixed_precision()
+queried_by_rank_3 = sorted(set(torch.musa.queried))
+del os.environ["LOCAL_RANK"]
 tf32_default = device.tf32_enabled()
 off = device.set_tf32(False)
 peak_off = device.peak_flops(musa, precision_for_peak("no", off))
@@ -70,6 +79,16 @@ steps(plain, twin, 2)
 portable = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
 report = env.collect()
 print(json.dumps({
+    "queried_by_rank_3": queried_by_rank_3,
+    "tf32_after_doctor": device.tf32_enabled(),
+    "mccl": device.mccl_available(),
+    "collective": device.distributed_backend()[0],
+    "launch": [report["launch_num_processes"], report["accelerate_distributed_type"]],
+    "checkpointing_torch_2_2": device.checkpointing_autocast_unsupported_reason("bf16", release=(2, 2)),
+    "checkpointing_fp32_torch_2_2": device.checkpointing_autocast_unsupported_reason("no", release=(2, 2)),
+    "checkpointing_here": device.checkpointing_autocast_unsupported_reason("bf16"),
+    "peak_fp16": device.peak_flops(musa, "fp16"),
+    "fused_kernel_ok": device.fused_adamw_ok(musa, "cpu"),
     "portable": portable,
     "plain_fused": [g["fused"] for g in plain.param_groups],
     "backend": backend,
@@ -97,12 +116,41 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class Case:
+    device_name: str
+    capability: tuple[int, int]
+    mccl: bool  # S80 / S3000 builds ship without MCCL
+
+
+# The cards each release's images are built for: S80 for the 1.3 example, S4000 for the others;
+# eight of them, as on the vendor's servers.
+CASES = {
+    "v1.3.0": Case("MTT S80", (2, 1), mccl=False),
+    "v1.3.2": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.0.0": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.5.0": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.7.0": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.7.1": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.7.1-no-mccl": Case("MTT S3000", (2, 1), mccl=False),
+}
+
+
 @functools.cache
-def _decisions(tag: str, device_name: str, capability: tuple[int, int]) -> dict[str, Any]:
+def decisions(case: str) -> dict[str, Any]:
     import tempfile
 
-    root = Path(tempfile.mkdtemp(prefix=f"torch_musa_{tag}_"))
-    write_release(root, tag, device_name=device_name, capability=capability)
+    found = CASES[case]
+    tag = case.split("-")[0]
+    root = Path(tempfile.mkdtemp(prefix=f"torch_musa_{case}_"))
+    write_release(
+        root,
+        tag,
+        device_name=found.device_name,
+        capability=found.capability,
+        devices=8,
+        mccl=found.mccl,
+    )
     done = subprocess.run(
         [sys.executable, "-c", _DECISIONS],
         env=_env(root),
@@ -115,106 +163,145 @@ def _decisions(tag: str, device_name: str, capability: tuple[int, int]) -> dict[
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# The images the vendor ships with each release: S80 for the 1.3 example, S4000 for the others.
-CASES = {
-    "v1.3.0": ("MTT S80", (2, 1)),
-    "v2.0.0": ("MTT S4000", (2, 2)),
-    "v2.7.1": ("MTT S4000", (2, 2)),
-}
+SLOW = pytest.mark.slow  # a fresh process per simulated release
 
 
-def decisions(tag: str) -> dict[str, Any]:
-    return _decisions(tag, *CASES[tag])
-
-
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize("tag", sorted(CASES))
-def test_detected_as_musa(tag: str) -> None:
-    found = decisions(tag)
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_detected_as_musa(case: str) -> None:
+    found = decisions(case)
     assert found["backend"] == "musa"
-    assert found["names"] == [CASES[tag][0]]
+    assert found["names"] == [CASES[case].device_name] * 8
     assert found["doctor"]["torch_musa"]["imported"] is True
 
 
-@pytest.mark.slow  # a fresh process per simulated release
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_precision_follows_capability_of_the_ranks_own_card(case: str) -> None:
+    found = decisions(case)
+    assert found["mixed_precision"] == ("bf16" if CASES[case].capability >= (2, 2) else "fp16")
+    # Rank 3 reads card 3 only, not card 0 (which would open a context there in every rank).
+    assert found["queried_by_rank_3"] == [3]
+
+
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sdpa_is_the_default_from_v1_2_1(case: str) -> None:
+    assert decisions(case)["attn"] == "sdpa"
+    assert decisions(case)["doctor"]["default_attn_implementation"] == "sdpa"
+
+
+@SLOW
 @pytest.mark.parametrize(
-    ("tag", "expected"), [("v1.3.0", "fp16"), ("v2.0.0", "bf16"), ("v2.7.1", "bf16")]
+    ("case", "default"),
+    [("v1.3.0", False), ("v2.0.0", False), ("v2.5.0", False), ("v2.7.0", True), ("v2.7.1", True)],
 )
-def test_precision_follows_capability(tag: str, expected: str) -> None:
-    assert decisions(tag)["mixed_precision"] == expected
-
-
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize("tag", sorted(CASES))
-def test_sdpa_is_the_default_from_v1_2_1(tag: str) -> None:
-    assert decisions(tag)["attn"] == "sdpa"
-    assert decisions(tag)["doctor"]["default_attn_implementation"] == "sdpa"
-
-
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize(
-    ("tag", "default"), [("v1.3.0", False), ("v2.0.0", False), ("v2.7.1", True)]
-)
-def test_tf32_is_set_both_ways(tag: str, default: bool) -> None:
-    found = decisions(tag)
+def test_tf32_is_set_both_ways(case: str, default: bool) -> None:
+    found = decisions(case)
     assert found["tf32_default"] is default
     assert (found["tf32_off"], found["tf32_on"]) == (False, True)
 
 
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize("tag", ["v2.0.0", "v2.7.1"])
-def test_mfu_uses_the_tf32_setting_in_effect(tag: str) -> None:
-    found = decisions(tag)  # MTT S4000: 25 TFLOP/s fp32, 50 TF32
+@SLOW
+@pytest.mark.parametrize("case", ["v2.0.0", "v2.7.1"])
+def test_mfu_uses_the_tf32_setting_in_effect(case: str) -> None:
+    found = decisions(case)  # MTT S4000: 25 TFLOP/s fp32, 50 TF32
     assert (found["peak_off"], found["peak_on"]) == (25e12, 50e12)
 
 
-@pytest.mark.slow  # a fresh process per simulated release
+@SLOW
+@pytest.mark.parametrize(("case", "peak"), [("v1.3.0", 14.4e12), ("v2.7.1-no-mccl", 15.2e12)])
+def test_mfu_of_fp16_runs_on_s80_and_s3000(case: str, peak: float) -> None:
+    # Their default precision is fp16, for which the vendor publishes no figure: the fp32 one.
+    assert decisions(case)["peak_fp16"] == peak
+
+
+@SLOW
 @pytest.mark.parametrize(
-    ("tag", "optimizer", "fused"),
+    ("case", "optimizer", "fused"),
     [
         ("v1.3.0", "torch.optim.adamw.AdamW", None),
+        ("v1.3.2", "torch.optim.adamw.AdamW", None),
         ("v2.0.0", "torch.optim.adamw.AdamW", None),
+        # FusedAdamW refuses the CPU parameters a sharding launcher leaves it: torch's fused
+        # AdamW, whose MUSA kernel these releases register.
+        ("v2.5.0", "torch.optim.adamw.AdamW", True),
+        ("v2.7.0", "torch.optim.adamw.AdamW", True),
         ("v2.7.1", "torch_musa.optim.FusedAdamW", True),
     ],
 )
-def test_fused_optimizer_choice(tag: str, optimizer: str, fused: bool | None) -> None:
-    found = decisions(tag)
+def test_fused_optimizer_choice(case: str, optimizer: str, fused: bool | None) -> None:
+    found = decisions(case)
     assert (found["optimizer"], found["optimizer_fused"]) == (optimizer, fused)
     # optimizer.fused=true on MUSA also means torch_musa's kernel where there is one.
     assert found["explicit_fused"] == optimizer.rpartition(".")[2]
+    assert found["fused_kernel_ok"] is (fused is True)
 
 
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize("tag", sorted(CASES))
-def test_optimizer_state_portable_to_adamw(tag: str) -> None:
-    found = decisions(tag)
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_optimizer_state_portable_to_adamw(case: str) -> None:
+    found = decisions(case)
     assert found["portable"] < 1e-6
     assert found["plain_fused"] == [False, False]  # the loading optimizer keeps its own kernel
 
 
-@pytest.mark.slow  # a fresh process per simulated release
+@SLOW
 @pytest.mark.parametrize(
-    ("tag", "refused"), [("v1.3.0", True), ("v2.0.0", False), ("v2.7.1", False)]
+    ("case", "refused"), [("v1.3.0", True), ("v1.3.2", False), ("v2.0.0", False)]
 )
-def test_compile_refused_without_a_dynamo_backend(tag: str, refused: bool) -> None:
-    reason = decisions(tag)["compile"]
+def test_compile_refused_without_a_dynamo_backend(case: str, refused: bool) -> None:
+    reason = decisions(case)["compile"]
     if refused:
-        assert "1.3.0+aa63a73" in reason  # names the installed release
+        assert "1.3.0+73c9f5b" in reason  # names the installed release
+        assert "v1.3.2" in reason  # and the first that has one
     else:
         assert reason is None
 
 
-@pytest.mark.slow  # a fresh process per simulated release
-@pytest.mark.parametrize("tag", sorted(CASES))
-def test_doctor_versions_and_sdpa_check(tag: str) -> None:
-    found = decisions(tag)
+@SLOW
+@pytest.mark.parametrize(("case", "refused"), [("v1.3.0", True), ("v1.3.2", False)])
+def test_checkpointing_under_autocast_needs_torch_musa_1_3_2(case: str, refused: bool) -> None:
+    found = decisions(case)  # asked as on torch 2.2, which these releases are built for
+    if refused:
+        reason = found["checkpointing_torch_2_2"]
+        assert "1.3.0+73c9f5b" in reason and "v1.3.2" in reason
+    else:
+        assert found["checkpointing_torch_2_2"] is None
+    assert found["checkpointing_fp32_torch_2_2"] is None  # no autocast, nothing to recompute
+    assert found["checkpointing_here"] is None  # torch >= 2.4 asks torch.amp, not torch.musa
+
+
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mccl_is_read_from_the_registered_backends(case: str) -> None:
+    found = decisions(case)
+    # The patched is_mccl_available says True in every build; only MCCL builds register it.
+    assert found["mccl"] is CASES[case].mccl
+    if CASES[case].mccl:
+        assert found["collective"] == "mccl"
+        assert found["launch"] == [8, "MULTI_MUSA"]
+    else:
+        assert found["collective"] is None
+        assert found["launch"] == [1, "NO"]  # no MULTI_MUSA config that fails at start
+        assert any("No MCCL" in line for line in found["advice"])
+
+
+@SLOW
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_doctor_versions_and_sdpa_check(case: str) -> None:
+    found = decisions(case)
     advice = "\n".join(found["advice"])
     expected = backends.torch_for_torch_musa(found["doctor"]["torch_musa"]["version"])
     assert found["doctor"]["torch_musa"]["expected_torch"] == list(expected)
     assert f"torch=={expected[0]}" in advice  # the torch to pin next to this torch_musa
     # The simulated card cannot hold tensors: to the probe that is a build whose kernels fail.
-    assert found["doctor"]["sdpa_probe"]["ok"] is False
+    probe = found["doctor"]["sdpa_probe"]
+    assert probe["ok"] is False
     assert "musa:0" in advice and "model.attn_implementation=eager" in advice
+    # The fp32 check runs in full fp32 (torch_musa 2.7 has TF32 on), and TF32 is back after.
+    assert probe["dtypes"]["float32"]["tf32"] is False
+    assert found["tf32_after_doctor"] is True
 
 
 @pytest.mark.slow  # a fresh process per simulated release
@@ -265,6 +352,25 @@ def test_fused_adamw_rule(
     release: tuple[int, int], target: str, params_on: str, expected: bool
 ) -> None:
     assert device.fused_adamw_ok(target, params_on, release) is expected
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "moved"),
+    [
+        (DistributedType.NO, True),
+        (DistributedType.MULTI_GPU, True),
+        (DistributedType.MULTI_MUSA, True),
+        (DistributedType.MULTI_CPU, True),
+        (DistributedType.FSDP, False),  # sharded from where it is
+        (DistributedType.DEEPSPEED, False),  # the engine places it
+    ],
+)
+def test_model_is_on_its_device_before_the_optimizer_is_built(
+    distributed_type: DistributedType, moved: bool
+) -> None:
+    # So that torch_musa's FusedAdamW (musa only up to v2.7.0) gets parameters it accepts.
+    assert places_model_first(distributed_type, device_placement=True) is moved
+    assert places_model_first(distributed_type, device_placement=False) is False
 
 
 def test_fused_adamw_rule_matches_this_torch() -> None:
