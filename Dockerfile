@@ -15,6 +15,13 @@ ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1
 FROM ${BASE_IMAGE}
 # An ARG before FROM is not visible after it unless declared again.
 ARG BASE_IMAGE
+# The conda env of the vendor's image that holds its torch and torch_musa (py38 on Python 3.8
+# tags). Its release recipe (torch_musa v1.3.0, docker/ubuntu/dockerfile.release) puts only the
+# conda base env, which has no torch, on PATH, and activates this env and adds the MUSA libraries
+# to LD_LIBRARY_PATH in root's ~/.bashrc: RUN steps, `docker run` and the non-root user below
+# never read it, so this file sets both itself. A folder that does not exist (the CPU variant's)
+# is skipped on PATH and by the dynamic loader.
+ARG VENDOR_PYTHON_ENV=/opt/conda/envs/py310
 
 # Used only when the base image has no torch (the CPU variant). MUSA images bring torch and the
 # torch_musa built against it, and those must stay exactly as they are.
@@ -26,11 +33,43 @@ ARG EXTRA_REQUIREMENTS=""
 # runs write into mounted host folders.
 ARG USER_UID=1000
 
-ENV PYTHONUNBUFFERED=1 \
+ENV PATH=${VENDOR_PYTHON_ENV}/bin:${MUSA_HOME:-/usr/local/musa}/bin:${PATH} \
+    LD_LIBRARY_PATH=${MUSA_HOME:-/usr/local/musa}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}} \
+    PYTHONUNBUFFERED=1 \
     RECIPES_BASE_IMAGE=${BASE_IMAGE} \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# A MUSA base (the MUSA toolkit's folder is there: the CPU variant's python image has none) must
+# bring torch and torch_musa to the python on PATH. Otherwise the install below would find no torch
+# and take a CPU one from the registry, and the image would train on the CPU without saying so;
+# it fails here instead, with one line (no trace) that names the fix. find_spec locates the
+# packages without importing them: torch_musa loads the host's driver libraries, which a build
+# does not have.
+RUN set -eu; \
+    [ -d "${MUSA_HOME:-/usr/local/musa}" ] || exit 0; \
+    has_torch_musa() { \
+        "$1" -c "import importlib.util as u, sys; \
+            sys.exit(not (u.find_spec('torch') and u.find_spec('torch_musa')))" 2>/dev/null; \
+    }; \
+    has_torch_musa python && exit 0; \
+    python="$(command -v python || echo 'no python')"; \
+    envs="$(dirname "${VENDOR_PYTHON_ENV}")"; \
+    for env in "$envs"/*; do \
+        if has_torch_musa "$env/bin/python"; then \
+            echo "musa-recipes: this MUSA image's python ($python) has no torch_musa;" \
+                "$env has it: build with --build-arg VENDOR_PYTHON_ENV=$env" >&2; \
+            exit 1; \
+        fi; \
+    done; \
+    echo "musa-recipes: this MUSA image has no python with torch and torch_musa" \
+        "(python on PATH: $python; none in $envs/): build on a torch_musa release image, name" \
+        "the env that has them with --build-arg VENDOR_PYTHON_ENV=..., or build the CPU variant" \
+        "(--build-arg BASE_IMAGE=python:3.11-slim)" >&2; \
+    exit 1
 
 WORKDIR /app
 COPY pyproject.toml README.md train.py ./
@@ -50,14 +89,19 @@ COPY scripts ./scripts
 #   a wrong image fails on that and not on a resolver conflict;
 # - a dependency whose newest release wants a newer torch than the image's (accelerate 1.16 wants
 #   torch>=2.6) resolves to an older release that accepts it (accelerate 1.15 on torch 2.2);
-# - the pins and torch's location are compared before and after: any change fails the build.
+# - the pins and torch's location are compared before and after: any change fails the build;
+# - a resolver conflict with the pins, or a change, ends the build with one line that says so
+#   (after pip's or diff's own output, which names the packages);
+# - TORCH_SPEC is installed only where the base has no torch and no MUSA toolkit (the CPU
+#   variant): never a CPU torch on a MUSA base, even where pip cannot see the image's torch.
 # Nothing here imports torch (TORCH_DEVICE_BACKEND_AUTOLOAD=0 in case something does): newer
 # torch_musa releases load with torch, and may need MUSA driver libraries a build does not have.
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN set -eux; \
     export TORCH_DEVICE_BACKEND_AUTOLOAD=0; \
+    refuse() { { set +x; } 2>/dev/null; echo "musa-recipes: $*" >&2; exit 1; }; \
     tmp="$(mktemp -d)"; \
-    if ! python -m pip show --quiet torch >/dev/null 2>&1; then \
+    if [ ! -d "${MUSA_HOME:-/usr/local/musa}" ] \
+        && ! python -m pip show --quiet torch >/dev/null 2>&1; then \
         tr ' ' '\n' <<< "${TORCH_SPEC}" > "$tmp/torch.txt"; \
         python -m pip install --index-url "${TORCH_INDEX_URL}" --requirement "$tmp/torch.txt"; \
     fi; \
@@ -82,16 +126,30 @@ RUN set -eux; \
         print(*(r for r in reqs if re.match('[A-Za-z0-9._-]+', r)[0].lower() != 'torch'), \
               sep='\n')" > "$tmp/requirements.txt"; \
     tr ' ' '\n' <<< "${EXTRA_REQUIREMENTS}" >> "$tmp/requirements.txt"; \
-    python -m pip install --constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt"; \
-    torch_pins | diff "$tmp/keep.txt" -; \
-    torch_at | diff "$tmp/torch-at.txt" -; \
+    if ! python -m pip install --constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt" \
+        2>&1 | tee "$tmp/pip.log"; then \
+        if grep -q '(constraint)' "$tmp/pip.log"; then \
+            refuse "the install would replace the image's torch stack" \
+                "($(paste -sd ' ' "$tmp/keep.txt")): a requirement wants another (pip's" \
+                "conflict above); pin an older release of it (--build-arg" \
+                "EXTRA_REQUIREMENTS='NAME<VERSION'), or build on an image with a newer torch"; \
+        fi; \
+        exit 1; \
+    fi; \
+    torch_pins | diff "$tmp/keep.txt" - \
+        || refuse "the install changed the image's torch stack (diff above: < image, > now)"; \
+    torch_at | diff "$tmp/torch-at.txt" - \
+        || refuse "the install put another torch before the image's (diff above)"; \
     rm -rf "$tmp"
 
 # A non-root user where the base allows it (an image without useradd, or with the UID taken, still
 # runs as that UID). Runs write to /app/outputs; caches live in its home; data is read from /data.
-# Mount host folders at these paths (README.md, "Docker").
+# Mount host folders at these paths (README.md, "Docker"). The vendor's images create a render
+# group whose members may use the GPUs (dockerfile.release: "Only users in render group can use
+# MooreThreads GPU"); the user joins it where it exists.
 RUN (useradd --no-log-init --create-home --home-dir /home/recipes --uid "${USER_UID}" \
         --shell /bin/bash recipes || true) \
+    && if getent group render >/dev/null; then usermod -aG render recipes || true; fi \
     && mkdir -p /home/recipes/.cache/huggingface /home/recipes/.cache/musa-recipes \
         /app/outputs /app/multirun /data \
     && chown -R "${USER_UID}" /home/recipes /app/outputs /app/multirun

@@ -7,6 +7,13 @@ step itself (slow) runs in a throwaway virtual environment that sees this enviro
 packages, offline (pip gets no index, only a folder of tiny fake wheels): it must keep the
 installed torch, keep a vendor build's torch (versions like 2.2.0a0+git8ac9b20), refuse a
 dependency that wants another torch, and refuse a torch below the project's floor.
+
+The whole Dockerfile is then built, as Docker reads it, on fake base images (fake_vendor_image.py):
+the vendor's release layout, where torch and torch_musa live in a conda env that only root's
+``.bashrc`` activates, and the CPU variant's python image. The vendor torch must be the one the
+container runs, for any user and without a shell's start-up files; an image where the python on
+PATH has no torch_musa must fail the build in one line that names the fix, and never get a CPU
+torch from the registry.
 """
 
 from __future__ import annotations
@@ -15,17 +22,31 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
-import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
+import fake_vendor_image
 import pytest
+from fake_vendor_image import (
+    VENDOR_TORCH,
+    Build,
+    Image,
+    base_interpreter,
+    build,
+    copy_context,
+    fake_installed,
+    in_container,
+    offline_pip,
+    purelib,
+    python_image,
+    vendor_image,
+    write_wheel,
+)
 from packaging.requirements import Requirement
 
 from recipes import backends
@@ -36,11 +57,8 @@ INSTALL_TIMEOUT_S = 90
 
 
 def instructions() -> list[tuple[str, str]]:
-    """``(KEYWORD, arguments)`` per Dockerfile instruction, continuation lines joined (no comment
-    sits inside an instruction in this Dockerfile)."""
-    text = DOCKERFILE.read_text(encoding="utf-8").replace("\\\n", "")
-    lines = [line.strip() for line in text.splitlines()]
-    return [tuple(line.split(" ", 1)) for line in lines if line and not line.startswith("#")]
+    """``(KEYWORD, arguments)`` per Dockerfile instruction."""
+    return fake_vendor_image.instructions(DOCKERFILE.read_text(encoding="utf-8"))
 
 
 def values(keyword: str) -> list[str]:
@@ -131,32 +149,27 @@ def test_documented_build_args_exist() -> None:
 # The install step, run for real in a throwaway environment
 
 
-def _write_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
-    """A minimal pure-Python wheel: enough for pip to resolve and install it."""
-    dist = f"{name.replace('-', '_')}-{version}"
-    files = {
-        f"{dist}.dist-info/METADATA": "\n".join(
-            ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
-            + [f"Requires-Dist: {r}" for r in requires]
-        )
-        + "\n",
-        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
-        "Root-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = "".join(f"{path},,\n" for path in files) + f"{dist}.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as wheel:
-        for path, text in files.items():
-            wheel.writestr(path, text)
-        wheel.writestr(f"{dist}.dist-info/RECORD", record)
+def _parent_site() -> Path:
+    """This environment's packages, which the throwaway and the fake images see; skips the test
+    where the project cannot be built offline from them."""
+    for need in pyproject_requirements("requires"):  # the build backend, used offline
+        have = metadata.version(need.name) if find_spec(need.name) else None
+        if have is None or not need.specifier.contains(have, prereleases=True):
+            pytest.skip(f"cannot build the project offline: needs {need}, this has {have}")
+    return Path(sysconfig.get_paths()["purelib"])
 
 
-def _fake_installed(site: Path, name: str, version: str) -> None:
-    """Installed-package metadata only (a vendor torch as pip sees it); it shadows the real one."""
-    info = site / f"{name}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "INSTALLER").write_text("vendor\n")
-    (info / "RECORD").write_text("")
+def torch_pins(python: Path, env: dict[str, str]) -> dict[str, str]:
+    """torch-family packages as ``python``'s pip sees them (name -> version)."""
+    done = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=freeze"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=INSTALL_TIMEOUT_S,
+    )
+    pairs = (line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
+    return {n.lower(): v for n, v in pairs if n.lower().startswith("torch")}
 
 
 @dataclass
@@ -172,23 +185,14 @@ class Throwaway:
             "HOME": str(self.root / "home"),
             "TMPDIR": str(self.root / "tmp"),
             "LANG": "C.UTF-8",
+            # A MUSA toolkit on the machine that runs the tests is not the image's.
+            "MUSA_HOME": str(self.root / "no-musa"),
             **extra,
-            # Nothing is ever downloaded (a real torch is gigabytes), whatever the Dockerfile says.
-            "PIP_CONFIG_FILE": os.devnull,
-            "PIP_NO_INDEX": "1",
-            "PIP_NO_INPUT": "1",
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            # pip reads this as the value of "build isolation": "0" turns it off, so the project
-            # builds with the setuptools already installed instead of fetching one.
-            "PIP_NO_BUILD_ISOLATION": "0",
-            "PIP_FIND_LINKS": str(self.links),
+            **offline_pip(self.links),
         }
 
     def pins(self) -> dict[str, str]:
-        """torch-family packages as the throwaway's pip sees them (name -> version)."""
-        out = self.pip("list", "--format=freeze").stdout.splitlines()
-        pairs = (line.split("==", 1) for line in out if "==" in line)
-        return {n.lower(): v for n, v in pairs if n.lower().startswith("torch")}
+        return torch_pins(self.python, self.env())
 
     def pip(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -209,18 +213,7 @@ class Throwaway:
     def run_install_step(self, **args: str) -> subprocess.CompletedProcess:
         """The Dockerfile's install RUN with its SHELL and ARGs, in the files its COPYs copy."""
         context = self.root / "context"
-        for value in values("COPY"):
-            *sources, destination = value.split()
-            for source in sources:
-                target = context / destination
-                if destination.endswith("/"):
-                    target = target / Path(source).name
-                if (ROOT / source).is_dir():
-                    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-                    shutil.copytree(ROOT / source, target, ignore=ignore, dirs_exist_ok=True)
-                else:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(ROOT / source, target)
+        copy_context(DOCKERFILE.read_text(encoding="utf-8"), ROOT, context)
         (shell,) = [json.loads(v) for v in values("SHELL")]
         (command,) = [v for v in values("RUN") if "pip install" in v]
         assert set(args) <= set(build_args()), f"no such ARG: {set(args) - set(build_args())}"
@@ -239,19 +232,14 @@ def throwaway(tmp_path: Path) -> Throwaway:
     """A virtual environment without pip or packages of its own that sees this environment's
     (torch, the project's dependencies, pip, setuptools) through a path file. pip installs into
     it and refuses to uninstall anything outside it, so this environment is never touched."""
-    for need in pyproject_requirements("requires"):  # the build backend, used offline
-        have = metadata.version(need.name) if find_spec(need.name) else None
-        if have is None or not need.specifier.contains(have, prereleases=True):
-            pytest.skip(f"cannot build the project offline: needs {need}, this has {have}")
+    parent = _parent_site()
     venv = tmp_path / "venv"
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60
     )
     python = venv / "bin" / "python"
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
-    site = Path(done.stdout.strip())
-    (site / "parent-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    site = purelib(python)
+    (site / "parent-environment.pth").write_text(f"{parent}\n")
     for folder in ("home", "tmp", "links"):
         (tmp_path / folder).mkdir()
     return Throwaway(tmp_path, python, site, tmp_path / "links")
@@ -298,25 +286,29 @@ def _wants_newer_torch(torch_version: str) -> dict[str, str]:
     return found
 
 
+def _offer_older_releases(links: Path, torch_version: str) -> dict[str, str]:
+    """A requirement whose newest release wants a newer torch must resolve to an older release
+    that accepts ``torch_version``, as pip does against PyPI (accelerate 1.15 on torch 2.2).
+    Offline, the older release is a wheel at the project's floor that accepts any torch 2."""
+    older = _wants_newer_torch(torch_version)
+    for name, version in older.items():
+        write_wheel(links, name, version, requires=("torch>=2.0",))
+    return older
+
+
 @pytest.mark.slow
 def test_install_step_keeps_a_vendor_torch_build(throwaway: Throwaway) -> None:
     # What a torch_musa 1.3 image reports. Its torch is a pre-release by version number, so the
     # project's torch>=2.2 alone would not accept it; the install must keep it all the same.
-    vendor_torch = "2.2.0a0+git8ac9b20"
-    _fake_installed(throwaway.site, "torch", vendor_torch)
-    _fake_installed(throwaway.site, "torch_musa", "1.3.0")
-    # A requirement whose newest release wants a newer torch must resolve to an older release
-    # that accepts the image's, as pip does against PyPI (accelerate 1.15 on torch 2.2). Offline,
-    # the older release is a wheel at the project's floor that accepts any torch 2.
-    older = _wants_newer_torch(vendor_torch)
-    for name, version in older.items():
-        _write_wheel(throwaway.links, name, version, requires=("torch>=2.0",))
+    fake_installed(throwaway.site, "torch", VENDOR_TORCH)
+    fake_installed(throwaway.site, "torch_musa", "1.3.0")
+    older = _offer_older_releases(throwaway.links, VENDOR_TORCH)
     before = throwaway.pins()
-    assert before == {"torch": vendor_torch, "torch_musa": "1.3.0"}
+    assert before == {"torch": VENDOR_TORCH, "torch_musa": "1.3.0"}
     done = throwaway.run_install_step()
     assert done.returncode == 0, _output(done)
     assert throwaway.pins() == before
-    installer = throwaway.site / f"torch-{vendor_torch}.dist-info" / "INSTALLER"
+    installer = throwaway.site / f"torch-{VENDOR_TORCH}.dist-info" / "INSTALLER"
     assert installer.read_text() == "vendor\n"
     for name, version in older.items():
         assert (throwaway.site / f"{name}-{version}.dist-info").is_dir(), _output(done)
@@ -326,24 +318,210 @@ def test_install_step_keeps_a_vendor_torch_build(throwaway: Throwaway) -> None:
 def test_install_step_refuses_a_requirement_that_wants_another_torch(
     throwaway: Throwaway,
 ) -> None:
-    _write_wheel(throwaway.links, "torch", "99.0.0")
-    _write_wheel(throwaway.links, "wants-newer-torch", "1.0", requires=("torch>=99",))
+    write_wheel(throwaway.links, "torch", "99.0.0")
+    write_wheel(throwaway.links, "wants-newer-torch", "1.0", requires=("torch>=99",))
     # Unconstrained, pip would replace torch with the (fake) newer one it can reach...
     control = throwaway.pip("install", "--dry-run", "wants-newer-torch")
     assert control.returncode == 0, _output(control)
     assert "torch-99.0.0" in control.stdout, _output(control)
-    # ...the Dockerfile's install step refuses instead, and torch stays.
+    # ...the Dockerfile's install step refuses instead, says why, and torch stays.
     before = throwaway.pins()
     done = throwaway.run_install_step(EXTRA_REQUIREMENTS="wants-newer-torch")
     assert done.returncode != 0, _output(done)
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("musa-recipes: the install would replace the image's torch stack")
     assert throwaway.pins() == before
     assert not list(throwaway.site.glob("torch*"))
 
 
 @pytest.mark.slow
 def test_install_step_refuses_a_torch_below_the_project_floor(throwaway: Throwaway) -> None:
-    _fake_installed(throwaway.site, "torch", "2.0.0")  # torch_musa 1.0-1.2 images
+    fake_installed(throwaway.site, "torch", "2.0.0")  # torch_musa 1.0-1.2 images
     done = throwaway.run_install_step()
     assert done.returncode != 0, _output(done)
     assert "torch 2.0.0" in done.stderr, _output(done)
     assert throwaway.pins()["torch"] == "2.0.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole build, on fake base images
+
+CPU_TORCH = next(iter(Requirement(build_args()["TORCH_SPEC"].split()[0]).specifier)).version
+# What reads the container's environment as the entry point would: which python, whether it
+# finds torch_musa (where, without importing it: no driver here), and LD_LIBRARY_PATH.
+PROBE = """command -v python
+python -c "import importlib.util as u; s = u.find_spec('torch_musa'); print(s and s.origin)"
+printf '%s\\n' "${LD_LIBRARY_PATH-}"
+"""
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Path:
+    """What pip may reach: the CPU torch TORCH_SPEC names (importable, as the registry's is),
+    and older releases of the requirements whose newest wants a newer torch."""
+    links = tmp_path / "links"
+    links.mkdir()
+    write_wheel(links, "torch", CPU_TORCH, package=True)
+    for torch_version in (VENDOR_TORCH, CPU_TORCH):
+        _offer_older_releases(links, torch_version)
+    return links
+
+
+def _vendor_image(tmp_path: Path, **layout: object) -> Image:
+    parent = _parent_site()
+    code = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    if subprocess.run([base_interpreter(), "-c", code], timeout=60).returncode:
+        pytest.skip(f"{base_interpreter()} has torch: it cannot stand for a conda base env")
+    return vendor_image(tmp_path / "image", parent, **layout)
+
+
+def _vendor_env_arg(image: Image) -> dict[str, str]:
+    """The default VENDOR_PYTHON_ENV, in the fake image (a build here cannot change root)."""
+    return {"VENDOR_PYTHON_ENV": str(image.at(build_args()["VENDOR_PYTHON_ENV"]))}
+
+
+def _build(image: Image, registry: Path, **args: str) -> Build:
+    return build(DOCKERFILE.read_text(encoding="utf-8"), image, ROOT, registry, args)
+
+
+def _env_pins(image: Image, env: str, registry: Path) -> dict[str, str]:
+    python = image.at(f"/opt/conda/envs/{env}/bin/python")
+    env = {"PATH": image.env["PATH"], "HOME": str(image.at("/root")), **offline_pip(registry)}
+    return torch_pins(python, env)
+
+
+def _installed(image: Image, pattern: str) -> list[Path]:
+    return sorted(image.root.rglob(pattern))
+
+
+def test_the_fake_vendor_image_shows_its_torch_only_to_roots_interactive_shell(
+    tmp_path: Path,
+) -> None:
+    # The layout the issue is about: an interactive root shell reads ~/.bashrc and finds the
+    # vendor's torch_musa and libraries; RUN steps and `docker run` commands do not.
+    image = _vendor_image(tmp_path, libraries_in_env=False)
+    root = {**image.env, "HOME": str(image.at("/root"))}
+    vendor = image.at("/opt/conda/envs/py310")
+    musa_lib = f"{image.env['MUSA_HOME']}/lib"
+    shell = in_container(root, PROBE, interactive=True).stdout.splitlines()
+    assert shell[0] == str(vendor / "bin" / "python")
+    assert Path(shell[1]).is_relative_to(vendor)
+    assert shell[2].startswith(f"{musa_lib}:")
+    command = in_container(root, PROBE).stdout.splitlines()
+    assert command == [str(image.at("/opt/conda/bin/python")), "None", ""]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("libraries_in_env", [True, False], ids=["recipe-env", "bashrc-only"])
+def test_build_on_a_vendor_image_runs_its_torch_musa_for_every_user(
+    tmp_path: Path, registry: Path, libraries_in_env: bool
+) -> None:
+    image = _vendor_image(tmp_path, libraries_in_env=libraries_in_env)
+    vendor = image.at("/opt/conda/envs/py310")
+    before = _env_pins(image, "py310", registry)
+    assert set(before) == {"torch", "torch_musa"}
+    done = _build(image, registry, **_vendor_env_arg(image))
+    assert done.returncode == 0, done.report()
+    assert len(done.skipped) == 1  # the user's creation, nothing else
+    assert done.user == build_args()["USER_UID"]  # whom the container below runs as
+    # The project went into the vendor env, and its torch stack is what it was.
+    site = purelib(vendor / "bin" / "python")
+    assert (site / "recipes").is_dir(), done.report()
+    assert _env_pins(image, "py310", registry) == before
+    assert (site / f"torch-{VENDOR_TORCH}.dist-info" / "INSTALLER").read_text() == "vendor\n"
+    assert not _installed(image, f"torch-{CPU_TORCH}.dist-info"), "the registry's torch came in"
+    # The container, as the non-root user (a home without start-up files) and as root (whose
+    # ~/.bashrc a non-interactive shell does not read either): the same vendor python.
+    user = in_container(done.env, PROBE)
+    root = in_container({**done.env, "HOME": str(image.at("/root"))}, PROBE)
+    assert user.returncode == 0, user.stderr
+    assert user.stdout == root.stdout
+    python, torch_musa, libraries = user.stdout.splitlines()
+    assert python == str(vendor / "bin" / "python")
+    assert Path(torch_musa).is_relative_to(site)
+    assert libraries.split(":")[0] == f"{image.env['MUSA_HOME']}/lib"
+    assert f"{image.env['MUSA_HOME']}/bin" in done.env["PATH"].split(":")
+
+
+@pytest.mark.slow
+def test_build_names_the_vendor_env_that_has_torch_musa(tmp_path: Path, registry: Path) -> None:
+    # A Python 3.8 tag's env, while VENDOR_PYTHON_ENV names py310: the build stops, in one line
+    # that names the env to build with.
+    image = _vendor_image(tmp_path, env_name="py38")
+    py38 = image.at("/opt/conda/envs/py38")
+    done = _build(image, registry, **_vendor_env_arg(image))
+    assert done.returncode != 0, done.report()
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("musa-recipes: "), line
+    assert line.endswith(f"--build-arg VENDOR_PYTHON_ENV={py38}"), line
+    assert not _installed(image, "musa_recipes-*.dist-info")
+    # That line's fix builds.
+    fixed = _build(image, registry, VENDOR_PYTHON_ENV=str(py38))
+    assert fixed.returncode == 0, fixed.report()
+    assert in_container(fixed.env, "command -v python").stdout == f"{py38}/bin/python\n"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"torch_musa": False}, {"env_name": None}],
+    ids=["env-without-torch_musa", "no-vendor-env"],
+)
+def test_build_refuses_a_musa_image_without_torch_musa(
+    tmp_path: Path, registry: Path, layout: dict[str, object]
+) -> None:
+    image = _vendor_image(tmp_path, **layout)
+    done = _build(image, registry, **_vendor_env_arg(image))
+    assert done.returncode != 0, done.report()
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("musa-recipes: this MUSA image has no python with torch and torch_musa")
+    assert "--build-arg VENDOR_PYTHON_ENV=" in line
+    # Nothing was installed, the registry's CPU torch least of all.
+    torches = {path.name for path in _installed(image, "torch-*.dist-info")}
+    assert torches <= {f"torch-{VENDOR_TORCH}.dist-info"}, torches
+    assert not _installed(image, "musa_recipes-*.dist-info")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("wheels", "says"),
+    [
+        (
+            {"torch": ("99.0.0", ()), "wants-newer-torch": ("1.0", ("torch>=99",))},
+            "the install would replace the image's torch stack",
+        ),
+        ({"torchaudio": ("2.2.0", ())}, "the install changed the image's torch stack"),
+    ],
+    ids=["wants-another-torch", "adds-to-the-torch-stack"],
+)
+def test_build_refuses_to_change_the_vendor_torch_stack(
+    tmp_path: Path, registry: Path, wheels: dict[str, tuple[str, tuple[str, ...]]], says: str
+) -> None:
+    # The extra requirement is the last wheel: one that wants torch 99, or a torch package the
+    # image does not have (pinned by nothing, pip adds it; the comparison after refuses).
+    for name, (version, requires) in wheels.items():
+        write_wheel(registry, name, version, requires=requires)
+    image = _vendor_image(tmp_path)
+    before = _env_pins(image, "py310", registry)
+    extra = {"EXTRA_REQUIREMENTS": list(wheels)[-1]}
+    done = _build(image, registry, **_vendor_env_arg(image), **extra)
+    assert done.returncode != 0, done.report()
+    assert done.stderr.splitlines()[-1].startswith(f"musa-recipes: {says}"), done.report()
+    assert _env_pins(image, "py310", registry)["torch"] == before["torch"]
+
+
+@pytest.mark.slow
+def test_cpu_variant_build_installs_the_cpu_torch(tmp_path: Path, registry: Path) -> None:
+    # python:3.11-slim has neither the MUSA toolkit nor the vendor env, which stays on PATH.
+    vendor_env = build_args()["VENDOR_PYTHON_ENV"]
+    for path in ("/usr/local/musa", vendor_env):
+        if Path(path).exists():
+            pytest.skip(f"this machine has {path}, which the CPU variant's base has not")
+    image = python_image(tmp_path / "image", _parent_site())
+    done = _build(image, registry, BASE_IMAGE="python:3.11-slim")
+    assert done.returncode == 0, done.report()
+    python = image.at("/usr/local/bin/python")
+    site = purelib(python)
+    assert (site / f"torch-{CPU_TORCH}.dist-info").is_dir(), done.report()
+    assert (site / "recipes").is_dir(), done.report()
+    assert done.env["PATH"].startswith(f"{vendor_env}/bin:")  # there, and harmless
+    assert in_container(done.env, "command -v python").stdout == f"{python}\n"
