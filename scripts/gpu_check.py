@@ -1,32 +1,70 @@
-"""The checks that need a GPU (MUSA or CUDA), in one short run; prints a Markdown table.
+"""The checks that need a GPU (MUSA or CUDA), in one run of a few minutes, as a Markdown table.
 
-    python scripts/gpu_check.py                  # everything, about 5-8 minutes on one device
-    python scripts/gpu_check.py --dry-run        # the planned runs, without running them
-    python scripts/gpu_check.py --out gpu.md     # also write the table to a file
+    python scripts/gpu_check.py --out DIR          # every row: about 8 minutes on one H200
+    python scripts/gpu_check.py --plan             # the rows, their commands and time caps
+    python scripts/gpu_check.py --dry-run --out DIR    # every row's code path here (CPU), shrunk
+    python scripts/gpu_check.py --only 'smoke/*' --only bert_large/compile
+    python3 scripts/gpu_check.py --wheels .whl --out DIR   # a machine without hydra / datasets
 
-Rows: every recipe's smoke run in bf16 (fp16 where the device has no bf16) on one device; SDPA
-against eager attention (the doctor's one-step probe, and the training loss of the same run);
-the fused AdamW the project picks against the foreach one (same parameters after 20 steps);
-torch.compile; FSDP on the device (one process); and the cost of the per-step host sync of the
-non-finite check. Each training row reports the last logged loss, tokens/s and MFU.
+Rows (each in a child process with its own time cap; rows that can share a process run as the
+jobs of one Hydra multirun, so they pay the start-up once):
+
+- setup/models: random models of real shapes for the rows below (bert-large-uncased QA with the
+  bundled uncased vocabulary; a Llama of SmolLM2-135M's shape with the bundled tokenizer);
+- micro/*: the doctor's one-step SDPA-against-eager probe, the AdamW the project builds
+  (``optimizer.fused=null``, and ``true``) against the foreach one (``false``): speed and the
+  same parameters, and the cost of the loop's per-step host sync;
+- smoke/<recipe>: every recipe's smoke run (``debug=smoke``) in bf16 (fp16 where the device has
+  no bf16), 30 steps and its final evaluation;
+- bert_large/*: bert-large at sequence length 384, batch 32, 30 steps (the last 10 timed):
+  samples/s, tokens/s, MFU and peak memory, then eager attention, dynamic padding with
+  sub-batches (4 and 1), length grouping, and ``torch.compile`` on the same data;
+- llama135m/*: chat fine-tuning without and with packing, and LoRA with gradient checkpointing
+  (peak memory against full fine-tuning);
+- compare/*: the ratios a reader decides on (each says which setting won here);
+- fsdp/llama_clm (optional: only with ``--only fsdp``): FSDP through accelerate, one process.
+
+Output (``--out DIR``; at most 8 files, as a device machine returns): ``rows.jsonl`` (one JSON
+record per row, appended as each row ends), ``table.md`` (rewritten after every row, with the
+rows still to run), ``logs.tar.gz`` (every process's full log and each row's run files,
+rewritten after every row). A run stopped at any point keeps what finished. A failed row quotes
+its real exception (the last line of the traceback; children run with HYDRA_FULL_ERROR=1).
+
+Time: each row has a cap (the plan prints them and their sum); a row may run over its cap by
+the time earlier rows left unused (at most its cap again), so the whole run stays within the
+sum. A row past its cap is stopped and recorded as timed out; a failed or timed-out job ends its
+shared process and the rows after it go on in a fresh one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import functools
+import io
 import json
+import math
 import os
+import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import zipfile
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+ASSETS = ROOT / "recipes" / "assets"
 RECIPES = (
     "bert_glue",
     "bert_mlm",
@@ -36,192 +74,1104 @@ RECIPES = (
     "llama_clm",
     "llama_sft",
 )
-# Short, comparable runs: 30 logged steps, no evaluation at the start, nothing saved.
-SHORT = (
-    "debug=smoke",
+# Added to every train.py process: writes each job's start and failure into its folder.
+CALLBACK = "+hydra.callbacks.gpu_check._target_=scripts.gpu_check_hydra.JobRecorder"
+CHILD_ENV = {
+    "HYDRA_FULL_ERROR": "1",  # the real traceback, not Hydra's one-line hint
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_EVALUATE_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "PYTHONUNBUFFERED": "1",
+    "MPLBACKEND": "Agg",
+}
+# The device README's install: no index, no dependencies, nothing of the machine's replaced.
+PIP_INSTALL = (
+    sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+    "--no-cache-dir", "--upgrade",
+)  # fmt: skip
+# Exceptions that only say a child process failed (its own traceback came first).
+WRAPPERS = ("CalledProcessError", "ChildFailedError")
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+KEPT = (".log", ".json", ".jsonl", ".yaml", ".txt", ".md")  # a row's run files in logs.tar.gz
+POLL_S = 0.25
+EXIT_GRACE_S = 5.0  # after a process's last job: its sweep summary, then it is stopped
+DRY_CAP_SCALE = 4.0  # --dry-run's default: the CPU is slower than the device
+MIN_CAP_S = 3.0  # a row is not started with less time than this left before --deadline
+
+OK, FAILED, TIMED_OUT, SKIPPED, NOT_APPLICABLE, NOT_RUN = (
+    "ok",
+    "FAILED",
+    "TIMED OUT",
+    "skipped",
+    "n/a",
+    "not run",
+)
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Process:
+    """How rows run: a child of this script (``child``), train.py (``train``, the rows being
+    the jobs of one Hydra multirun over ``sweep``), or train.py under ``accelerate launch``."""
+
+    key: str
+    kind: str
+    startup_s: float  # allowance added to the cap of the first row of each start
+    base: tuple[str, ...] = ()  # train.py overrides every row of the process shares
+    sweep: str | None = None  # the key whose value each row sets (Hydra multirun)
+    dry: tuple[str, ...] = ()  # what --dry-run adds (smaller shapes)
+    models: bool = False  # needs setup/models
+    launch_config: str | None = None
+    distributed: str | None = None  # the distributed type a device run must show (train.log)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    process: str
+    cap_s: float  # on the device, without the process's start-up
+    value: str = ""  # the sweep value (train) or the child's name
+    what: str = ""
+    optional: bool = False  # planned only when --only names it
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``row`` (setting ``a``) against ``base`` (setting ``b``) on one metric. ``loss``: the
+    two runs train on the same batches, so their losses must agree within 5 %; ``lower``: the
+    metric must be lower for ``row`` (memory); otherwise the ratio is reported, to decide on."""
+
+    name: str
+    row: str
+    base: str
+    metric: str
+    a: str
+    b: str
+    loss: bool = False
+    lower: bool = False
+
+
+@dataclass
+class Plan:
+    processes: dict[str, Process]
+    rows: list[Row]
+    comparisons: list[Comparison]
+    precision: str
+
+
+SHORT_STEPS = (
     "trainer.max_steps=30",
-    "trainer.log_every_n_steps=10",
+    "trainer.log_every_n_steps=10",  # the last window (steps 21-30) is timed after warm-up
     "trainer.eval_at_start=false",
     "trainer.save_final_model=false",
     "trainer.save_every_n_steps=0",
     "trainer.progress_bar=false",
     "logger=none",
 )
+# --dry-run: the same commands, two logged steps on a few examples.
+DRY_STEPS = (
+    "trainer.max_steps=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.per_device_train_batch_size=4",
+    "data.max_train_examples=32",
+    "data.max_eval_examples=16",
+)
 
 
-def _runs(precision: str, fsdp_config: str) -> list[tuple[str, list[str]]]:
-    """(row name, command) for every training run of the check."""
-    train = [sys.executable, str(ROOT / "train.py")]
-    mp = f"trainer.mixed_precision={precision}"
-    runs = [(f"{r} ({precision})", [*train, f"recipe={r}", *SHORT, mp]) for r in RECIPES]
-    for attn in ("sdpa", "eager"):  # fp32: the comparison is about the kernels, not rounding
-        runs.append(
-            (
-                f"bert_squad attn={attn} (fp32)",
-                [
-                    *train,
-                    "recipe=bert_squad",
-                    *SHORT,
-                    "trainer.mixed_precision=no",
-                    f"model.attn_implementation={attn}",
-                ],
-            )
-        )
-    runs.append(
-        (
-            f"bert_squad compile ({precision})",
-            [*train, "recipe=bert_squad", *SHORT, mp, "trainer.compile=true"],
-        )
+def build_plan(precision: str, fsdp_config: str) -> Plan:
+    short = (*SHORT_STEPS, f"trainer.mixed_precision={precision}")
+    perf = (*short, "trainer.eval_at_end=false")
+    bert = (
+        "recipe=bert_squad",
+        "data.path=${data.sample}",  # the bundled SQuAD slice
+        "model.name_or_path={bert}",
+        "task.max_seq_length=384",
+        "task.doc_stride=128",
+        "trainer.per_device_train_batch_size=32",
+        *perf,
     )
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        fsdp_config,
-        "--num_processes",
-        "1",
-        str(ROOT / "train.py"),
+    bert_dry = ("task.max_seq_length=128", "task.doc_stride=32")
+    llama = (
+        "recipe=llama_sft",
+        "debug=smoke",  # the bundled conversations and chat template
+        "model.name_or_path={llama}",
+        "task.max_seq_length=1024",
+        "task.num_generations=0",
+        "trainer.per_device_train_batch_size=8",
+        *perf,
+    )
+    llama_dry = ("task.max_seq_length=128",)
+    processes = [
+        Process("setup", "child", 10),
+        Process("probe", "child", 8),
+        Process("adamw", "child", 10),
+        Process("sync", "child", 8),
+        Process("smoke", "train", 15, ("debug=smoke", *short), sweep="recipe"),
+        Process("llama", "train", 15, llama, "task.packing", llama_dry, models=True),
+        Process(
+            "lora",
+            "train",
+            15,
+            (*llama, "task.packing=false", "peft=lora", "trainer.gradient_checkpointing=true"),
+            dry=llama_dry,
+            models=True,
+        ),
+        Process(
+            "eager",
+            "train",
+            15,
+            (*bert, "trainer.padding=max_length", "model.attn_implementation=eager"),
+            dry=bert_dry,
+            models=True,
+        ),
+        Process("bert", "train", 15, bert, "trainer", bert_dry, models=True),
+        Process(
+            "fsdp", "launch", 25, ("recipe=llama_clm", "debug=smoke", *short), dry=(),
+            launch_config=fsdp_config, distributed="FSDP",
+        ),
+    ]  # fmt: skip
+    smoke_caps = {"bert_glue": 12, "bert_squad": 15, "llama_sft": 13}
+    rows = [
+        # Generous: every bert_large and llama135m row needs it.
+        Row("setup/models", "setup", 40, "models", "random bert-large and SmolLM2-135M shapes"),
+        Row("micro/sdpa_probe", "probe", 7, "sdpa_probe", "one SDPA step against eager"),
+        Row("micro/adamw_fused", "adamw", 12, "adamw_fused", "fused=null/true against false"),
+        Row("micro/host_sync", "sync", 7, "host_sync", "the loop's per-step .tolist()"),
+        *(
+            Row(f"smoke/{r}", "smoke", smoke_caps.get(r, 10), r, "debug=smoke, 30 steps")
+            for r in RECIPES
+        ),
+        Row("llama135m/unpacked", "llama", 20, "false", "SFT, seq 1024, batch 8, full FT"),
+        Row("llama135m/packed", "llama", 12, "true", "the same, task.packing=true"),
+        Row("llama135m/lora_gc", "lora", 20, "", "peft=lora, gradient checkpointing"),
+        Row("bert_large/eager", "eager", 25, "", "padding=max_length, eager attention"),
+        # One process; compile last, its compilation the longest wait.
+        Row("bert_large/max_length", "bert", 25, "{padding:max_length}", "seq 384, batch 32"),
+        Row("bert_large/longest", "bert", 15, "{padding:longest,sub_batches:4}", "defaults"),
+        Row("bert_large/longest_sub1", "bert", 12, "{padding:longest,sub_batches:1}", "whole"),
+        Row(
+            "bert_large/longest_grouped",
+            "bert",
+            12,
+            "{padding:longest,group_by_length:true}",
+            "length-grouped batches",
+        ),
+        Row("bert_large/compile", "bert", 80, "{padding:max_length,compile:true}", "compiled"),
+        Row("fsdp/llama_clm", "fsdp", 25, "", "FSDP, one process", optional=True),
     ]
-    runs.append(
-        (
-            f"llama_clm FSDP {Path(fsdp_config).stem} ({precision})",
-            [*launch, "recipe=llama_clm", *SHORT, mp],
+    tokens, samples = "tokens_per_s", "samples_per_s"
+    comparisons = [
+        Comparison("compare/attention", "bert_large/eager", "bert_large/max_length", tokens,
+                   "eager", "sdpa (auto)", loss=True),
+        Comparison("compare/compile", "bert_large/compile", "bert_large/max_length", tokens,
+                   "compiled", "not compiled", loss=True),
+        Comparison("compare/padding", "bert_large/longest", "bert_large/max_length", samples,
+                   "padding=longest (sub-batches)", "padding=max_length", loss=True),
+        Comparison("compare/sub_batches", "bert_large/longest", "bert_large/longest_sub1",
+                   samples, "sub_batches=4 (default)", "sub_batches=1", loss=True),
+        Comparison("compare/group_by_length", "bert_large/longest_grouped",
+                   "bert_large/longest", samples, "group_by_length=true",
+                   "group_by_length=false (default)"),
+        Comparison("compare/packing", "llama135m/packed", "llama135m/unpacked", tokens,
+                   "packing=true", "packing=false (default)"),
+        Comparison("compare/lora_memory", "llama135m/lora_gc", "llama135m/unpacked",
+                   "peak_memory_gib", "LoRA + gradient checkpointing", "full fine-tuning",
+                   lower=True),
+    ]  # fmt: skip
+    return Plan({p.key: p for p in processes}, rows, comparisons, precision)
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """A glob (with ``*?[``) matches the whole name; anything else is a substring."""
+    for pattern in patterns:
+        if any(ch in pattern for ch in "*?["):
+            if fnmatch.fnmatchcase(name, pattern):
+                return True
+        elif pattern in name:
+            return True
+    return False
+
+
+def select(plan: Plan, only: list[str]) -> list[Row]:
+    """The rows to run: all but the optional ones, or those ``only`` matches (and setup/models
+    when a chosen row needs it)."""
+    if only:
+        chosen = [r for r in plan.rows if matches(r.name, only)]
+    else:
+        chosen = [r for r in plan.rows if not r.optional]
+    if any(plan.processes[r.process].models for r in chosen):
+        chosen = [r for r in plan.rows if r.name == "setup/models" or r in chosen]
+    return chosen
+
+
+def parse_overrides(values: list[str]) -> list[tuple[str | None, str]]:
+    """``KEY=VALUE`` (every train.py row) or ``PATTERN:KEY=VALUE`` (the rows PATTERN matches)."""
+    parsed = []
+    for value in values:
+        head, eq, _ = value.partition("=")
+        if not eq:
+            raise ValueError(f"--override {value}: expected KEY=VALUE or PATTERN:KEY=VALUE")
+        pattern, colon, _ = head.partition(":")
+        parsed.append((pattern, value[len(pattern) + 1 :]) if colon else (None, value))
+    return parsed
+
+
+def row_overrides(row: Row, overrides: list[tuple[str | None, str]]) -> tuple[str, ...]:
+    return tuple(v for pattern, v in overrides if pattern is None or matches(row.name, [pattern]))
+
+
+def batches(
+    plan: Plan, rows: list[Row], overrides: list[tuple[str | None, str]]
+) -> list[list[Row]]:
+    """Consecutive rows of one train process with the same extra overrides share a process."""
+    out: list[list[Row]] = []
+    for row in rows:
+        process = plan.processes[row.process]
+        shared = process.kind == "train" and process.sweep is not None
+        if (
+            out
+            and shared
+            and out[-1][-1].process == row.process
+            and row_overrides(out[-1][-1], overrides) == row_overrides(row, overrides)
+        ):
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+@dataclass
+class Context:
+    """What a command needs beyond the plan."""
+
+    python: str
+    work: Path
+    dry_run: bool
+    overrides: list[tuple[str | None, str]] = field(default_factory=list)
+
+    @property
+    def models(self) -> Path:
+        return self.work / "models"
+
+
+def command(plan: Plan, rows: list[Row], ctx: Context, folder: Path) -> list[str]:
+    """The child process for ``rows`` (all of one process), writing under ``folder``."""
+    process = plan.processes[rows[0].process]
+    script = str(Path(__file__).resolve())
+    if process.kind == "child":
+        (row,) = rows
+        cmd = [ctx.python, script, "--child", row.value, "--child-out", str(folder / "0")]
+        cmd += ["--models-dir", str(ctx.models)]
+        return [*cmd, "--dry-run"] if ctx.dry_run else cmd
+    paths = {"bert": str(ctx.models / "bert-large-qa"), "llama": str(ctx.models / "llama-135m")}
+    overrides = [
+        o.replace("{bert}", paths["bert"]).replace("{llama}", paths["llama"]) for o in process.base
+    ]
+    if ctx.dry_run:
+        overrides += [*DRY_STEPS, *process.dry]
+    overrides += row_overrides(rows[0], ctx.overrides)
+    if process.sweep is not None:
+        overrides.append(f"{process.sweep}={','.join(r.value for r in rows)}")
+    overrides.append(CALLBACK)
+    if len(rows) > 1:
+        head = [ctx.python, str(ROOT / "train.py"), "-m"]
+        overrides.append(f"hydra.sweep.dir={folder}")
+    else:
+        head = [ctx.python, str(ROOT / "train.py")]
+        overrides.append(f"hydra.run.dir={folder / '0'}")
+    if process.kind == "launch":
+        launch = [ctx.python, "-m", "accelerate.commands.launch", "--config_file"]
+        head = [*launch, str(process.launch_config), "--num_processes", "1", head[1]]
+    return [*head, *overrides]
+
+
+def caps_of(plan: Plan, rows: list[Row], overrides: list[tuple[str | None, str]]) -> float:
+    """The planned time of ``rows``: their caps and one start-up per process."""
+    return sum(r.cap_s for r in rows) + sum(
+        plan.processes[b[0].process].startup_s for b in batches(plan, rows, overrides)
+    )
+
+
+def print_plan(plan: Plan, rows: list[Row], ctx: Context, scale: float) -> None:
+    groups = batches(plan, rows, ctx.overrides)
+    total = caps_of(plan, rows, ctx.overrides) * scale
+    out = sys.stdout
+    out.write(
+        f"GPU check plan ({plan.precision}): {len(rows)} rows in {len(groups)} processes; caps "
+        f"sum to {total:.0f} s ({total / 60:.1f} min), start-ups included"
+        f"{' (x' + format(scale, 'g') + ', --dry-run)' if ctx.dry_run else ''}\n\n"
+    )
+    for group in groups:
+        process = plan.processes[group[0].process]
+        folder = ctx.work / "runs" / process.key
+        out.write(
+            f"process {process.key} ({process.kind}, start-up {process.startup_s * scale:.0f} s):"
+            f" {shlex.join(command(plan, group, ctx, folder))}\n"
         )
-    )
-    return runs
+        for index, row in enumerate(group):
+            value = f" [{process.sweep}={row.value}]" if process.sweep else ""
+            out.write(
+                f"  {index}. {row.name:28} cap {row.cap_s * scale:4.0f} s  {row.what}{value}\n"
+            )
+    optional = [r.name for r in plan.rows if r.optional and r not in rows]
+    if optional:
+        out.write(f"\noptional (only with --only): {', '.join(optional)}\n")
+    chosen = {r.name for r in rows}
+    compared = [c for c in plan.comparisons if {c.row, c.base} <= chosen]
+    if compared:
+        out.write("\ncomparisons:\n")
+        for c in compared:
+            out.write(f"  {c.name:28} {c.a} / {c.b}: {c.metric} of {c.row} / {c.base}\n")
 
 
-def _train(name: str, command: list[str], out: Path) -> dict:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [*command, f"output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-    )
-    row = {"check": name, "seconds": time.perf_counter() - started, "ok": done.returncode == 0}
-    if not row["ok"]:
-        row["note"] = (done.stderr.strip().splitlines() or ["failed"])[-1][:160]
-        return row
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+# ----------------------------------------------------------------------- outcomes and errors
+
+
+def last_error(text: str) -> str | None:
+    """The error a log ends with: the exception line (type and message, its first line) of the
+    last traceback or train.py's last ``error:`` line, whichever comes later; not a launcher's
+    wrapper (``CalledProcessError`` after its child's own traceback), never Hydra's hint."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            after = (x for x in lines[i + 1 :] if x.strip() and not x[0].isspace())
+            exception = next(after, None)
+            if exception is not None:
+                found.append(exception.strip())
+        elif line.startswith("error: "):
+            found.append(line.strip())
+    real = [e for e in found if not e.split(":")[0].endswith(WRAPPERS) and HYDRA_HINT not in e]
+    if real or found:
+        return (real or found)[-1][:400]
+    rest = [line.strip() for line in lines if line.strip() and HYDRA_HINT not in line]
+    return rest[-1][:400] if rest else None
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def outcome(kind: str, job: Path) -> dict[str, Any] | None:
+    """What a finished row left in its folder; None while it runs. ``fatal``: its process must
+    not run more rows (an exception; a clean refusal of train.py leaves the process healthy)."""
+    if kind == "child":
+        path = job / "result.json"
+        return {"status": "done", "fatal": False, **_read_json(path)} if path.exists() else None
+    if (job / "job_error.txt").exists():
+        text = (job / "job_error.txt").read_text(encoding="utf-8", errors="replace")
+        return {"status": FAILED, "fatal": True, "error": last_error(text), "traceback": text}
+    if (job / "failed.json").exists():
+        error = _read_json(job / "failed.json").get("error", "failed")
+        return {"status": FAILED, "fatal": False, "error": f"error: {error.splitlines()[0]}"}
+    if (job / "results.json").exists():
+        return {"status": "done", "fatal": False, **train_metrics(job)}
+    return None
+
+
+def train_metrics(job: Path) -> dict[str, Any]:
+    """The last logged window of a run (after warm-up) and its final evaluation."""
+    results = _read_json(job / "results.json")
+    records = []
+    if (job / "metrics.jsonl").exists():
+        for line in (job / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
     train = [r for r in records if "train/loss" in r]
     last = train[-1] if train else {}
-    row.update(
-        loss=last.get("train/loss"),
-        tokens_per_s=last.get("train/tokens_per_second"),
-        tflops=last.get("train/tflops"),
-        mfu=last.get("train/mfu"),
-        finite=all(r["train/loss"] is not None for r in train),
+    found: dict[str, Any] = {
+        "steps": results.get("steps"),
+        "loss": last.get("train/loss"),
+        "samples_per_s": last.get("train/samples_per_second"),
+        "tokens_per_s": last.get("train/tokens_per_second"),
+        "tflops": last.get("train/tflops"),
+        "mfu": last.get("train/mfu"),
+        "peak_memory_gib": last.get("train/peak_memory_gib"),
+        "ok": bool(train) and all(math.isfinite(r["train/loss"]) for r in train),
+    }
+    notes = [] if found["ok"] else ["no finite training loss logged"]
+    if results.get("main_value") is not None:
+        notes.append(f"{results['main_metric']} {results['main_value']:.4g}")
+    log = (job / "train.log").read_text(errors="replace") if (job / "train.log").exists() else ""
+    kind = re.search(r"distributed DistributedType\.(\w+)", log)
+    if kind and kind.group(1) != "NO":
+        found["distributed"] = kind.group(1)
+        notes.append(f"distributed {kind.group(1)}")
+    trainable = re.search(r"trainable parameters: (\d+) of (\d+)", log)
+    if trainable and trainable.group(1) != trainable.group(2):  # LoRA
+        share = int(trainable.group(1)) / int(trainable.group(2))
+        notes.append(f"{share:.2%} of the parameters train")
+    if (job / "gpu_check_job.json").exists():
+        allocated = _read_json(job / "gpu_check_job.json").get("allocated_at_start")
+        if allocated is not None:  # not the first job of its process
+            found["shared_process"] = True
+            if allocated > 2**26:
+                notes.append(f"{allocated / 2**30:.2f} GiB left allocated by the job before")
+    found["note"] = "; ".join(notes)
+    return found
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def table_text(header: list[str], records: list[dict], pending: list[str]) -> str:
+    lines = [
+        *header,
+        "",
+        "| row | status | loss | samples/s | tokens/s | TFLOP/s | MFU | peak GiB | s | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    starred = False
+    for r in records:
+        peak = _fmt(r.get("peak_memory_gib"), ".2f")
+        if r.get("shared_process") and peak != "-":
+            peak, starred = peak + "*", True
+        note = r.get("note") or ""
+        if r.get("error"):
+            note = f"{r['error']}; {note}" if note else r["error"]
+        lines.append(
+            f"| {r['row']} | {r['status']} | {_fmt(r.get('loss'), '.4f')} | "
+            f"{_fmt(r.get('samples_per_s'), ',.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+            f"{_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('mfu'), '.1%')} | {peak} | "
+            f"{_fmt(r.get('seconds'), '.0f')} | {note.replace('|', '/')} |"
+        )
+    lines.extend(f"| {name} | {NOT_RUN} | | | | | | | | |" for name in pending)
+    lines.append("")
+    if starred:
+        lines.append(
+            "\\* ran after another job in the same process (memory those left allocated is named "
+            "in the note when there was any)."
+        )
+    lines.append(
+        "Throughput is the last logged window (after warm-up); MFU against the device's dense "
+        "peak (recipes/device.py). Logs and run files: logs.tar.gz."
     )
-    return row
+    return "\n".join(lines) + "\n"
 
 
-def _optimizer_row(where: str) -> dict:
-    """The optimizer the project builds for this device against foreach AdamW, on the device."""
+def compare(c: Comparison, a: dict, b: dict) -> dict[str, Any]:
+    """The comparison row of two finished rows."""
+    row: dict[str, Any] = {"row": c.name, "kind": "compare", "a": c.row, "b": c.base}
+    if a["status"] != OK or b["status"] != OK:
+        return {**row, "status": NOT_APPLICABLE, "note": f"needs {c.row} and {c.base} ok"}
+    va, vb = a.get(c.metric), b.get(c.metric)
+    if va is None or vb is None or not vb:
+        return {**row, "status": NOT_APPLICABLE, "note": f"no {c.metric} on this machine"}
+    ratio = row["ratio"] = va / vb
+    if c.lower:
+        verdict = f"{c.a} {'uses less' if ratio < 1 else 'does NOT use less'}"
+    else:
+        verdict = f"{c.a if ratio >= 1 else c.b} is faster here"
+    notes = [f"{c.a} / {c.b}: {ratio:.2f}x {c.metric} ({va:,.4g} vs {vb:,.4g}); {verdict}"]
+    ok = ratio < 1 if c.lower else True
+    if c.loss:
+        la, lb = a.get("loss"), b.get("loss")
+        close = la is not None and lb is not None and abs(la - lb) <= 0.05 * abs(lb)
+        notes.append(f"loss {_fmt(la, '.4f')} vs {_fmt(lb, '.4f')}{'' if close else ' DIFFER'}")
+        ok = ok and close
+    return {**row, "status": OK if ok else FAILED, "note": "; ".join(notes)}
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+class Runner:
+    """Runs the rows, writing rows.jsonl, table.md and logs.tar.gz after each."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rows: list[Row],
+        ctx: Context,
+        out: Path,
+        header: list[str],
+        scale: float,
+        caps: list[tuple[str | None, float]],
+        deadline: float | None,
+    ) -> None:
+        self.plan, self.rows, self.ctx, self.out = plan, rows, ctx, out
+        self.header, self.scale, self.caps, self.deadline = header, scale, caps, deadline
+        self.records: list[dict] = []
+        self.by_name: dict[str, dict] = {}
+        self.bank = 0.0  # cap time earlier rows left unused
+        self.started = time.monotonic()
+        self.processes = 0
+        self.env = {**os.environ, **CHILD_ENV}
+        self.proc: subprocess.Popen | None = None
+        for folder in ("logs", "files", "runs"):
+            (ctx.work / folder).mkdir(parents=True, exist_ok=True)
+
+    # -- time
+
+    def own_cap(self, row: Row, first: bool) -> float:
+        """The row's cap, with its process's start-up when it starts one; --cap replaces it."""
+        cap = row.cap_s + (self.plan.processes[row.process].startup_s if first else 0.0)
+        cap *= self.scale
+        for pattern, seconds in self.caps:
+            if pattern is None or matches(row.name, [pattern]):
+                cap = seconds
+        return cap
+
+    def left(self) -> float:
+        """Seconds to --deadline (infinite without one)."""
+        if self.deadline is None:
+            return math.inf
+        return self.deadline - (time.monotonic() - self.started)
+
+    def cap(self, row: Row, first: bool) -> tuple[float, float, float]:
+        """(own cap, borrowed, effective cap), the deadline applied."""
+        own = self.own_cap(row, first)
+        borrowed = min(self.bank, own)
+        return own, borrowed, min(own + borrowed, self.left())
+
+    # -- records
+
+    def record(self, rec: dict) -> None:
+        """Append a row (and the comparisons it completes), then rewrite the files."""
+        new = [rec]
+        done = {*self.by_name, rec["row"]}
+        for c in self.plan.comparisons:
+            if rec["row"] in (c.row, c.base) and {c.row, c.base} <= done:
+                arms = {**self.by_name, rec["row"]: rec}
+                new.append(compare(c, arms[c.row], arms[c.base]))
+        for item in new:
+            self.records.append(item)
+            self.by_name[item["row"]] = item
+            with (self.out / "rows.jsonl").open("a", encoding="utf-8") as f:
+                f.write(json.dumps(item) + "\n")
+            extra = item.get("error") or item.get("note") or ""
+            seconds = f" {item['seconds']:.0f} s" if item.get("seconds") is not None else ""
+            sys.stdout.write(
+                f"[{len(self.records):2}] {item['row']}: {item['status']}{seconds}  {extra}\n"
+            )
+        sys.stdout.flush()
+        self.write_files()
+
+    def write_files(self) -> None:
+        done = set(self.by_name)
+        pending = [r.name for r in self.rows if r.name not in done]
+        text = table_text(self.header, self.records, pending)
+        _atomic_write(self.out / "table.md", text.encode())
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            for folder in ("logs", "files"):
+                for path in sorted((self.ctx.work / folder).rglob("*")):
+                    if path.is_file():
+                        tar.add(path, arcname=str(path.relative_to(self.ctx.work / folder)))
+        _atomic_write(self.out / "logs.tar.gz", buffer.getvalue())
+
+    def skip(self, rows: list[Row], why: str) -> None:
+        for row in rows:
+            self.record({"row": row.name, "status": SKIPPED, "ok": False, "note": why})
+
+    # -- processes
+
+    def run(self) -> None:
+        for group in batches(self.plan, self.rows, self.ctx.overrides):
+            process = self.plan.processes[group[0].process]
+            setup = self.by_name.get("setup/models")
+            if process.models and (setup is None or setup["status"] != OK):
+                self.skip(group, "setup/models did not succeed")
+                continue
+            self.run_group(group)
+
+    def run_group(self, rows: list[Row]) -> None:
+        pending = list(rows)
+        while pending:
+            own, borrowed, cap = self.cap(pending[0], first=True)
+            if self.left() < MIN_CAP_S:
+                self.skip(pending, "past --deadline")
+                return
+            self.processes += 1
+            tag = f"p{self.processes:02d}-{pending[0].process}"
+            folder = self.ctx.work / "runs" / tag
+            cmd = command(self.plan, pending, self.ctx, folder)
+            log = self.ctx.work / "logs" / f"{tag}.log"
+            with log.open("w", encoding="utf-8") as f:
+                f.write(f"$ {shlex.join(cmd)}\n")
+                f.flush()
+                self.proc = subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    stdin=subprocess.DEVNULL,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    preexec_fn=os.setpgrp,  # its own group: stopped with accelerate's ranks
+                )
+            done = self.watch(pending, tag, folder, cmd, log, (own, borrowed, cap))
+            self.stop(grace=EXIT_GRACE_S if done == len(pending) else 0.0)
+            pending = pending[done:]
+
+    def watch(
+        self,
+        rows: list[Row],
+        tag: str,
+        folder: Path,
+        cmd: list[str],
+        log: Path,
+        caps: tuple[float, float, float],
+    ) -> int:
+        """Record the rows of one process as they end; returns how many were recorded (the
+        process must be stopped when that is fewer than all)."""
+        assert self.proc is not None
+        kind = self.plan.processes[rows[0].process].kind
+        kind = "child" if kind == "child" else "train"
+        index, began = 0, time.monotonic()
+        own, borrowed, cap = caps
+        while index < len(rows):
+            job = folder / str(index)
+            found = outcome(kind, job)
+            exited = self.proc.poll() is not None
+            if found is None and exited:
+                found = outcome(kind, job)  # written just before it exited
+                if found is None:
+                    text = log.read_text(encoding="utf-8", errors="replace")
+                    rc = self.proc.returncode
+                    error = last_error(text) or "no output"
+                    found = {"status": FAILED, "fatal": True, "error": f"{error} (exit {rc})"}
+            used = time.monotonic() - began
+            if found is None and used > cap:
+                found = {
+                    "status": TIMED_OUT,
+                    "fatal": True,
+                    "error": f"timed out after {cap:.0f} s (cap {own:.0f} s"
+                    + (f" + {borrowed:.0f} s unused by earlier rows)" if borrowed else ")"),
+                }
+            if found is None:
+                time.sleep(POLL_S)
+                continue
+            self.bank = max(self.bank + own - used, 0.0)
+            if found.get("fatal"):  # the process runs no more rows: its log is complete now
+                self.stop(grace=0.0)
+                with log.open("a", encoding="utf-8") as f:
+                    f.write(found.get("traceback", ""))  # Hydra prints it only at the sweep's end
+                    f.write(
+                        f"\n[gpu_check] {rows[index].name}: {found['error']}; process stopped\n"
+                    )
+            self.finish_row(rows[index], found, used, own, borrowed, tag, job, cmd)
+            if found.get("fatal"):
+                return index + 1
+            index += 1
+            if index < len(rows):
+                began = time.monotonic()
+                own, borrowed, cap = self.cap(rows[index], first=False)
+                if self.left() < MIN_CAP_S:
+                    return index  # past --deadline: the rest are skipped
+        return index
+
+    def finish_row(
+        self,
+        row: Row,
+        found: dict,
+        used: float,
+        own: float,
+        borrowed: float,
+        tag: str,
+        job: Path,
+        cmd: list[str],
+    ) -> None:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", row.name)
+        keep = self.ctx.work / "files" / slug
+        if job.is_dir():
+            for path in job.iterdir():
+                if path.is_file() and path.suffix in KEPT and path.stat().st_size < 2**22:
+                    keep.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, keep / path.name)
+        status = found.get("status")
+        if status == "done":
+            status = OK if found.get("ok") else FAILED
+        # On the device, a launch that fell back to one plain process did not check FSDP.
+        expected = self.plan.processes[row.process].distributed
+        ran = found.get("distributed") or "NO"
+        if status == OK and expected and not self.ctx.dry_run and ran != expected:
+            status, found["note"] = FAILED, f"ran as {ran}, not {expected}"
+        rec = {
+            "row": row.name,
+            "kind": self.plan.processes[row.process].kind,
+            "status": status,
+            "ok": status == OK,
+            "seconds": round(used, 1),
+            "cap_s": round(own, 1),
+            "borrowed_s": round(borrowed, 1),
+            **{k: v for k, v in found.items() if k not in ("status", "fatal", "ok", "traceback")},
+            "log": f"logs.tar.gz:{tag}.log",
+            "files": f"logs.tar.gz:{slug}/" if keep.exists() else None,
+            "command": shlex.join(cmd),
+        }
+        self.record(rec)
+
+    def stop(self, grace: float) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------ rows in a child
+
+
+def child_models(folder: Path, dry_run: bool) -> dict:
+    """Randomly initialised models of real shapes, saved for train.py: bert-large-uncased for
+    QA (hidden 1024, 24 layers, 16 heads, FFN 4096, BERT's 30,522-token vocabulary size) with
+    the bundled uncased tokenizer, and a Llama of SmolLM2-135M's shape (576 wide, 30 layers,
+    9 heads, 3 KV heads, 49,152 tokens) with the bundled tiny Llama's tokenizer. --dry-run cuts
+    both to 2 layers and their vocabularies to their tokenizers' (what a CPU trains quickly)."""
     import torch
-
-    from recipes.optim import build_optimizer
-
-    target = torch.device(where)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))
-    twin = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))
-    twin.load_state_dict(model.state_dict())
-    make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
-    picked = build_optimizer(functools.partial(make, fused=None), model, target)
-    plain = build_optimizer(functools.partial(make, fused=False), twin, target)
-    model.to(target), twin.to(target)
-    started = time.perf_counter()
-    for i in range(20):
-        for net, opt in ((model, picked), (twin, plain)):
-            net.zero_grad()
-            net(torch.full((8, 256), 0.01 * (i + 1), device=target)).pow(2).sum().backward()
-            opt.step()
-    diff = max(
-        float((a - b).detach().abs().max())
-        for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertForQuestionAnswering,
+        LlamaConfig,
+        LlamaForCausalLM,
     )
-    kind = type(picked).__module__ + "." + type(picked).__name__
-    fused = picked.defaults.get("fused")
+
+    torch.manual_seed(0)
+    bert_layers, llama_layers = (2, 2) if dry_run else (24, 30)
+    bert_tokenizer = AutoTokenizer.from_pretrained(ASSETS / "minilm-squad")
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
+    bert = BertForQuestionAnswering(
+        BertConfig(
+            vocab_size=len(bert_tokenizer) if dry_run else 30522,
+            hidden_size=1024,
+            num_hidden_layers=bert_layers,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            max_position_embeddings=512,
+        )
+    )
+    bert.save_pretrained(folder / "bert-large-qa")
+    bert_tokenizer.save_pretrained(folder / "bert-large-qa")
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer) if dry_run else 49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=llama_layers,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    llama.save_pretrained(folder / "llama-135m")
+    tokenizer.save_pretrained(folder / "llama-135m")
+    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (bert, llama)]
     return {
-        "check": "fused AdamW vs foreach (20 steps)",
-        "ok": diff < 1e-4,
-        "seconds": time.perf_counter() - started,
-        "note": f"{kind} fused={fused}; max parameter difference {diff:.1e}",
+        "ok": True,
+        "note": f"bert-large QA, {bert_layers} layers, {sizes[0]:.0f}M parameters; Llama "
+        f"(SmolLM2-135M shape), {llama_layers} layers, {sizes[1]:.0f}M",
     }
 
 
-def _sync_row(where: str) -> dict:
-    """What one ``.tolist()`` per step (the loop's non-finite/stop agreement) costs."""
+def child_sdpa_probe(dry_run: bool) -> dict:
+    from recipes import device, env
+
+    backend = device.backend()
+    probe = env.sdpa_probe(env._probe_device(backend), env._probe_dtypes(backend))
+    return {"ok": probe["ok"], "note": env._probe_text(probe)}
+
+
+def child_adamw_fused(dry_run: bool) -> dict:
+    """The AdamW the project builds here (``fused: null``; and ``fused: true``) against the
+    foreach one (``fused: false``): the same parameters after 20 steps on the same gradients,
+    and the time of one step over bert-large's encoder weights (302M parameters)."""
+    import torch
+
+    from recipes import device
+    from recipes.optim import build_optimizer
+
+    backend = device.backend()
+    target = torch.device(f"{backend}:0" if backend != device.CPU else backend)
+    make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+
+    def model(width: int, layers: int) -> torch.nn.Module:
+        blocks = []
+        for _ in range(layers):  # one BERT layer: 4 projections and the feed-forward pair
+            blocks += [torch.nn.Linear(width, width) for _ in range(4)]
+            blocks += [torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)]
+            blocks.append(torch.nn.LayerNorm(width))
+        return torch.nn.Sequential(*blocks)
+
+    def build(fused: bool | None, net: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(functools.partial(make, fused=fused), net, target)
+
+    def describe(opt: torch.optim.Optimizer) -> str:
+        return f"{type(opt).__name__} fused={opt.param_groups[0].get('fused')}"
+
+    # The same parameters: built on the CPU and moved, as the loop does.
+    torch.manual_seed(0)
+    nets = {key: model(64, 2) for key in ("null", "true", "false")}
+    for net in nets.values():
+        net.load_state_dict(nets["null"].state_dict())
+    opts: dict[str, torch.optim.Optimizer] = {}
+    notes = []
+    for key, fused in (("null", None), ("true", True), ("false", False)):
+        try:
+            opts[key] = build(fused, nets[key])
+        except (RuntimeError, ValueError) as err:
+            notes.append(f"fused=true refused: {str(err).splitlines()[0][:120]}")
+    for net in nets.values():
+        net.to(target)
+    for i in range(20):
+        for key, opt in opts.items():
+            net = nets[key]
+            net.zero_grad()
+            x = torch.full((8, 64), 0.01 * (i + 1), device=target)
+            net(x).pow(2).sum().backward()
+            opt.step()
+
+    def diff(key: str) -> float:
+        pairs = zip(nets[key].parameters(), nets["false"].parameters(), strict=True)
+        return max(float((a - b).detach().abs().max()) for a, b in pairs)
+
+    diffs = {key: diff(key) for key in opts if key != "false"}
+    ok = all(d < 1e-4 for d in diffs.values())
+
+    # Speed: one step over many parameters, gradients in place.
+    width, layers = (256, 2) if dry_run else (1024, 24)
+    timing = {}
+    for key, fused in (("null", None), ("false", False)):
+        torch.manual_seed(0)
+        with torch.device(target):
+            net = model(width, layers)
+        for p in net.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = build(fused, net)
+        for _ in range(3):
+            opt.step()
+        device.synchronize(target)
+        started = time.perf_counter()
+        steps = 5 if dry_run else 20
+        for _ in range(steps):
+            opt.step()
+        device.synchronize(target)
+        timing[key] = (time.perf_counter() - started) / steps * 1e3
+        count = sum(p.numel() for p in net.parameters())
+        del net, opt
+    speed = timing["false"] / timing["null"]
+    notes.insert(
+        0,
+        f"{describe(opts['null'])}: {timing['null']:.2f} ms/step against foreach "
+        f"{timing['false']:.2f} ms ({speed:.2f}x) on {count / 1e6:.0f}M parameters; after 20 "
+        "steps max parameter difference "
+        + ", ".join(f"fused={k} {v:.1e}" for k, v in diffs.items()),
+    )
+    return {"ok": ok, "note": "; ".join(notes), "speedup": speed}
+
+
+def child_host_sync(dry_run: bool) -> dict:
+    """What one ``.tolist()`` per step (the loop's non-finite / stop agreement) costs."""
     import torch
 
     from recipes import device
 
-    target = torch.device(where)
+    backend = device.backend()
+    target = torch.device(f"{backend}:0" if backend != device.CPU else backend)
     layer = torch.nn.Linear(1024, 1024).to(target)
     x = torch.randn(64, 1024, device=target)
+    count = 20 if dry_run else 200
 
     def steps(sync: bool) -> float:
         device.synchronize(target)
         started = time.perf_counter()
-        for _ in range(200):
+        for _ in range(count):
             loss = layer(x).square().mean()
             loss.backward()
             if sync:
                 torch.stack([~torch.isfinite(loss), loss.new_zeros(())]).float().tolist()
         device.synchronize(target)
-        return (time.perf_counter() - started) / 200
+        return (time.perf_counter() - started) / count
 
     steps(False)  # warm-up
     plain, synced = steps(False), steps(True)
     return {
-        "check": "host sync per step (non-finite / stop check)",
         "ok": True,
-        "seconds": 400 * plain,
         "note": f"{(synced - plain) * 1e6:+.0f} us per step on a {plain * 1e3:.2f} ms step",
     }
 
 
-def _probe_row(backend: str) -> dict:
-    from recipes import env
-
-    probe = env.sdpa_probe(env._probe_device(backend), env._probe_dtypes(backend))
-    return {
-        "check": "SDPA vs eager, one step (doctor)",
-        "ok": probe["ok"],
-        "note": env._probe_text(probe),
-    }
+CHILDREN = {
+    "sdpa_probe": child_sdpa_probe,
+    "adamw_fused": child_adamw_fused,
+    "host_sync": child_host_sync,
+}
 
 
-def _fmt(value: object, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def run_child(name: str, out: Path, models: Path, dry_run: bool) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    if name == "models":
+        models.mkdir(parents=True, exist_ok=True)
+        result = child_models(models, dry_run)
+    else:
+        result = CHILDREN[name](dry_run)
+    _atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())
+    return 0
 
 
-def table(rows: list[dict], header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| check | ok | loss | tokens/s | TFLOP/s | MFU | s | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['check']} | {'yes' if r['ok'] else 'NO'} | {_fmt(r.get('loss'), '.4f')} | "
-            f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('tflops'), '.2f')} | "
-            f"{_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('seconds'), '.0f')} | "
-            f"{r.get('note', '')} |"
-        )
-    return "\n".join(lines) + "\n"
+# ---------------------------------------------------------------------------------- wheels
 
 
-def main() -> int:
+def install_wheels(folder: Path, target: Path) -> list[str]:
+    """Install the wheels of ``folder`` into ``target`` (nothing else is touched: no
+    dependencies, no index) and put it first on the path of this process and its children.
+    Returns the carried wheels' requirements this environment does not meet."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"--wheels {folder}: no .whl files there")
+    subprocess.run(
+        [*PIP_INSTALL, "--target", str(target), *map(str, wheels)],
+        check=True,
+    )
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(target), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    sys.path.insert(0, str(target))
+    import importlib
+
+    importlib.invalidate_caches()
+    return unmet_requirements(wheels)
+
+
+def wheel_requirements(wheel: Path) -> tuple[str, list[str]]:
+    """A wheel's project name and its ``Requires-Dist`` lines."""
+    import email.parser
+
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        message = email.parser.Parser().parsestr(z.read(name).decode("utf-8"))
+    return str(message["Name"]), list(message.get_all("Requires-Dist") or [])
+
+
+def unmet_requirements(wheels: list[Path]) -> list[str]:
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    problems = []
+    for wheel in wheels:
+        project, needs = wheel_requirements(wheel)
+        for line in needs:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            try:
+                have = importlib.metadata.version(req.name)
+            except importlib.metadata.PackageNotFoundError:
+                problems.append(f"{project} needs {req}: not installed")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{project} needs {req}: {req.name} {have} is installed")
+    return problems
+
+
+def missing_imports() -> str | None:
+    """The first of train.py's libraries that does not import here (before any row runs)."""
+    import importlib
+
+    for name in ("omegaconf", "hydra", "datasets", "transformers", "accelerate", "peft"):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # an ImportError, or a library too old for its dependencies
+            return f"import {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    # The callback train.py loads by this name (ROOT is first on its path, as here).
+    hook = importlib.import_module(CALLBACK.split("=")[1].rsplit(".", 1)[0])
+    if Path(str(hook.__file__)).resolve().parent != Path(__file__).resolve().parent:
+        return f"another 'scripts' package shadows this checkout's: {hook.__file__}"
+    return None
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="print the planned runs only")
-    parser.add_argument("--out", type=Path, help="also write the Markdown table here")
-    args = parser.parse_args()
+    parser.add_argument("--plan", action="store_true", help="print the rows and caps; run nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every row here (the CPU stands in for the device), shrunk to 2 steps",
+    )
+    parser.add_argument("--out", type=Path, help="folder for rows.jsonl, table.md, logs.tar.gz")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="rows whose name matches (a glob, or a substring); repeatable",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="[PATTERN:]KEY=VALUE",
+        help="a train.py override for every train row (or those PATTERN matches); repeatable",
+    )
+    parser.add_argument(
+        "--cap",
+        action="append",
+        default=[],
+        metavar="[PATTERN=]SECONDS",
+        help="set the time cap of every row (or those PATTERN matches); repeatable",
+    )
+    parser.add_argument(
+        "--cap-scale",
+        type=float,
+        help=f"multiply every cap (default 1, {DRY_CAP_SCALE:g} with --dry-run)",
+    )
+    parser.add_argument(
+        "--deadline", type=float, help="seconds from the start after which no row runs"
+    )
+    parser.add_argument(
+        "--wheels", type=Path, help="install these wheels into --site first (no index, no deps)"
+    )
+    parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "gpu_check_site")
+    parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--models-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        return run_child(args.child, args.child_out, args.models_dir, args.dry_run)
+
+    unmet: list[str] = []
+    if args.wheels:
+        unmet = install_wheels(args.wheels, args.site)
+        for line in unmet:
+            sys.stderr.write(f"warning: {line}\n")
+
+    try:
+        overrides = parse_overrides(args.override)
+        caps = []
+        for value in args.cap:
+            pattern, eq, seconds = value.rpartition("=")
+            caps.append((pattern if eq else None, float(seconds)))
+    except ValueError as err:
+        parser.error(str(err))
 
     import torch
 
@@ -231,46 +1181,81 @@ def main() -> int:
     precision = "bf16" if device.supports_bf16() else "fp16"
     versions = {"torch": torch.__version__, "accelerate": env._dist_version("accelerate")}
     fsdp = "fsdp2" if "(FSDP2)" in env._fsdp_config({"versions": versions}) else "fsdp"
-    runs = _runs(precision, str(ROOT / "conf" / "accelerate" / f"{fsdp}.yaml"))
-    if args.dry_run:
-        for name, command in runs:
-            sys.stdout.write(f"{name}: {' '.join(command)}\n")
+    plan = build_plan(precision, str(ROOT / "conf" / "accelerate" / f"{fsdp}.yaml"))
+    rows = select(plan, args.only)
+    if not rows:
+        sys.stderr.write(f"no row matches --only {' '.join(args.only)}\n")
+        return 2
+    scale = args.cap_scale or (DRY_CAP_SCALE if args.dry_run else 1.0)
+    if args.plan:
+        print_plan(
+            plan,
+            rows,
+            Context("python", args.work or Path("<work>"), args.dry_run, overrides),
+            scale,
+        )
         return 0
-    if backend == device.CPU:
-        sys.stderr.write("gpu_check needs a MUSA or CUDA device; this machine has none.\n")
+    if backend == device.CPU and not args.dry_run:
+        sys.stderr.write(
+            "gpu_check needs a MUSA or CUDA device; this machine has none (--dry-run runs every "
+            "row here on the CPU, --plan lists them).\n"
+        )
         return 2
 
-    where = f"{backend}:0"
-    names = ", ".join(device.device_names())
-    header = (
-        f"GPU check, {datetime.now(timezone.utc):%Y-%m-%d}: {names} ({backend}), torch "
-        f"{torch.__version__}, accelerate {env._dist_version('accelerate')}, transformers "
-        f"{env._dist_version('transformers')}"
-    )
-    rows = [_probe_row(backend), _optimizer_row(where), _sync_row(where)]
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
-        for index, (name, command) in enumerate(runs):
-            rows.append(_train(name, command, Path(folder) / f"run-{index}"))
-            sys.stderr.write(f"{name}: {'ok' if rows[-1]['ok'] else 'FAILED'}\n")
-    losses = {r["check"]: r.get("loss") for r in rows}
-    sdpa, eager = (
-        losses.get("bert_squad attn=sdpa (fp32)"),
-        losses.get("bert_squad attn=eager (fp32)"),
-    )
-    if sdpa is not None and eager is not None:  # dropout differs between kernels: a loose check
-        close = abs(sdpa - eager) <= 0.05 * abs(eager)
-        rows.append(
-            {
-                "check": "SDPA vs eager, training loss",
-                "ok": close,
-                "note": f"{sdpa:.4f} vs {eager:.4f}",
-            }
+    missing = missing_imports()
+    if missing:
+        sys.stderr.write(
+            f"gpu_check: train.py cannot run here ({missing}). On a machine without hydra-core, "
+            "omegaconf or datasets, fetch their wheels with scripts/gpu_check_wheels.py and "
+            "add --wheels .whl.\n"
         )
-    text = table(rows, header)
-    sys.stdout.write(text)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
-    return 0 if all(r["ok"] for r in rows) else 1
+        return 2
+    out = args.out or ROOT / "outputs" / "gpu_check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    if out.exists() and any(out.iterdir()):
+        sys.stderr.write(f"--out {out}: not empty; name a new folder\n")
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    ctx = Context(sys.executable, work, args.dry_run, overrides)
+    names = ", ".join(device.device_names()) or "CPU"
+    stack = ", ".join(
+        f"{name} {env._dist_version(name) or 'MISSING'}"
+        for name in ("accelerate", "transformers", "datasets", "peft", "hydra-core")
+    )
+    header = [
+        f"# GPU check, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {names} ({backend})",
+        "",
+        f"torch {torch.__version__}, {stack}; precision {precision}; attention auto = "
+        f"{device.default_attn_implementation()}; python {sys.version.split()[0]}",
+    ]
+    if args.dry_run:
+        header.append(
+            "DRY RUN: every row's code path on this machine, shrunk (2 steps, 2-layer models, "
+            "short sequences); its numbers say nothing about a device."
+        )
+    header += [f"wheels: {line}" for line in unmet]
+    total = caps_of(plan, rows, overrides) * scale
+    header.append(f"{len(rows)} rows planned, caps {total:.0f} s in all.")
+    runner = Runner(plan, rows, ctx, out, header, scale, caps, args.deadline)
+
+    def stopped(signum: int, frame: Any) -> None:
+        runner.stop(grace=0.0)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    sys.stdout.write(f"GPU check: {len(rows)} rows, caps {total:.0f} s; writing to {out}\n")
+    sys.stdout.flush()
+    runner.write_files()
+    try:
+        runner.run()
+    finally:
+        runner.stop(grace=0.0)
+        runner.write_files()
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    sys.stdout.write((out / "table.md").read_text(encoding="utf-8"))
+    failed = [r["row"] for r in runner.records if r["status"] in (FAILED, TIMED_OUT, SKIPPED)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""scripts/gpu_check.py plans every recipe, and refuses clearly where there is no GPU."""
+"""scripts/gpu_check.py: its plan, every row run for real on the CPU (--dry-run), a failed and a
+timed-out row that leave the others running, and the refusal where there is no GPU."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,25 +17,222 @@ from recipes import device
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
+RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+ROW_KINDS = (
+    "setup/models",
+    "micro/sdpa_probe",
+    "micro/adamw_fused",
+    "micro/host_sync",
+    "llama135m/unpacked",
+    "llama135m/packed",
+    "llama135m/lora_gc",
+    "bert_large/eager",
+    "bert_large/max_length",
+    "bert_large/longest",
+    "bert_large/longest_sub1",
+    "bert_large/longest_grouped",
+    "bert_large/compile",
+)
+COMPARISONS = (
+    "compare/attention",
+    "compare/compile",
+    "compare/padding",
+    "compare/sub_batches",
+    "compare/group_by_length",
+    "compare/packing",
+    "compare/lora_memory",
+)
 
 
-def test_dry_run_plans_every_recipe_and_check() -> None:
+def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+
+
+def _archive(out: Path) -> dict[str, str]:
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        return {
+            m.name: tar.extractfile(m).read().decode("utf-8", "replace")
+            for m in tar.getmembers()
+            if m.isfile()
+        }
+
+
+def test_plan_lists_every_recipe_and_row_kind_within_about_eight_minutes() -> None:
+    done = _check("--plan")
+    assert done.returncode == 0, done.stderr
+    plan = done.stdout
+    smoke = re.search(r"recipe=([\w,]+) ", plan)
+    assert smoke is not None and sorted(smoke.group(1).split(",")) == RECIPES, plan
+    for name in (*(f"smoke/{r}" for r in RECIPES), *ROW_KINDS, *COMPARISONS):
+        assert f"{name} " in plan, name
+    for setting in (
+        "task.max_seq_length=384",
+        "task.doc_stride=128",
+        "trainer.per_device_train_batch_size=32",
+        "trainer.padding=max_length",
+        "model.attn_implementation=eager",
+        "{padding:longest,sub_batches:1}",
+        "{padding:longest,group_by_length:true}",
+        "{padding:max_length,compile:true}",
+        "task.packing=false,true",
+        "peft=lora trainer.gradient_checkpointing=true",
+        "trainer.mixed_precision=bf16",
+    ):
+        assert setting in plan, setting
+    caps = float(re.search(r"caps sum to (\d+) s", plan).group(1))
+    assert 6 * 60 <= caps <= 9 * 60, caps
+    # FSDP is planned only when asked for (the budget has no room for it by default).
+    assert "optional (only with --only): fsdp/llama_clm" in plan
+    assert "accelerate.commands.launch" not in plan
+    fsdp = _check("--plan", "--only", "fsdp")
+    assert "accelerate.commands.launch" in fsdp.stdout and "fsdp" in fsdp.stdout
+
+
+def test_only_takes_globs_and_substrings_and_adds_the_models_a_row_needs() -> None:
+    done = _check("--plan", "--only", "smoke/gpt2*", "--only", "compile")
+    assert done.returncode == 0, done.stderr
+    listed = re.findall(r"^  \d+\. (\S+)", done.stdout, flags=re.MULTILINE)
+    assert listed == ["setup/models", "smoke/gpt2_clm", "bert_large/compile"]
+    nothing = _check("--plan", "--only", "no-such-row")
+    assert nothing.returncode == 2 and "no row matches" in nothing.stderr
+
+
+def test_wheels_are_what_the_device_lacks_pinned_to_this_environment() -> None:
+    import importlib.metadata
+
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "scripts" / "gpu_check_wheels.py"), "--list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    planned = done.stdout
-    for recipe in sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml")):
-        assert f"recipe={recipe} " in planned, recipe
-    for check in ("model.attn_implementation=sdpa", "model.attn_implementation=eager"):
-        assert check in planned
-    assert "trainer.compile=true" in planned and "accelerate.commands.launch" in planned
+    fetched = dict(
+        pin.split("==") for pin in done.stdout.split("fetch: ", 1)[1].strip().split(", ")
+    )
+    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill"):
+        assert fetched[name] == importlib.metadata.version(name), name
+    for name in ("torch", "numpy", "transformers", "accelerate", "peft", "pyarrow", "wandb"):
+        assert name not in fetched, name
+    assert "not fetched: wandb" in done.stdout
+
+
+def test_a_row_past_its_cap_is_stopped_and_the_next_one_runs(tmp_path) -> None:
+    out = tmp_path / "out"
+    done = _check(
+        "--dry-run",
+        "--only",
+        "micro/sdpa_probe",
+        "--only",
+        "micro/host_sync",
+        "--cap",
+        "micro/sdpa_probe=0.5",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    probe, sync = _rows(out)
+    assert probe["row"] == "micro/sdpa_probe" and probe["status"] == "TIMED OUT"
+    assert "timed out after 0 s" in probe["error"] and probe["seconds"] < 10
+    assert sync["row"] == "micro/host_sync" and sync["status"] == "ok", sync
+    assert "us per step" in sync["note"]
+    table = (out / "table.md").read_text()
+    assert "| micro/sdpa_probe | TIMED OUT |" in table and "| micro/host_sync | ok |" in table
+
+
+@pytest.mark.slow
+def test_failed_and_timed_out_jobs_of_a_shared_process_leave_the_rest_running(
+    tmp_path, cache_dir
+) -> None:
+    """Three smoke rows share one process: the first passes its cap (the process is stopped and
+    the others start afresh), the second raises (a GPT-2 with fewer positions than its
+    checkpoint), the third trains."""
+    out = tmp_path / "out"
+    done = _check(
+        "--dry-run",
+        *("--only", "smoke/bert_glue", "--only", "smoke/gpt2_clm", "--only", "smoke/llama_clm"),
+        *("--cap", "smoke/bert_glue=1"),
+        *("--override", "+model.config_overrides.max_position_embeddings=128"),
+        *("--override", f"data.cache_dir={cache_dir}"),
+        *("--out", str(out)),
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    glue, gpt2, llama = _rows(out)
+    assert (glue["row"], glue["status"]) == ("smoke/bert_glue", "TIMED OUT")
+    assert gpt2["row"] == "smoke/gpt2_clm" and gpt2["status"] == "FAILED"
+    # The real exception, not Hydra's hint (transformers refuses the mismatched weights).
+    assert re.match(r"\w+Error: ", gpt2["error"]), gpt2["error"]
+    assert "HYDRA_FULL_ERROR" not in gpt2["error"]
+    assert (llama["row"], llama["status"]) == ("smoke/llama_clm", "ok")
+    assert llama["loss"] > 0 and llama["tokens_per_s"] > 0
+    # Three processes: the timed-out one, the failing one and a fresh one for the last row.
+    assert len({glue["log"], gpt2["log"], llama["log"]}) == 3
+    files = _archive(out)
+    log = files[gpt2["log"].split(":", 1)[1]]
+    assert "Traceback (most recent call last)" in log and gpt2["error"] in log
+    assert gpt2["error"] in files["smoke-gpt2_clm/job_error.txt"]
+    assert "| smoke/gpt2_clm | FAILED |" in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) -> None:
+    out = tmp_path / "out"
+    started = time.monotonic()
+    every = ("--dry-run", "--only", "*", "--override", f"data.cache_dir={cache_dir}")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *every, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen_while_running = set()
+    while proc.poll() is None and time.monotonic() - started < 900:
+        rows = out / "rows.jsonl"
+        if rows.exists():
+            count = len(rows.read_text().splitlines())
+            table = (out / "table.md").read_text()
+            seen_while_running.add((count, table.count("| not run |")))
+        time.sleep(0.5)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    rows = {r["row"]: r for r in _rows(out)}
+    plan = _check("--plan", "--only", "*").stdout
+    planned = re.findall(r"^  \d+\. (\S+)", plan, flags=re.MULTILINE)
+    assert set(planned) | set(COMPARISONS) == set(rows)
+    assert "fsdp/llama_clm" in rows and {f"smoke/{r}" for r in RECIPES} <= set(rows)
+    for name, row in rows.items():
+        if name == "compare/lora_memory":  # no device memory on a CPU
+            assert row["status"] == "n/a", row
+            continue
+        assert row["status"] == "ok", row
+        if row.get("kind") in ("train", "launch"):
+            assert row["loss"] > 0 and row["tokens_per_s"] > 0 and row["steps"] == 2, row
+            assert row["mfu"] is None and row["peak_memory_gib"] is None, row
+    # Rows were written one by one: rows.jsonl and table.md grew while the check ran.
+    partial = [(n, left) for n, left in seen_while_running if 0 < n < len(rows)]
+    assert partial and all(left > 0 for _, left in partial), seen_while_running
+    table = (out / "table.md").read_text()
+    assert "DRY RUN" in table and "| not run |" not in table
+    for name in rows:
+        assert f"| {name} |" in table, name
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "rows.jsonl", "table.md"]
+    files = _archive(out)
+    for row in rows.values():
+        if "log" in row:
+            assert row["log"].split(":", 1)[1] in files, row["log"]
+    assert "bert_large-compile/metrics.jsonl" in files
 
 
 @pytest.mark.skipif(device.backend() != device.CPU, reason="a device is present")
-def test_refuses_without_a_device() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120
-    )
+def test_refuses_without_a_device(tmp_path) -> None:
+    done = _check("--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert "needs a MUSA or CUDA device" in done.stderr
+    assert not (tmp_path / "out").exists()
