@@ -17,10 +17,11 @@ FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
 # The conda env of the vendor's image that holds its torch and torch_musa (py38 on Python 3.8
 # tags). Its release recipe (torch_musa v1.3.0, docker/ubuntu/dockerfile.release) puts only the
-# conda base env, which has no torch, on PATH, and activates this env and adds the MUSA libraries
-# to LD_LIBRARY_PATH in root's ~/.bashrc: RUN steps, `docker run` and the non-root user below
-# never read it, so this file sets both itself. A folder that does not exist (the CPU variant's)
-# is skipped on PATH and by the dynamic loader.
+# conda base env, which has no torch, on PATH, and activates this env in root's ~/.bashrc only:
+# RUN steps, `docker run` and the non-root user below never read it. The MUSA libraries reach
+# LD_LIBRARY_PATH by that recipe's ENV and again in the .bashrc; this file sets both itself, so
+# an image that has them only in the .bashrc works too. A folder that does not exist (the CPU
+# variant's) is skipped on PATH and by the dynamic loader.
 ARG VENDOR_PYTHON_ENV=/opt/conda/envs/py310
 
 # Used only when the base image has no torch (the CPU variant). MUSA images bring torch and the

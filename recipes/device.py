@@ -273,7 +273,10 @@ def _has_fused_adamw_kernel(kind: str) -> bool:
     builds on MUSA and fails at its first step."""
     if kind != torch._C._get_privateuse1_backend_name():
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1")
+    except RuntimeError:  # a torch without the operator
+        return False
 
 
 def fused_adamw_ok(

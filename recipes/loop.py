@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -231,13 +231,8 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
-        if places_model_first(accelerator.distributed_type, accelerator.device_placement):
-            # As transformers.Trainer does: a fused optimizer is built over parameters where
-            # it will step (torch_musa's FusedAdamW up to v2.7.0 refuses CPU ones, torch's
-            # fused AdamW before 2.4 too); prepare() would move the model there anyway.
-            self.model.to(accelerator.device)
-        optimizer = build_optimizer(
-            instantiate(self.cfg, "optimizer"), self.model, accelerator.device
+        optimizer = optimizer_where_it_steps(
+            instantiate(self.cfg, "optimizer"), self.model, accelerator
         )
         self.flops = FlopCounter(
             self.model,
@@ -784,6 +779,20 @@ def _build_accelerator(cfg: DictConfig, settings: Settings) -> Accelerator:
             InitProcessGroupKwargs(timeout=timedelta(seconds=trainer_cfg.distributed_timeout_s))
         ],
     )
+
+
+def optimizer_where_it_steps(
+    make_optimizer: Callable[..., torch.optim.Optimizer],
+    model: torch.nn.Module,
+    accelerator: Accelerator,
+) -> torch.optim.Optimizer:
+    """The optimizer, built over the parameters where they will step: the model goes to its
+    device first wherever accelerate would place it whole (:func:`places_model_first`), as
+    transformers.Trainer does, since torch_musa's FusedAdamW up to v2.7.0 (and torch's fused
+    AdamW before 2.4) refuses CPU parameters; prepare() would move the model there anyway."""
+    if places_model_first(accelerator.distributed_type, accelerator.device_placement):
+        model.to(accelerator.device)
+    return build_optimizer(make_optimizer, model, accelerator.device)
 
 
 def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:

@@ -73,8 +73,8 @@ def _musa_fused_adamw(groups: list[dict], keywords: dict) -> torch.optim.Optimiz
     if fused_adamw is None:
         return None
     hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
-    try:
-        return fused_adamw(groups, **hyper)
+    try:  # copies: Optimizer.__init__ writes its defaults (fused=True) into the groups it gets
+        return fused_adamw([dict(group) for group in groups], **hyper)
     except RuntimeError as err:  # its device check; torch's fused AdamW is tried next
         log.info("torch_musa's FusedAdamW not used: %s", first_line(err))
         return None

@@ -161,14 +161,18 @@ def write_failure(output_dir: Path, error: BaseException) -> None:
     """``failed.json``: why a job of a sweep failed (the sweep goes on; its summary shows it)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     record = {"error": str(error), "overrides": hydra_context().get("overrides", [])}
-    (output_dir / "failed.json").write_text(json.dumps(record, indent=2) + "\n")
+    _write_json(output_dir / "failed.json", record)
 
 
 def write_results(output_dir: Path, results: dict[str, Any]) -> None:
     """``results.json``: the run's final metrics and main metric (what sweeps summarise)."""
-    path = output_dir / "results.json"
+    _write_json(output_dir / "results.json", results)
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    """Whole or not at all: sweep summaries and the GPU check read these while jobs run."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
 
 

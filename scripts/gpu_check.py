@@ -30,9 +30,11 @@ rows still to run), ``logs.tar.gz`` (every process's full log and each row's run
 rewritten after every row). A run stopped at any point keeps what finished. A failed row quotes
 its real exception (the last line of the traceback; children run with HYDRA_FULL_ERROR=1).
 
-Time: each row has a cap (the plan prints them and their sum); a row may run over its cap by
-the time earlier rows left unused (at most its cap again), so the whole run stays within the
-sum. A row past its cap is stopped and recorded as timed out; a failed or timed-out job ends its
+Time: each row has a cap (the plan prints them and their sum, 478 s; estimates until the first
+device run); a row may run over its cap by the time earlier rows left unused (at most its cap
+again), so the rows stay within the sum, to which each process's start-up, exit and restart
+are added; on a device no row starts after ``--deadline`` (540 s by default), so a run fits
+one 600 s command. A row past its cap is stopped and recorded as timed out; a failed or timed-out job ends its
 shared process and the rows after it go on in a fresh one.
 """
 
@@ -55,7 +57,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -1056,26 +1057,15 @@ def install_wheels(folder: Path, target: Path) -> list[str]:
     return unmet_requirements(wheels)
 
 
-def wheel_requirements(wheel: Path) -> tuple[str, list[str]]:
-    """A wheel's project name and its ``Requires-Dist`` lines."""
-    import email.parser
-
-    with zipfile.ZipFile(wheel) as z:
-        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        message = email.parser.Parser().parsestr(z.read(name).decode("utf-8"))
-    return str(message["Name"]), list(message.get_all("Requires-Dist") or [])
-
-
 def unmet_requirements(wheels: list[Path]) -> list[str]:
     import importlib.metadata
 
-    from packaging.requirements import Requirement
+    from scripts.gpu_check_wheels import metadata
 
     problems = []
     for wheel in wheels:
-        project, needs = wheel_requirements(wheel)
-        for line in needs:
-            req = Requirement(line)
+        project = wheel.name.split("-")[0]
+        for req in metadata(wheel):
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
             try:
@@ -1143,7 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"multiply every cap (default 1, {DRY_CAP_SCALE:g} with --dry-run)",
     )
     parser.add_argument(
-        "--deadline", type=float, help="seconds from the start after which no row runs"
+        "--deadline",
+        type=float,
+        help="seconds from the start after which no row starts (default 540 on a device)",
     )
     parser.add_argument(
         "--wheels", type=Path, help="install these wheels into --site first (no index, no deps)"
@@ -1204,11 +1196,14 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = missing_imports()
     if missing:
-        sys.stderr.write(
-            f"gpu_check: train.py cannot run here ({missing}). On a machine without hydra-core, "
-            "omegaconf or datasets, fetch their wheels with scripts/gpu_check_wheels.py and "
-            "add --wheels .whl.\n"
+        fix = (
+            "the carried wheels do not fit this machine's packages (the warnings above name "
+            "them): fetch other releases with scripts/gpu_check_wheels.py"
+            if args.wheels
+            else "on a machine without hydra-core, omegaconf or datasets, fetch their wheels "
+            "with scripts/gpu_check_wheels.py and add --wheels .whl"
         )
+        sys.stderr.write(f"gpu_check: train.py cannot run here ({missing}); {fix}.\n")
         return 2
     out = args.out or ROOT / "outputs" / "gpu_check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
     if out.exists() and any(out.iterdir()):
@@ -1236,7 +1231,10 @@ def main(argv: list[str] | None = None) -> int:
     header += [f"wheels: {line}" for line in unmet]
     total = caps_of(plan, rows, overrides) * scale
     header.append(f"{len(rows)} rows planned, caps {total:.0f} s in all.")
-    runner = Runner(plan, rows, ctx, out, header, scale, caps, args.deadline)
+    # A device run must end inside the device tool's 600 s per command, with the start-ups,
+    # exit graces and restarts the caps leave out: no row starts after 540 s unless asked.
+    deadline = args.deadline if args.deadline is not None else (None if args.dry_run else 540.0)
+    runner = Runner(plan, rows, ctx, out, header, scale, caps, deadline)
 
     def stopped(signum: int, frame: Any) -> None:
         runner.stop(grace=0.0)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from accelerate.utils import DistributedType
 from fake_torch_musa import write_release
 
 from recipes import backends, device
-from recipes.loop import places_model_first
+from recipes.loop import optimizer_where_it_steps, places_model_first
 from recipes.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,7 @@ print(json.dumps({
     "peak_off": peak_off, "peak_on": peak_on,
     "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
     "optimizer_fused": optimizer.defaults.get("fused"),
+    "groups_fused": [g.get("fused") for g in optimizer.param_groups],
     "explicit_fused": type(explicit).__name__,
     "doctor": {k: report[k] for k in ("torch_musa", "sdpa_probe", "default_attn_implementation")},
     "advice": report["advice"],
@@ -233,6 +235,7 @@ def test_mfu_of_fp16_runs_on_s80_and_s3000(case: str, peak: float) -> None:
 def test_fused_optimizer_choice(case: str, optimizer: str, fused: bool | None) -> None:
     found = decisions(case)
     assert (found["optimizer"], found["optimizer_fused"]) == (optimizer, fused)
+    assert found["groups_fused"] == [fused, fused]  # what steps, group by group
     # optimizer.fused=true on MUSA also means torch_musa's kernel where there is one.
     assert found["explicit_fused"] == optimizer.rpartition(".")[2]
     assert found["fused_kernel_ok"] is (fused is True)
@@ -345,7 +348,9 @@ def test_broken_autoloaded_torch_musa_and_the_doctor(tmp_path: Path) -> None:
         ((2, 3), "cpu", "cpu", False),
         ((2, 4), "cpu", "cpu", True),
         ((2, 7), "cuda", "cpu", True),
-        ((2, 7), "musa", "cpu", False),  # torch_musa's FusedAdamW instead
+        # Not this process's PrivateUse1 backend (no torch_musa here): the MUSA kernel rule is
+        # tested on the simulated releases (test_fused_optimizer_choice).
+        ((2, 7), "musa", "cpu", False),
     ],
 )
 def test_fused_adamw_rule(
@@ -368,9 +373,20 @@ def test_fused_adamw_rule(
 def test_model_is_on_its_device_before_the_optimizer_is_built(
     distributed_type: DistributedType, moved: bool
 ) -> None:
-    # So that torch_musa's FusedAdamW (musa only up to v2.7.0) gets parameters it accepts.
+    # So that torch_musa's FusedAdamW (musa only up to v2.7.0) gets parameters it accepts. The
+    # meta device stands in for an accelerator (what accelerate's Accelerator offers the loop).
     assert places_model_first(distributed_type, device_placement=True) is moved
     assert places_model_first(distributed_type, device_placement=False) is False
+    accelerator = SimpleNamespace(
+        device=torch.device("meta"), distributed_type=distributed_type, device_placement=True
+    )
+    model = torch.nn.Linear(4, 4)
+    optimizer = optimizer_where_it_steps(
+        functools.partial(torch.optim.AdamW, lr=1e-3, fused=None), model, accelerator
+    )
+    built_on = {p.device.type for group in optimizer.param_groups for p in group["params"]}
+    assert built_on == {"meta" if moved else "cpu"}
+    assert {p.device.type for p in model.parameters()} == built_on  # the model's own parameters
 
 
 def test_fused_adamw_rule_matches_this_torch() -> None:
