@@ -30,8 +30,9 @@ class FlopCounter:
         width = getattr(config, "hidden_size", 0) or 0
         self.dense = 6.0 * weights
         self.attention = 12.0 * layers * width
-        self.peak = device.peak_flops(where, precision)  # None on CPU and unknown devices
-        name = device.device_name(where)
+        name = device.device_name(where)  # None on CPU
+        # None on CPU and for devices not in the table.
+        self.peak = None if name is None else device.peak_flops_by_name(name, precision)
         basis = None if name is None else device.peak_flops_basis(name, precision)
         if self.peak and precision in ("fp16", "bf16") and basis != precision:
             log.info(

@@ -475,14 +475,10 @@ def outcome(kind: str, job: Path) -> dict[str, Any] | None:
 
 def train_metrics(job: Path) -> dict[str, Any]:
     """The last logged window of a run (after warm-up) and its final evaluation."""
+    from recipes.plots import read_metrics
+
     results = _read_json(job / "results.json")
-    records = []
-    if (job / "metrics.jsonl").exists():
-        for line in (job / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    records = read_metrics(job) if (job / "metrics.jsonl").exists() else []
     train = [r for r in records if "train/loss" in r]
     last = train[-1] if train else {}
     found: dict[str, Any] = {
@@ -660,14 +656,14 @@ class Runner:
         done = set(self.by_name)
         pending = [r.name for r in self.rows if r.name not in done]
         text = table_text(self.header, self.records, pending)
-        _atomic_write(self.out / "table.md", text.encode())
+        atomic_write(self.out / "table.md", text.encode())
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
             for folder in ("logs", "files"):
                 for path in sorted((self.ctx.work / folder).rglob("*")):
                     if path.is_file():
                         tar.add(path, arcname=str(path.relative_to(self.ctx.work / folder)))
-        _atomic_write(self.out / "logs.tar.gz", buffer.getvalue())
+        atomic_write(self.out / "logs.tar.gz", buffer.getvalue())
 
     def skip(self, rows: list[Row], why: str) -> None:
         for row in rows:
@@ -822,7 +818,10 @@ class Runner:
             proc.wait()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Whole or not at all: these files are polled while rows run (the Hydra callback writes
+    its job files with it too)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -1029,7 +1028,7 @@ def run_child(name: str, out: Path, models: Path, dry_run: bool) -> int:
         result = child_models(models, dry_run)
     else:
         result = CHILDREN[name](dry_run)
-    _atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())
+    atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -31,20 +30,14 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from scripts.gpu_check import atomic_write
+
 JOB_FILE = "gpu_check_job.json"
 ERROR_FILE = "job_error.txt"
 
 
 def _job_dir() -> Path:
     return Path(str(HydraConfig.get().runtime.output_dir))
-
-
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: the check polls for these files while the job runs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _allocated_after_collect() -> int | None:
@@ -69,7 +62,7 @@ class JobRecorder(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         record = {"started": time.time(), "allocated_at_start": _allocated_after_collect()}
-        _write(_job_dir() / JOB_FILE, json.dumps(record) + "\n")
+        atomic_write(_job_dir() / JOB_FILE, (json.dumps(record) + "\n").encode())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED:
@@ -79,4 +72,4 @@ class JobRecorder(Callback):
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         else:
             text = f"the job failed: {error!r}\n"
-        _write(_job_dir() / ERROR_FILE, text)
+        atomic_write(_job_dir() / ERROR_FILE, text.encode())
