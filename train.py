@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> float | None:
         settings = validate(cfg)
     except ConfigError as err:
         return _failed(cfg, err, exit_code=2)
-    from recipes.faults import Interrupted, TrainingError, peer_failure
+    from recipes.faults import Interrupted, PeerFailed, TrainingError
     from recipes.loop import train  # imported late: `--help`, `--cfg` and refusals stay fast
 
     try:
@@ -40,16 +40,8 @@ def main(cfg: DictConfig) -> float | None:
         return _failed(cfg, err, exit_code=2)
     except TrainingError as err:
         return _failed(cfg, err, exit_code=1)
-    except RuntimeError as err:
-        if not peer_failure(err):
-            raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        sys.stderr.write(
-            f"error: another process of this run failed or stopped answering ({first[:300]}). "
-            "Look for the first error in the other ranks' output; once fixed, continue from the "
-            f"last checkpoint with the same command plus output_dir={cfg.output_dir} resume=auto.\n"
-        )
-        sys.exit(1)
+    except PeerFailed:
+        sys.exit(1)  # this rank said why as it saw the failure (recipes.faults)
     except Interrupted as stopped:
         if stopped.main_process:
             sys.stderr.write(_resume_advice(cfg, stopped))

@@ -8,13 +8,19 @@
   before the optimizer touches the weights, or drops that update (``skip``).
 * A rank that dies makes the others fail in their next collective (gloo notices the closed
   connection; NCCL / MCCL wait ``trainer.distributed_timeout_s``), and the launcher
-  (``accelerate launch``, ``torchrun``) ends the survivors.
+  (``accelerate launch``, ``torchrun``) ends the survivors. Each survivor says so at once
+  (:func:`peer_failures_reported`), while its SIGTERM handler is still the loop's: the launcher's
+  SIGTERM can arrive at any moment after the death, and once the default handler is back it
+  ends the process before a later message is written.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 from recipes.log import get_logger
@@ -43,6 +49,10 @@ class Interrupted(Exception):
         return 128 + self.signum  # what a shell reports for a process ended by that signal
 
 
+class PeerFailed(Exception):
+    """Another process of the run died or stopped answering; this one already said so."""
+
+
 def peer_failure(err: BaseException) -> bool:
     """Whether ``err`` is a collective failing because another process of the run died or hung
     (gloo: a closed connection; NCCL / MCCL: the timeout)."""
@@ -56,6 +66,25 @@ def peer_failure(err: BaseException) -> bool:
         marker in text
         for marker in ("Connection reset by peer", "Connection closed by peer", "Timed out")
     )
+
+
+@contextmanager
+def peer_failures_reported(output_dir: str) -> Iterator[None]:
+    """Turn a collective that fails because of another rank into :class:`PeerFailed`, written to
+    stderr here and now, with how to continue from the last checkpoint of ``output_dir``."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not peer_failure(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        sys.stderr.write(
+            f"error: another process of this run failed or stopped answering ({first[:300]}). "
+            "Look for the first error in the other ranks' output; once fixed, continue from the "
+            f"last checkpoint with the same command plus output_dir={output_dir} resume=auto.\n"
+        )
+        sys.stderr.flush()
+        raise PeerFailed(first) from err
 
 
 class StopRequest:

@@ -41,7 +41,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from recipes import adapters, checkpoint, device, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
-from recipes.faults import Interrupted, StopRequest, TrainingError
+from recipes.faults import Interrupted, StopRequest, TrainingError, peer_failures_reported
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
 from recipes.model import config_overrides, load_model, load_tokenizer
@@ -61,12 +61,15 @@ def train(cfg: DictConfig, settings: Settings) -> RunResult:
         ConfigError / DataError: bad settings or data, before any expensive work.
         TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
         Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
+        PeerFailed: another rank died or hung; already reported on stderr.
     """
     task = instantiate(cfg, "task")  # checks its own settings before any heavy work
-    accelerator = _build_accelerator(cfg, settings)
+    with peer_failures_reported(cfg.output_dir):  # a rank that never joined
+        accelerator = _build_accelerator(cfg, settings)
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)
     try:
-        return Trainer(cfg, settings, task, accelerator, stop).run()
+        with peer_failures_reported(cfg.output_dir):  # said before `stop` lets SIGTERM kill
+            return Trainer(cfg, settings, task, accelerator, stop).run()
     finally:
         stop.restore()
         # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
