@@ -89,6 +89,19 @@ class Attention(Choice):
     flash_attention_2 = "flash_attention_2"
 
 
+class WeightDtype(Choice):
+    """The dtype the weights load in. float32: every trainable weight in fp32 (the master
+    weights mixed precision assumes), whatever dtype the checkpoint was saved in. bfloat16 /
+    float16: all weights in that dtype: with peft=lora the frozen base only (the adapters stay
+    fp32); without it pure low-precision training (weights, gradients and AdamW state), which
+    rounds small updates away. auto: the checkpoint's own dtype (transformers 5's default)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    auto = "auto"
+
+
 class SampleBy(Choice):
     """Examples of a .txt file: one per line, per blank-line separated paragraph, or per file."""
 
@@ -181,6 +194,7 @@ class ModelConfig:
     name_or_path: str  # a hub name or a folder written by save_pretrained
     revision: str | None = None
     attn_implementation: Attention = Attention.auto
+    dtype: WeightDtype = WeightDtype.float32  # see WeightDtype; trainer.mixed_precision is autocast
     trust_remote_code: bool = False
     gguf_file: str | None = None  # a .gguf file in name_or_path, dequantised on load
     ignore_mismatched_sizes: bool = False

@@ -2,6 +2,8 @@
 
 A missing or unreachable model fails with the key to fix; a GGUF file is dequantised into an
 ordinary Hugging Face model; models without a padding token pad with their end-of-text token.
+Weights load in fp32 unless ``model.dtype`` says otherwise: transformers 5 loads a checkpoint in
+the dtype it was saved in (bf16 for most LLMs), which would make bf16 the master weights.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from recipes import device
@@ -108,7 +112,7 @@ def load_model(
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = device.default_attn_implementation()
-    kwargs = {**_source(cfg), **(overrides or {}), **task_kwargs}
+    kwargs = {**_source(cfg), **_dtype(cfg.dtype), **(overrides or {}), **task_kwargs}
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
     try:
@@ -131,6 +135,42 @@ def load_model(
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
+
+
+def _dtype(choice: str) -> dict[str, Any]:
+    """``from_pretrained``'s dtype argument for ``model.dtype`` (``torch_dtype`` before
+    transformers 4.56, ``dtype`` since)."""
+    value = "auto" if choice == "auto" else getattr(torch, choice)
+    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {name: value}
+
+
+def weights_summary(model: torch.nn.Module, cfg: ModelConfig, mixed_precision: str) -> str:
+    """Which dtypes the trainable and frozen weights are in and what autocast adds, for the log;
+    refuses fp16 trainable weights under fp16 autocast (the gradient scaler cannot unscale
+    fp16 gradients)."""
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    if torch.float16 in trainable and mixed_precision == "fp16":
+        raise ConfigError(
+            f"model.dtype={cfg.dtype} with trainer.mixed_precision=fp16: fp16 trainable weights "
+            "cannot be trained with the fp16 gradient scaler. Use model.dtype=float32 (or "
+            "bfloat16 with trainer.mixed_precision=bf16)."
+        )
+    line = f"weights: trainable in {_names(trainable) or 'none'}"
+    if frozen:
+        line += f", frozen in {_names(frozen)}"
+    line += f" (model.dtype={cfg.dtype}); autocast: {mixed_precision}"
+    if trainable - {torch.float32}:
+        line += (
+            ". Pure low-precision training: master weights, gradients and optimizer state are not "
+            "fp32, so small updates round away (model.dtype=float32 keeps fp32 master weights)"
+        )
+    return line
+
+
+def _names(dtypes: set[torch.dtype]) -> str:
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def _plain_copy(model: torch.nn.Module, auto_class: Any) -> torch.nn.Module:

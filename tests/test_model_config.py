@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForQuestionAnswering, T5Config
 
+from recipes import adapters
 from recipes.config import ASSETS, ConfigError, ModelConfig
-from recipes.model import config_overrides, load_model
+from recipes.model import config_overrides, load_model, weights_summary
 
 
 @pytest.mark.parametrize(
@@ -61,3 +62,49 @@ def test_a_field_the_model_lacks_is_refused_by_name(tmp_path):
     message = str(err.value)
     assert message.startswith("model.attention_dropout=0.0: T5Config has no attention-dropout")
     assert "dropout_rate" in message and "model.attention_dropout=null" in message
+
+
+def _bf16_checkpoint(tmp_path) -> str:
+    """The tiny Llama saved in bf16, as most LLM checkpoints ship."""
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "tiny-llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    return str(tmp_path / "bf16")
+
+
+def test_a_bf16_checkpoint_trains_on_fp32_master_weights_unless_asked(tmp_path):
+    path = _bf16_checkpoint(tmp_path)
+    model = load_model(ModelConfig(name_or_path=path), AutoModelForCausalLM)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    summary = weights_summary(model, ModelConfig(name_or_path=path), "bf16")
+    assert summary == "weights: trainable in float32 (model.dtype=float32); autocast: bf16"
+
+    as_saved = ModelConfig(name_or_path=path, dtype="auto")
+    assert {p.dtype for p in load_model(as_saved, AutoModelForCausalLM).parameters()} == {
+        torch.bfloat16
+    }
+    pure = ModelConfig(name_or_path=path, dtype="bfloat16")
+    summary = weights_summary(load_model(pure, AutoModelForCausalLM), pure, "no")
+    assert summary.startswith("weights: trainable in bfloat16 (model.dtype=bfloat16)")
+    assert "Pure low-precision training" in summary
+
+
+def test_lora_keeps_a_bf16_base_frozen_and_trains_fp32_adapters_when_asked(tmp_path):
+    cfg = ModelConfig(name_or_path=_bf16_checkpoint(tmp_path), dtype="bfloat16")
+    lora = adapters.settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
+    model = adapters.apply_lora(load_model(cfg, AutoModelForCausalLM), lora, [])
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert (trainable, frozen) == ({torch.float32}, {torch.bfloat16})
+    assert weights_summary(model, cfg, "bf16") == (
+        "weights: trainable in float32, frozen in bfloat16 (model.dtype=bfloat16); autocast: bf16"
+    )
+
+
+def test_fp16_trainable_weights_under_the_fp16_scaler_are_refused(tmp_path):
+    cfg = ModelConfig(name_or_path=str(ASSETS / "tiny-llama"), dtype="float16")
+    model = load_model(cfg, AutoModelForCausalLM)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    with pytest.raises(
+        ConfigError, match=r"^model.dtype=float16 with trainer.mixed_precision=fp16"
+    ):
+        weights_summary(model, cfg, "fp16")
