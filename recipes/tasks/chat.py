@@ -2,10 +2,12 @@
 chat template, labelling the assistant's tokens, truncating and packing.
 
 Pure functions (no model, no loop), so each is tested on its own. A conversation is a list of
-``{"role", "content"}`` messages with roles ``system`` (first only), ``user`` and ``assistant``:
-the chat format of transformers and OpenAI. Four layouts are read and normalised to it:
+messages in the chat format of transformers and OpenAI: ``{"role", "content"}`` with roles
+``system``, ``user``, ``assistant`` and ``tool``; an assistant message may carry ``tool_calls``, a
+tool message ``tool_call_id`` / ``name``, and a row may carry ``tools`` (JSON schemas the template
+is given). Four layouts are read and normalised to it:
 
-* ``messages``: ``{"messages": [{"role", "content"}, ...]}``;
+* ``messages``: ``{"messages": [{"role", "content"}, ...]}`` (and ``tools``);
 * ``sharegpt``: ``{"conversations": [{"from", "value"}, ...]}``, ``from`` in human / gpt / system;
 * ``alpaca``: ``{"instruction", "input", "output"}`` (``input`` may be empty or absent);
 * ``dolly``: ``{"instruction", "context", "response"}`` (``context`` may be empty).
@@ -13,8 +15,33 @@ the chat format of transformers and OpenAI. Four layouts are read and normalised
 Labels follow TRL's ``assistant_only_loss``: an assistant turn's tokens carry labels, *including*
 the template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, EOS), so the model learns to stop;
 template whitespace after that token is not labelled. Turn boundaries come from rendering the
-conversation prefix by prefix and tokenizing each rendering; a template whose rendering of a
-prefix is not a token prefix of the whole conversation is refused rather than mislabelled.
+conversation prefix by prefix: where a prefix's tokens are a token prefix of the whole, its length
+is the boundary; where the tokenizer merges text across a boundary (a reply that starts with a
+newline), the boundary is the prefix's length in characters, mapped to tokens by their offsets as
+transformers maps a ``{% generation %}`` span. A template whose rendering of a prefix is not a
+*text* prefix of the whole is refused rather than mislabelled.
+
+Rows as users have them. TRL renders the whole row with the template and labels what
+``return_assistant_tokens_mask`` marks; each kind is handled as that does, or refused by row:
+
+* reply starting with whitespace: trained (the token joining the header's newline to the reply's
+  is labelled: transformers labels every token that overlaps the reply);
+* conversation opening with an assistant turn (after a system message or not): trained, the turn
+  labelled, as TRL renders and labels it;
+* tool calls: ``tool_calls`` and ``tools`` reach the template, tool-call turns are labelled, tool
+  results are not; a template that never reads them is refused (TRL would train on tool-call
+  turns without their calls);
+* same role twice running, an empty user turn, a system message after the first turn, a final
+  user turn after the last reply: rendered as given and unlabelled (as TRL); a template that
+  raises on them ("roles must alternate") refuses the row with its own words;
+* content as a list of OpenAI parts: the text parts joined by a newline (what vLLM gives a
+  template that takes text); an image, audio or file part refuses the row (text-only task);
+* a role in another case or padded ("Assistant"): read lower-cased, as ShareGPT's ``from`` is
+  (TRL would render it verbatim, and its template would never label it);
+* blank or empty reply: labelled like any reply (as TRL); a row with no reply holding text or
+  tool calls is refused, as there is nothing to learn;
+* null content: allowed on an assistant turn with tool calls (OpenAI's form), refused elsewhere
+  (the template would fail on it); any other role (function, ipython, developer) is refused.
 """
 
 from __future__ import annotations
@@ -27,16 +54,20 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError
+from recipes.config import ConfigError, first_line
 from recipes.data import DataError
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly")
 TRUNCATION = ("truncate", "drop")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("tool_call_id", "name")  # kept on a message beside role, content, tool_calls
+MEDIA_PARTS = ("image", "image_url", "input_image", "audio", "input_audio", "video", "file")
+COLUMNS = ("messages", "tools", "place")  # the conversations' dataset; place: "line 3", "row 7"
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -46,7 +77,7 @@ SHAREGPT_ROLES = {
     "chatgpt": "assistant",
 }
 MAX_REPORTED_PROBLEMS = 3
-Message = dict[str, str]
+Message = dict[str, Any]
 
 # Named templates for models whose tokenizer has none (task.chat_template=<name>). Each is the
 # published template of its family, without tool calls.
@@ -116,14 +147,60 @@ def _field(row: Mapping[str, Any], name: str, optional: bool = False) -> str:
 
 def _from_messages(row: Mapping[str, Any]) -> list[Message]:
     turns = _turn_list(row, "messages")
-    out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, Mapping) or "role" not in turn or "content" not in turn:
-            raise ValueError(f"messages[{i}] is not a {{role, content}} object")
-        if not isinstance(turn["content"], str):
-            raise ValueError(f"messages[{i}].content is {_kind(turn['content'])}, not a string")
-        out.append({"role": str(turn["role"]), "content": turn["content"]})
-    return out
+    return [_message(turn, f"messages[{i}]") for i, turn in enumerate(turns)]
+
+
+def _message(turn: Any, key: str) -> Message:
+    """One turn as stored: role lower-cased, content as text, ``tool_calls`` as JSON text (a
+    dataset holds one schema for all rows, and tool arguments differ from call to call)."""
+    if not isinstance(turn, Mapping) or "role" not in turn:
+        raise ValueError(f"{key} is not a {{role, content}} object")
+    message = {
+        "role": str(turn["role"]).strip().lower(),
+        "content": _content(turn.get("content"), f"{key}.content"),
+    }
+    calls = _json_list(turn.get("tool_calls"), f"{key}.tool_calls", "tool call objects")
+    if calls is not None:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        raise ValueError(f"{key}.content is missing (only a turn with tool_calls may go without)")
+    message.update({k: str(turn[k]) for k in MESSAGE_FIELDS if turn.get(k) is not None})
+    return message
+
+
+def _content(value: Any, key: str) -> str | None:
+    """Text, or None; OpenAI's list of parts as its text parts joined by a newline (as vLLM
+    hands such content to a template that takes text)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"{key} is {_kind(value)}, not a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(
+                f"{key}[{j}] is a part of type {kind}, and this task trains on text only: "
+                "remove the part or the row"
+            )
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{key}[{j}] is not a {{type: text, text}} part")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _json_list(value: Any, key: str, items: str) -> str | None:
+    """A list of objects (or its JSON text) as JSON text; None when absent or empty."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key} is text but not JSON ({err.msg})") from None
+    if not value:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise ValueError(f"{key} is {_kind(value)}, not a list of {items}")
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
@@ -171,11 +248,19 @@ def _turn_list(row: Mapping[str, Any], key: str) -> list:
 def _check_messages(messages: list[Message], key: str) -> None:
     for i, message in enumerate(messages):
         if message["role"] not in ROLES:
-            raise ValueError(f"{key}[{i}].role={message['role']!r}: use system, user or assistant")
-        if message["role"] == "system" and i > 0:
-            raise ValueError(f"{key}[{i}]: a system message may only come first")
-    if not any(m["role"] == "assistant" and m["content"] for m in messages):
-        raise ValueError(f"{key}: no non-empty assistant turn, so nothing to learn")
+            raise ValueError(
+                f"{key}[{i}].role={message['role']!r}: use system, user, assistant or tool"
+            )
+        if "tool_calls" in message and message["role"] != "assistant":
+            raise ValueError(f"{key}[{i}].tool_calls: only an assistant turn calls tools")
+    if not any(m["role"] == "assistant" and _has_reply(m) for m in messages):
+        raise ValueError(
+            f"{key}: no non-empty assistant turn (text or tool calls), so nothing to learn"
+        )
+
+
+def _has_reply(message: Message) -> bool:
+    return bool((message["content"] or "").strip() or message.get("tool_calls"))
 
 
 def _kind(value: Any) -> str:
@@ -191,16 +276,22 @@ _NORMALISERS = {
 
 
 def conversation_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Dataset:
-    """A ``messages`` column from ``(place, row)`` pairs; every row that fits no layout is
-    reported in one line (the first few, with their place and field, and how many in all)."""
-    conversations, problems = [], []
+    """The :data:`COLUMNS` of ``(place, row)`` pairs (``tools`` as JSON text or None; ``place``
+    names the row in later refusals); every row that fits no layout is reported in one line
+    (the first few, with their place and field, and how many in all)."""
+    columns: dict[str, list] = {name: [] for name in COLUMNS}
+    problems = []
     for place, row in rows:
         try:
             if not isinstance(row, Mapping):
                 raise ValueError(f"is {_kind(row)}, not an object")
-            conversations.append(to_messages(row, fmt))
+            messages = to_messages(row, fmt)
+            tools = _json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         except ValueError as err:
             problems.append(f"{place}: {err}")
+            continue
+        for name, value in zip(COLUMNS, (messages, tools, place), strict=True):
+            columns[name].append(value)
     if problems:
         shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
         more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
@@ -208,7 +299,7 @@ def conversation_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str)
             f"{source}: {len(problems)} row(s) are not conversations: {shown}{more}. Fix or "
             f"remove them, or name the layout with task.format={'|'.join(FORMATS[1:])}."
         )
-    return Dataset.from_dict({"messages": conversations})
+    return Dataset.from_dict(columns)
 
 
 def read_conversations(path: Path, fmt: str = "auto") -> Dataset | None:
@@ -254,10 +345,10 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
-    """Rows read by ``datasets`` (parquet, a saved folder) as conversations, checked by row."""
-    if dataset.column_names == ["messages"] and fmt in ("auto", "messages"):
-        rows = ((f"row {i}", row) for i, row in enumerate(dataset))
-        return conversation_dataset(rows, "messages", source)
+    """Rows read by ``datasets`` (parquet, a saved folder) as conversations, checked by row;
+    rows :func:`read_conversations` has normalised already keep their layout and place."""
+    if tuple(dataset.column_names) == COLUMNS:
+        return conversation_dataset(((r["place"], r) for r in dataset), "messages", source)
     return conversation_dataset(((f"row {i}", r) for i, r in enumerate(dataset)), fmt, source)
 
 
@@ -285,25 +376,82 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, choice: str | None
     )
 
 
+def render_text(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    generation_prompt: bool = False,
+    tools: str | list | None = None,
+) -> str:
+    """``messages`` (as stored, or plain) rendered by ``template`` with the row's ``tools``."""
+    try:
+        return tokenizer.apply_chat_template(
+            _for_template(messages),
+            chat_template=template,
+            tools=json.loads(tools) if isinstance(tools, str) else tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+    except TemplateSyntaxError as err:
+        raise TemplateMismatch(
+            f"the chat template is not valid Jinja ({first_line(err)}, line {err.lineno}); "
+            "fix the template"
+        ) from None
+    except (TemplateError, TypeError) as err:
+        # The template's raise_exception ("roles must alternate"), or a value it cannot take.
+        raise RowError(
+            f"the chat template cannot render this conversation ({first_line(err)}); fix or "
+            "remove the row"
+        ) from None
+
+
+def _for_template(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Messages as a template reads them: ``tool_calls`` parsed, and the fields that are None
+    (absent from this row, present in others) left out, as transformers leaves out None."""
+    out = []
+    for message in messages:
+        plain = {k: v for k, v in message.items() if v is not None}
+        if isinstance(plain.get("tool_calls"), str):
+            plain["tool_calls"] = json.loads(plain["tool_calls"])
+        out.append(plain)
+    return out
+
+
 def render(
     tokenizer: PreTrainedTokenizerBase,
     template: str,
     messages: Sequence[Message],
     generation_prompt: bool = False,
+    tools: str | list | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by ``template`` (which supplies any BOS itself)."""
-    text = tokenizer.apply_chat_template(
-        list(messages),
-        chat_template=template,
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
-    )
+    return _encode(tokenizer, render_text(tokenizer, template, messages, generation_prompt, tools))
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     # verbose=False: a conversation longer than the model is the length policy's to handle.
-    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] if text else []
 
 
 class TemplateMismatch(ValueError):
-    """Rendering a conversation's prefix does not give a token prefix of the whole."""
+    """The chat template cannot be used for this data (a prefix rendered differently inside the
+    whole conversation, tool calls it never renders); the message ends with the fix."""
+
+
+class RowError(ValueError):
+    """One conversation cannot be trained on as given; the message ends with the fix."""
+
+
+def refusal(err: TemplateMismatch | RowError, place: str) -> ConfigError | DataError:
+    """The one-line error to stop the run with, naming the file and row in ``place``."""
+    if isinstance(err, TemplateMismatch):
+        return ConfigError(f"task.chat_template: {err} ({place}).")
+    return DataError(f"{place}: {err}.")
+
+
+# Put in place of an opening assistant turn's content to find where that content starts:
+# transformers renders no empty conversation, so that turn has no prefix to render.
+CONTENT_MARKER = "<<sft-content-starts-here>>"
 
 
 def tokenize_conversation(
@@ -311,18 +459,30 @@ def tokenize_conversation(
     template: str,
     messages: Sequence[Message],
     train_on_prompt: bool = False,
+    tools: str | list | None = None,
 ) -> dict[str, list[int]]:
     """``input_ids`` and ``labels`` of one conversation: assistant turns (with their end-of-turn
     token) labelled, the rest -100 unless ``train_on_prompt``. The first token never carries a
     label (nothing predicts it), so packed and unpacked sequences score the same tokens."""
-    ids = render(tokenizer, template, messages)
+    _check_tool_support(template, messages, tools)
+    text = render_text(tokenizer, template, messages, tools=tools)
+    ids = _encode(tokenizer, text)
     labels = [IGNORE_INDEX] * len(ids)
+    offsets: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _prefix_length(tokenizer, template, messages[:i], ids, i, generation_prompt=True)
-        end = _prefix_length(tokenizer, template, messages[: i + 1], ids, i)
-        end = _strip_trailing_space(tokenizer, ids, start, end)
+        head = _turn_head(tokenizer, template, messages, i, tools)
+        upto = render_text(tokenizer, template, messages[: i + 1], tools=tools)
+        _check_prefix(text, head, i, "the prompt of")
+        _check_prefix(text, upto, i, "the end of")
+        start, end = _token_prefix(tokenizer, ids, head), _token_prefix(tokenizer, ids, upto)
+        if start is not None and end is not None:
+            end = _strip_trailing_space(tokenizer, ids, start, end)
+        else:  # the tokenizer merged text across a boundary: place it by characters
+            offsets = offsets or _offsets(tokenizer, text, i)
+            reply = upto[len(head) :].rstrip()  # without the template's whitespace after it
+            start, end = _token_span(offsets, len(head), len(head) + len(reply))
         labels[start:end] = ids[start:end]
     if train_on_prompt:
         labels = list(ids)
@@ -331,26 +491,83 @@ def tokenize_conversation(
     return {"input_ids": ids, "labels": labels}
 
 
-def _prefix_length(
+def _check_tool_support(template: str, messages: Sequence[Message], tools: Any) -> None:
+    """Refuse a template that never reads the row's tool calls or tools: the model would learn
+    tool-call turns without their calls (TRL trains on that silently)."""
+    missing = [
+        name
+        for name, used in (
+            ("tool_calls", any(m.get("tool_calls") for m in messages)),
+            ("tools", bool(tools)),
+        )
+        if used and name not in template
+    ]
+    if missing:
+        raise TemplateMismatch(
+            f"the chat template never renders {' or '.join(missing)}, which this row has, so "
+            "tool-call turns would be learnt without their calls; use a template that takes "
+            "tools (the model's own, if it has one, or a Jinja file)"
+        )
+
+
+def _turn_head(
     tokenizer: PreTrainedTokenizerBase,
     template: str,
-    prefix: Sequence[Message],
-    ids: list[int],
+    messages: Sequence[Message],
     turn: int,
-    generation_prompt: bool = False,
-) -> int:
-    part = (
-        render(tokenizer, template, prefix, generation_prompt)
-        if prefix or generation_prompt
-        else []
+    tools: Any,
+) -> str:
+    """The text before assistant turn ``turn``'s content: the earlier turns and the generation
+    prompt; for an opening turn, its own rendering up to :data:`CONTENT_MARKER`."""
+    if turn:
+        return render_text(tokenizer, template, messages[:turn], True, tools)
+    marked = render_text(
+        tokenizer, template, [{**messages[0], "content": CONTENT_MARKER}], False, tools
     )
-    if ids[: len(part)] != part:
-        where = "the prompt of" if generation_prompt else "the end of"
+    if CONTENT_MARKER not in marked:
+        raise TemplateMismatch(
+            "the chat template does not render the content of an opening assistant turn (turn "
+            "0); use a template that renders every turn's content"
+        )
+    return marked[: marked.index(CONTENT_MARKER)]
+
+
+def _check_prefix(text: str, part: str, turn: int, where: str) -> None:
+    if not text.startswith(part):
         raise TemplateMismatch(
             f"the chat template renders {where} turn {turn} differently inside the whole "
-            "conversation, so turn boundaries cannot be found from prefixes"
+            "conversation, so turn boundaries cannot be found from prefixes; use a template that "
+            "renders earlier turns the same whatever follows (e.g. task.chat_template=chatml)"
         )
-    return len(part)
+
+
+def _token_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int], part: str) -> int | None:
+    """The number of tokens of ``part``, where they are the first tokens of ``ids``."""
+    tokens = _encode(tokenizer, part)
+    return len(tokens) if ids[: len(tokens)] == tokens else None
+
+
+def _offsets(tokenizer: PreTrainedTokenizerBase, text: str, turn: int) -> list[tuple[int, int]]:
+    if not tokenizer.is_fast:
+        raise RowError(
+            f"assistant turn {turn} begins or ends inside a token (its first characters merge "
+            "with the template's, as a reply starting with a newline does), and this slow "
+            "tokenizer gives no character offsets to split it; strip the whitespace the reply "
+            "starts with, or use a fast tokenizer"
+        )
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    return encoded["offset_mapping"]
+
+
+def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+    """The tokens that overlap characters ``[start, end)``: transformers' rule for a
+    ``{% generation %}`` span, so a token straddling the start (the header's newline merged with
+    a reply's first newline) is labelled, as ``return_assistant_tokens_mask`` labels it."""
+    first = next((k for k, (_, stop) in enumerate(offsets) if stop > start), len(offsets))
+    last = first
+    while last < len(offsets) and offsets[last][0] < end:
+        last += 1
+    return first, last
 
 
 def _strip_trailing_space(
@@ -366,16 +583,18 @@ def _strip_trailing_space(
 
 
 def check_template(
-    tokenizer: PreTrainedTokenizerBase, template: str, messages: Sequence[Message], place: str
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    place: str,
+    tools: str | list | None = None,
 ) -> None:
-    """Refuse a template whose prefixes are not token prefixes (see :func:`tokenize_conversation`)."""
+    """Refuse, in one line naming ``place``, a template that cannot label this conversation
+    (see :func:`tokenize_conversation`), or the conversation itself."""
     try:
-        tokenize_conversation(tokenizer, template, messages)
-    except TemplateMismatch as err:
-        raise ConfigError(
-            f"task.chat_template: {err} ({place}). Use a template that renders earlier turns "
-            "the same whatever follows (e.g. task.chat_template=chatml)."
-        ) from None
+        tokenize_conversation(tokenizer, template, messages, tools=tools)
+    except (TemplateMismatch, RowError) as err:
+        raise refusal(err, place) from None
 
 
 # ------------------------------------------------------------------------- length policy

@@ -31,7 +31,7 @@ from recipes.tasks.base import Task, TaskData, model_for_generation
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
+FEATURES_VERSION = 2  # bump when feature building changes, to invalidate cached features
 
 
 @dataclass
@@ -131,9 +131,9 @@ class SupervisedFineTuning(Task[ChatData]):
         conversations: Dataset,
     ) -> Dataset:
         """Token ids and labels of each conversation, length policy applied (cached on disk)."""
-        chat.check_template(
-            tokenizer, template, conversations[0]["messages"], f"{split.source} row 0"
-        )
+        first = conversations[0]
+        where = f"{split.source} {first['place']}"
+        chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
@@ -149,7 +149,6 @@ class SupervisedFineTuning(Task[ChatData]):
                 batched=True,
                 remove_columns=conversations.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
-                with_indices=True,
                 num_proc=cfg.preprocessing_num_workers,
                 desc="render and tokenize conversations",
             )
@@ -161,19 +160,19 @@ class SupervisedFineTuning(Task[ChatData]):
     def _tokenize(
         self,
         batch: Mapping[str, list],
-        indices: list[int],
         tokenizer: PreTrainedTokenizerBase,
         template: str | None,
         source: str,
     ) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "cut": []}
-        for index, messages in zip(indices, batch["messages"], strict=True):
+        rows = zip(batch["messages"], batch["tools"], batch["place"], strict=True)
+        for messages, tools, place in rows:
             try:
                 whole = chat.tokenize_conversation(
-                    tokenizer, template, messages, self.train_on_prompt
+                    tokenizer, template, messages, self.train_on_prompt, tools
                 )
-            except chat.TemplateMismatch as err:
-                raise ConfigError(f"task.chat_template: {err} ({source} row {index}).") from None
+            except (chat.TemplateMismatch, chat.RowError) as err:
+                raise chat.refusal(err, f"{source} {place}") from None
             fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
             if fitted is not None:
                 out["input_ids"].append(fitted["input_ids"])
@@ -319,7 +318,7 @@ class SupervisedFineTuning(Task[ChatData]):
         prompt: dict[str, Any],
         device: torch.device,
     ) -> dict[str, Any]:
-        ids = chat.render(tokenizer, template, prompt["messages"], generation_prompt=True)
+        ids = chat.render(tokenizer, template, prompt["messages"], True, prompt["tools"])
         ids = ids[-(self.max_seq_length - 1) :]  # room for at least one new token
         new_tokens = min(self.generation_max_new_tokens, self.max_seq_length - len(ids))
         inputs = torch.tensor([ids], device=device)
@@ -360,10 +359,18 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
 
 def _held_out_prompts(conversations: Dataset, count: int) -> list[dict[str, Any]]:
-    """The first ``count`` evaluation conversations, cut before their last assistant turn."""
+    """The first ``count`` evaluation conversations, cut before their last assistant turn with
+    text (one that opens the conversation leaves no prompt, so that conversation is passed)."""
     prompts = []
-    for row in conversations.select(range(min(count, len(conversations)))):
+    for row in conversations:
+        if len(prompts) >= count:
+            break
         messages = row["messages"]
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompts.append({"messages": messages[:last], "reference": messages[last]["content"]})
+        texts = [(m["content"] or "").strip() if m["role"] == "assistant" else "" for m in messages]
+        last = max((i for i, text in enumerate(texts) if text), default=0)
+        if last:
+            reference = messages[last]["content"]
+            prompts.append(
+                {"messages": messages[:last], "tools": row["tools"], "reference": reference}
+            )
     return prompts
