@@ -44,10 +44,15 @@ from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
 from recipes.faults import Interrupted, StopRequest, TrainingError, peer_failures_reported
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
-from recipes.model import config_overrides, load_model, load_tokenizer
+from recipes.model import (
+    config_overrides,
+    load_model,
+    load_tokenizer,
+    weights_summary,
+)
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
-from recipes.tasks.base import Task, TaskData
+from recipes.tasks.base import SummedLoss, Task, TaskData
 from recipes.tracking import MetricsLogger
 
 log = get_logger(__name__)
@@ -162,6 +167,7 @@ class Trainer:
             model = adapters.apply_lora(model, self.settings.peft, adapters.task_heads(model))
         else:
             log.info(adapters.trainable_summary(model))
+        log.info(weights_summary(model, self.settings.model, self.accelerator.mixed_precision))
         if self.trainer_cfg.gradient_checkpointing:
             adapters.enable_gradient_checkpointing(model)
         return model
@@ -343,6 +349,14 @@ class Trainer:
         self.window = _Window.fresh(accelerator.device, saved)
         self.stopwatch = Stopwatch()
         self.step_loss = torch.zeros((), device=accelerator.device)
+        # Summed losses (SummedLoss): their terms this step, and the constant each micro-batch's
+        # sum is divided by before backward (about one token per row position, so the gradient
+        # keeps the size of a mean's for the fp16 scaler); _optimizer_step corrects it exactly.
+        self.step_terms = torch.zeros((), device=accelerator.device)
+        self.summed_losses = False
+        self.sum_scale = float(
+            self.trainer_cfg.per_device_train_batch_size * (self.task.max_seq_length or 1)
+        )
         self.grad_norm: torch.Tensor | None = None
         self.stop_agreed = False
         self.check_grad = accelerator.scaler is None  # fp16's scaler skips overflowing steps
@@ -393,33 +407,74 @@ class Trainer:
         state.batches_in_epoch += 1
         pieces = batch if isinstance(batch, list) else [batch]  # trainer.sub_batches
         with accelerator.accumulate(self.model):
-            loss = self._backward(pieces)
-            self.step_loss += loss
+            loss, terms = self._backward(pieces)
             if accelerator.sync_gradients:
                 self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.window.add(pieces, loss)
+        self.window.add(pieces, loss, terms)
         return accelerator.sync_gradients
 
-    def _backward(self, pieces: list[Mapping[str, torch.Tensor]]) -> torch.Tensor:
-        """Forward and backward of a micro-batch's sub-batches, each loss weighted by its share
-        of the rows (so their gradients add up to the whole micro-batch's); returns the
-        micro-batch's loss. Gradients are synchronised across processes after the last only."""
+    def _backward(
+        self, pieces: list[Mapping[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Forward and backward of a micro-batch's sub-batches; returns the micro-batch's loss
+        and its terms, as logged: a mean and 1, or a sum and its count (:class:`SummedLoss`).
+
+        A mean's sub-batches are weighted by their share of the rows (their gradients add up to
+        the whole micro-batch's); sums add up as they are. Gradients are synchronised across
+        processes after the last sub-batch only."""
         accelerator, rows = self.accelerator, sum(len(p["input_ids"]) for p in pieces)
-        total = torch.zeros((), device=accelerator.device)
+        logged = torch.zeros((), device=accelerator.device)
+        terms: torch.Tensor | float = 1.0
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             with nullcontext() if last else accelerator.no_sync(self.model):
-                loss = self.task.loss(self.model, piece)
-                if len(pieces) > 1:
-                    loss = loss * (len(piece["input_ids"]) / rows)
+                out = self.task.loss(self.model, piece)
+                if isinstance(out, SummedLoss):
+                    self.summed_losses = True
+                    loss = out.total / self.sum_scale
+                    logged += out.total.detach().float()
+                    count = out.count.detach().float()
+                    terms = count if i == 0 else terms + count
+                    self.step_terms += count
+                else:
+                    loss = out * (len(piece["input_ids"]) / rows) if len(pieces) > 1 else out
+                    logged += loss.detach().float()
                 accelerator.backward(loss)
-            total += loss.detach().float()
-        return total
+            self.step_loss += loss.detach().float()
+        return logged, terms
+
+    def _normalise_summed_gradients(self) -> None:
+        """Divide the step's gradient by its terms on all processes (see :class:`SummedLoss`):
+        backward saw each sum divided by ``sum_scale``, accelerate divides by the accumulation
+        steps and the data-parallel reduction averages over processes, so multiply by all
+        three over the terms. Done in place before clipping, so the logged norm is the true
+        one (DeepSpeed keeps gradients of its own, so it cannot be used here)."""
+        accelerator = self.accelerator
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise TrainingError(
+                f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
+                "which needs the gradients in the parameters; use DDP or FSDP, not DeepSpeed."
+            )
+        terms = self.step_terms
+        if accelerator.num_processes > 1:
+            terms = accelerator.reduce(terms.clone(), reduction="sum")
+        factor = (
+            self.sum_scale
+            * accelerator.gradient_accumulation_steps
+            * accelerator.num_processes
+            / max(float(terms), 1.0)
+        )
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        self.step_terms.zero_()
 
     def _optimizer_step(self) -> None:
         """Clip, learn from every process whether the step is finite and whether to stop, then
         update the weights (unless the step is not finite)."""
+        if self.summed_losses:
+            self._normalise_summed_gradients()
         self.grad_norm = self.accelerator.clip_grad_norm_(
             self.model.parameters(), self.trainer_cfg.max_grad_norm or math.inf
         )
@@ -525,15 +580,13 @@ class Trainer:
         """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed
         over all processes."""
         accelerator, window = self.accelerator, self.window
-        counts = torch.tensor(
-            [window.micro_batches, window.samples],
-            dtype=torch.float,
-            device=window.loss_and_tokens.device,
+        samples = torch.tensor(
+            [window.samples], dtype=torch.float, device=window.loss_and_tokens.device
         )
-        totals = accelerator.reduce(torch.cat([window.loss_and_tokens, counts]), reduction="sum")
-        loss, tokens, micro, samples = totals.tolist()
+        totals = accelerator.reduce(torch.cat([window.loss_and_tokens, samples]), reduction="sum")
+        loss, tokens, terms, samples = totals.tolist()
         metrics = {
-            "train/loss": loss / max(micro, 1.0),
+            "train/loss": loss / max(terms, 1.0),
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/epoch": self.state.step / self.steps_per_epoch,
             "train/samples_per_second": samples / elapsed,
@@ -716,27 +769,39 @@ class _Window:
     counts are known on the host.
     """
 
-    loss_and_tokens: torch.Tensor
+    loss_and_tokens: torch.Tensor  # summed loss, tokens, loss terms
     micro_batches: int
     samples: int
 
     @classmethod
     def fresh(cls, where: torch.device, saved: list[float] | None = None) -> _Window:
-        loss, tokens, micro, samples = saved or [0.0, 0.0, 0, 0]
-        sums = torch.tensor([loss, tokens], dtype=torch.float, device=where)
+        loss, tokens, micro, samples, *terms = saved or [0.0, 0.0, 0, 0, 0.0]
+        terms = terms or [micro]  # saved before summed losses: one term per micro-batch
+        sums = torch.tensor([loss, tokens, terms[0]], dtype=torch.float, device=where)
         return cls(sums, int(micro), int(samples))
 
-    def add(self, pieces: list[Mapping[str, torch.Tensor]], loss: torch.Tensor) -> None:
-        """One micro-batch (its sub-batches) and its loss."""
+    def add(
+        self,
+        pieces: list[Mapping[str, torch.Tensor]],
+        loss: torch.Tensor,
+        terms: torch.Tensor | float,
+    ) -> None:
+        """One micro-batch (its sub-batches): its loss and how many terms it sums."""
         tokens = sum(_real_tokens(piece) for piece in pieces)
+        where = loss.device
         self.loss_and_tokens += torch.stack(
-            [loss.detach().float(), torch.as_tensor(tokens, device=loss.device).float()]
+            [
+                loss.detach().float(),
+                torch.as_tensor(tokens, device=where).float(),
+                torch.as_tensor(terms, device=where).float(),
+            ]
         )
         self.micro_batches += 1
         self.samples += sum(piece["input_ids"].shape[0] for piece in pieces)
 
     def as_list(self) -> list[float]:
-        return [*self.loss_and_tokens.tolist(), self.micro_batches, self.samples]
+        loss, tokens, terms = self.loss_and_tokens.tolist()
+        return [loss, tokens, self.micro_batches, self.samples, terms]
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:

@@ -141,15 +141,15 @@ def cpu_launch_command(*args: str) -> list[str]:
     ]
 
 
-def run_torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """train.py in two gloo processes started by ``torchrun`` (one thread each), fp32 unless
-    told; the caller asserts on the result."""
+def run_torchrun(*args: str, timeout: int = 600, processes: int = 2) -> subprocess.CompletedProcess:
+    """train.py in ``processes`` gloo processes started by ``torchrun`` (one thread each), fp32
+    unless told; the caller asserts on the result."""
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={processes}",
             f"--master_port={free_port()}",
             str(ROOT / "train.py"),
             *_fp32_first(args),

@@ -59,6 +59,18 @@ class TaskData:
 DataT = TypeVar("DataT", bound=TaskData)
 
 
+@dataclass
+class SummedLoss:
+    """A micro-batch's loss as the sum of its terms (per-token losses) and their count.
+
+    The loop divides the gradient of a whole optimizer step by the terms of that step on all
+    processes, so every token weighs the same however they fall into micro-batches and ranks:
+    the full-batch gradient, as transformers' Trainer and TRL get with ``num_items_in_batch``."""
+
+    total: torch.Tensor
+    count: torch.Tensor
+
+
 class Task(abc.ABC, Generic[DataT]):
     """What the loop asks of a task; ``DataT`` is the :class:`TaskData` its ``build_data``
     returns and its ``evaluate`` reads."""
@@ -101,8 +113,12 @@ class Task(abc.ABC, Generic[DataT]):
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse settings the loaded model cannot run (raise ConfigError naming the key)."""
 
-    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The model's own loss (the batch carries its labels)."""
+    def loss(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | SummedLoss:
+        """The model's own loss (the batch carries its labels): a mean, which the loop averages
+        over micro-batches and processes; or a :class:`SummedLoss` where rows carry different
+        numbers of loss terms (assistant tokens)."""
         return model(**batch).loss
 
     def after_training(

@@ -27,7 +27,7 @@ from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import chat
-from recipes.tasks.base import Task, TaskData, model_for_generation
+from recipes.tasks.base import SummedLoss, Task, TaskData, model_for_generation
 
 log = get_logger(__name__)
 
@@ -230,27 +230,26 @@ class SupervisedFineTuning(Task[ChatData]):
             )
 
     def forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> Any:
-        """The model on a batch, packed rows given their block-diagonal mask."""
+        """The model on a batch without its labels or a KV cache. Packed rows get their
+        block-diagonal mask, or under flash attention run as one row (:func:`padding_free`)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if "position_ids" in inputs and self._attn in chat.POSITION_ID_ATTENTION:
+            rows, length = inputs["input_ids"].shape
+            out = model(**padding_free(inputs), use_cache=False)
+            out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
+            return out
         if "position_ids" in inputs:
             dtype = next(model.parameters()).dtype
             inputs["attention_mask"] = chat.block_causal_mask(
                 inputs["position_ids"], self._attn, dtype
             )
-        return model(**inputs)
+        return model(**inputs, use_cache=False)
 
-    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over the labelled tokens of the batch on every process.
-
-        Rows carry different numbers of assistant tokens, so each process's mean would weigh its
-        tokens by how few there are; the data-parallel wrapper averages gradients over the
-        processes, so each scales its sum by processes / all tokens (one scalar all-reduce)."""
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
+        """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
+        the labelled tokens of the whole optimizer step on every process."""
         nll, count = token_losses(self.forward(model, batch).logits, batch["labels"])
-        total, tokens = nll.sum(), count.sum()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(tokens)  # a sum over processes
-            return total * torch.distributed.get_world_size() / tokens.clamp(min=1)
-        return total / tokens.clamp(min=1)
+        return SummedLoss(nll.sum(), count.sum())
 
     @torch.no_grad()
     def evaluate(
@@ -344,6 +343,17 @@ def generation_scores(records: list[dict[str, Any]]) -> dict[str, float]:
         "generation/f1": 100.0 * sum(f1_score(g, r) for g, r in pairs) / len(pairs),
         "generation/count": float(len(pairs)),
     }
+
+
+def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Packed rows as the one row flash attention reads as packed, TRL's padding-free layout.
+
+    Flash kernels get no mask: transformers finds where conversations start from
+    ``position_ids`` restarting at 0, but only in a batch of one row (``_is_packed_sequence``);
+    a (2, L) batch would read as two plain sequences, and attention would cross the
+    conversations packed in each. Row padding (position 0) becomes one-token sequences with no
+    label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
+    return {k: v.reshape(1, -1) for k, v in inputs.items()}
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
