@@ -18,6 +18,7 @@ What a LoRA run changes, and where the loop calls this module:
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,7 @@ ALL_LINEAR = "all-linear"
 ADAPTER_DIR = (
     "adapter"  # in final/ and in each checkpoint: what peft.PeftModel.from_pretrained loads
 )
+BASE_DIR = "base"  # in final/, where model.name_or_path does not load the adapter's base
 
 
 @dataclass
@@ -121,9 +123,14 @@ def task_heads(model: torch.nn.Module) -> list[str]:
 
 
 def apply_lora(
-    model: torch.nn.Module, cfg: PeftSettings, task_head_modules: Sequence[str]
+    model: torch.nn.Module,
+    cfg: PeftSettings,
+    task_head_modules: Sequence[str],
+    new_tokens: Sequence[int] = (),
 ) -> torch.nn.Module:
-    """Wrap ``model`` with LoRA adapters (a ``peft.PeftModel``); the task heads train in full.
+    """Wrap ``model`` with LoRA adapters (a ``peft.PeftModel``); the task heads train in full,
+    and so do the embedding rows of ``new_tokens`` (peft's ``trainable_token_indices``: those
+    rows only, in the input embedding and in an untied output layer).
 
     ``peft.target_modules: null`` means every linear layer except the output layer and the heads
     (peft's ``all-linear``): QLoRA found adapters on all linear layers are needed to come close to
@@ -153,6 +160,7 @@ def apply_lora(
         bias="none",
         # GPT-2's Conv1D stores its weight transposed; said here, peft does not warn per layer.
         fan_in_fan_out=any(isinstance(m, _conv1d()) for m in model.modules()),
+        trainable_token_indices=_token_rows(model, new_tokens),
     )
     try:
         wrapped = get_peft_model(model, config)
@@ -168,10 +176,35 @@ def apply_lora(
         cfg.alpha,
         cfg.dropout,
         ", ".join(adapted),
-        ", ".join(heads) or "nothing else",
+        ", ".join([*heads, *([f"{len(new_tokens)} new token rows"] if new_tokens else [])])
+        or "nothing else",
     )
     log.info(trainable_summary(wrapped))
     return wrapped
+
+
+def _token_rows(model: torch.nn.Module, tokens: Sequence[int]) -> dict[str, list[int]] | None:
+    """``trainable_token_indices`` for ``tokens``: the input embedding's module name, and the
+    output layer's where it is not tied to it (peft follows a tied one by itself)."""
+    if not tokens:
+        return None
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    rows = {names[id(model.get_input_embeddings())]: list(tokens)}
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is not model.get_input_embeddings().weight:
+        rows[names[id(output)]] = list(tokens)
+    return rows
+
+
+def base_reference(cfg: Any, resized: bool) -> str | None:
+    """What the adapter's ``base_model_name_or_path`` names: the model as ``model.*`` loads it
+    (a hub name, or a local folder as an absolute path, so it loads from anywhere), or None where
+    ``from_pretrained`` of that would not give the trained base: a GGUF file (dequantised on
+    load) or embeddings resized for added tokens. :func:`save_final` then writes the base."""
+    if cfg.gguf_file or resized:
+        return None
+    local = Path(cfg.name_or_path).expanduser()
+    return str(local.resolve()) if local.exists() else cfg.name_or_path
 
 
 def adapted_modules(model: torch.nn.Module) -> list[str]:
@@ -352,15 +385,29 @@ def _read_model_file(folder: Path, index: int) -> dict[str, torch.Tensor]:
     return torch.load(folder / f"{MODEL_NAME}{suffix}.bin", map_location="cpu", weights_only=True)
 
 
-def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any) -> None:
-    """``folder/adapter/`` (``peft.PeftModel.from_pretrained`` loads it onto the base model) and
-    a merged model in ``folder`` that ``AutoModelFor*.from_pretrained`` loads without peft.
+def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any, base: str | None) -> None:
+    """``folder/adapter/`` (``peft.PeftModel.from_pretrained`` loads it onto the base model, and
+    ``AutoPeftModelFor*`` onto the base its config names) and a merged model in ``folder`` that
+    ``AutoModelFor*.from_pretrained`` loads without peft; both with the tokenizer.
 
-    ``model`` is the unwrapped peft model; call on the main process only. The merge happens on a
-    copy (the trained model is left as it was), which costs one model's memory for a moment.
+    ``base`` is what the adapter's config names as its base (:func:`base_reference`); None
+    writes the base itself to ``folder/base`` and names that. ``model`` is the unwrapped peft
+    model; call on the main process only. The merge happens on a copy (the trained model is
+    left as it was), which costs one model's memory for a moment.
     """
     folder = Path(folder)
-    model.save_pretrained(folder / ADAPTER_DIR)
+    # The base written below has the resized embeddings; the adapter keeps only the new rows.
+    model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
+    tokenizer.save_pretrained(folder / ADAPTER_DIR)
+    if base is None:
+        base = str((folder / BASE_DIR).resolve())
+        copy.deepcopy(model).unload().save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        log.info("the adapter's base model (not loadable from model.name_or_path): %s", base)
+    config_file = folder / ADAPTER_DIR / "adapter_config.json"
+    adapter_config = json.loads(config_file.read_text())
+    adapter_config["base_model_name_or_path"] = base
+    config_file.write_text(json.dumps(adapter_config, indent=2) + "\n")
     merged = copy.deepcopy(model).merge_and_unload()
     state = merged.state_dict()
     leftovers = [k for k in state if _PEFT_KEY.search(k)]

@@ -46,6 +46,7 @@ from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger, setup_logging
 from recipes.model import (
     config_overrides,
+    fit_to_tokenizer,
     load_model,
     load_tokenizer,
     weights_summary,
@@ -153,6 +154,7 @@ class Trainer:
             model_cfg, self.task.auto_model_class, overrides, **self.task.model_kwargs(self.data)
         )
         self.task.check_model(self.model)
+        fit_to_tokenizer(self.model, self.tokenizer, self.data.new_tokens, self.data.stop_tokens)
         self.model = self._adapt(self.model)
 
     def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -164,7 +166,9 @@ class Trainer:
                     "model on one process). Use a DDP launch config (conf/accelerate/"
                     "multi_musa.yaml) or peft=none."
                 )
-            model = adapters.apply_lora(model, self.settings.peft, adapters.task_heads(model))
+            model = adapters.apply_lora(
+                model, self.settings.peft, adapters.task_heads(model), self.data.new_tokens
+            )
         else:
             log.info(adapters.trainable_summary(model))
         log.info(weights_summary(model, self.settings.model, self.accelerator.mixed_precision))
@@ -717,7 +721,8 @@ class Trainer:
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
-            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final")
+            base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
+            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final", base)
         self.metrics.close()
         result = RunResult(
             output_dir=self.output_dir,
@@ -978,13 +983,15 @@ def _save_final(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     folder: Path,
+    base: str | None,
 ) -> None:
     """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads; with
-    LoRA, the merged model and the adapter (``final/adapter``)."""
+    LoRA, the merged model and the adapter (``final/adapter``) on ``base``
+    (:func:`recipes.adapters.base_reference`)."""
     accelerator.wait_for_everyone()
     if adapters.is_peft_model(accelerator.unwrap_model(model)):
         if accelerator.is_main_process:
-            adapters.save_final(accelerator.unwrap_model(model), folder, tokenizer)
+            adapters.save_final(accelerator.unwrap_model(model), folder, tokenizer, base)
         accelerator.wait_for_everyone()
         return
     state_dict = accelerator.get_state_dict(model)

@@ -137,6 +137,34 @@ def load_model(
     return model
 
 
+def fit_to_tokenizer(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    new_tokens: list[int],
+    stop_tokens: list[int],
+) -> None:
+    """Embedding rows for the tokens a task added to the tokenizer (initialised by transformers
+    from the mean and covariance of the old ones; rounded up to a multiple of 64 rows, as TRL's
+    ``clone_chat_template`` does), and ``stop_tokens`` besides EOS in the generation config."""
+    rows = model.get_input_embeddings().num_embeddings
+    if new_tokens and max(new_tokens) >= rows:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+        log.info(
+            "token embeddings: %d -> %d rows for the tokenizer's %d tokens",
+            rows,
+            model.get_input_embeddings().num_embeddings,
+            len(tokenizer),
+        )
+    if stop_tokens:
+        eos = [*stop_tokens, *_ids(model.generation_config.eos_token_id)]
+        eos += _ids(model.config.eos_token_id)
+        model.generation_config.eos_token_id = list(dict.fromkeys(eos))
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
 def _dtype(choice: str) -> dict[str, Any]:
     """``from_pretrained``'s dtype argument for ``model.dtype`` (``torch_dtype`` before
     transformers 4.56, ``dtype`` since)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -54,6 +54,12 @@ class TaskData:
     eval_collator: Callable[[list[dict]], dict] | None = None
     # The train collator draws random numbers (MLM masking): the loop seeds it per batch.
     random_collator: bool = False
+    # Token ids the task added to the tokenizer (a chat template's special tokens): the loop
+    # gives them embedding rows and trains those rows, under LoRA too.
+    new_tokens: list[int] = field(default_factory=list)
+    # Tokens that end a generated answer besides EOS (a chat template's end of turn): saved as
+    # the model's generation_config.eos_token_id, which serving stacks stop on.
+    stop_tokens: list[int] = field(default_factory=list)
 
 
 DataT = TypeVar("DataT", bound=TaskData)

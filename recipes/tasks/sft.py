@@ -101,6 +101,8 @@ class SupervisedFineTuning(Task[ChatData]):
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
         template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
+        tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
         splits = data_lib.load_splits(cfg, lambda path: chat.read_conversations(path, self.format))
         features, conversations = {}, {}
         for role, split in splits.items():
@@ -119,6 +121,8 @@ class SupervisedFineTuning(Task[ChatData]):
             eval_collator=collator,
             template=template,
             prompts=_held_out_prompts(conversations["eval"], self.num_generations),
+            new_tokens=new_tokens,
+            stop_tokens=_end_of_turn(tokenizer, template),
         )
 
     def _features(
@@ -366,6 +370,48 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         reduction="none",
     ).view(shifted.shape)
     return losses.sum(dim=1), (shifted != chat.IGNORE_INDEX).sum(dim=1).float()
+
+
+# Special tokens the named templates write (task.chat_template=<name>). A tokenizer without them
+# gets them added, and the model embedding rows for them, as TRL's clone_chat_template does: else
+# "<|im_end|>" is seven ordinary tokens and the model never learns one token that ends a turn.
+TEMPLATE_TOKENS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+}
+
+
+def _add_template_tokens(tokenizer: PreTrainedTokenizerBase, choice: str | None) -> list[int]:
+    """Add the special tokens of the named template ``choice`` that ``tokenizer`` lacks (or
+    has only as several tokens); returns their ids."""
+    missing = [
+        t
+        for t in TEMPLATE_TOKENS.get(choice or "", ())
+        if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1
+    ]
+    if not missing:
+        return []
+    tokenizer.add_tokens(missing, special_tokens=True)
+    ids = tokenizer.convert_tokens_to_ids(missing)
+    log.info(
+        "task.chat_template=%s: added %s to the tokenizer as special tokens (ids %s); the model "
+        "gets new embedding rows for them, trained under LoRA too",
+        choice,
+        " ".join(missing),
+        ids,
+    )
+    return ids
+
+
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
+    """The special token that ends an assistant turn under ``template`` (the last labelled token
+    of a probe conversation's reply), if it is a special token; [] otherwise."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    labels = chat.tokenize_conversation(tokenizer, template, probe)["labels"]
+    labelled = [t for t in labels if t != chat.IGNORE_INDEX]
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    return [labelled[-1]] if labelled and labelled[-1] in special else []
 
 
 def _held_out_prompts(conversations: Dataset, count: int) -> list[dict[str, Any]]:
