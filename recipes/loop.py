@@ -185,6 +185,7 @@ class Trainer:
             max_length=fixed,
             pad_to_multiple_of=trainer_cfg.pad_to_multiple_of,
         )
+        pad_task_batches(data, trainer_cfg.pad_to_multiple_of)
         self.collator = data.train_collator or padding
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
@@ -866,6 +867,14 @@ def optimizer_where_it_steps(
     if places_model_first(accelerator.distributed_type, accelerator.device_placement):
         model.to(accelerator.device)
     return build_optimizer(make_optimizer, model, accelerator.device)
+
+
+def pad_task_batches(data: TaskData, multiple: int | None) -> None:
+    """``trainer.pad_to_multiple_of`` for a task's own collators that pad (their
+    ``pad_to_multiple_of``, as transformers' collators name it), as for the default one."""
+    for collator in (data.train_collator, data.eval_collator):
+        if hasattr(collator, "pad_to_multiple_of"):
+            collator.pad_to_multiple_of = multiple
 
 
 def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:

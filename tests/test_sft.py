@@ -396,3 +396,21 @@ def test_generation_scores_use_squad_normalisation():
     # second: 2 shared tokens (magma, lava) of 3 predicted and 4 gold -> F1 4/7
     assert scores["generation/f1"] == pytest.approx(100 * (1 + 4 / 7) / 2)
     assert scores["generation/count"] == 2
+
+
+def test_trainer_pad_to_multiple_of_reaches_the_chat_collator(tokenizer):
+    from datasets import Dataset
+
+    from recipes.loop import pad_task_batches
+    from recipes.tasks.base import TaskData
+
+    collate = chat.ChatCollator(tokenizer.pad_token_id)
+    rows = [{"input_ids": [5] * n, "labels": [5] * n} for n in (5, 11)]
+    data = TaskData(train=Dataset.from_list(rows), eval=Dataset.from_list(rows))
+    data.train_collator = data.eval_collator = collate
+    assert collate(rows)["input_ids"].shape == (2, 11)
+    pad_task_batches(data, 8)  # trainer.pad_to_multiple_of=8, the default
+    batch = collate(rows)
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["attention_mask"].sum(dim=1).tolist() == [5, 11]
+    assert (batch["labels"][:, 11:] == chat.IGNORE_INDEX).all()

@@ -654,12 +654,12 @@ class ChatCollator:
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
         self.pad_token_id = pad_token_id
-        self.multiple = pad_to_multiple_of
+        self.pad_to_multiple_of = pad_to_multiple_of  # the loop sets trainer.pad_to_multiple_of
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         longest = max(len(r["input_ids"]) for r in rows)
-        if self.multiple:
-            longest = -(-longest // self.multiple) * self.multiple
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {
             "input_ids": _pad(rows, "input_ids", self.pad_token_id, longest),
             "labels": _pad(rows, "labels", IGNORE_INDEX, longest),
