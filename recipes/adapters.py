@@ -421,6 +421,42 @@ def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any, base: str |
     )
 
 
+def gathered_copy(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Any:
+    """An unsharded peft model holding ``state_dict``, the full state of the sharded (FSDP)
+    peft ``model`` gathered to this process: built on the meta device from the model's config
+    and peft config (nothing initialised, nothing gathered twice), then given those tensors,
+    its tied parameters tied again and its non-persistent buffers (rotary frequencies) copied
+    from ``model``, where FSDP leaves buffers whole."""
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    adapter = model.active_adapter
+    with torch.device("meta"):
+        empty = type(base)(copy.deepcopy(base.config))
+        skeleton = get_peft_model(empty, copy.deepcopy(model.peft_config[adapter]), adapter)
+    tied: dict[int, list[str]] = {}  # shared parameters (tied embeddings), by name
+    for name, parameter in skeleton.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    gathered = {name: tensor.detach() for name, tensor in state_dict.items()}
+    skeleton.load_state_dict(gathered, strict=True, assign=True)
+    # Loading by assignment gives each name its own tensor: share them again.
+    for first, *others in (names for names in tied.values() if len(names) > 1):
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(skeleton.get_submodule(owner), attr, skeleton.get_parameter(first))
+    buffers = {_unwrapped_name(n): b for n, b in model.named_buffers()}
+    for name, buffer in list(skeleton.named_buffers()):
+        if buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            setattr(skeleton.get_submodule(owner), attr, buffers[name].detach().cpu().clone())
+    return skeleton
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter or buffer name without the wrappers FSDP1 and activation checkpointing add."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def _check_heads_merged(model: torch.nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
     """The trained copies of the fully trained heads, not the original ones, must be saved."""
     from peft.utils import ModulesToSaveWrapper

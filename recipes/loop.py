@@ -160,12 +160,7 @@ class Trainer:
     def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
         """LoRA adapters (``peft=lora``) and gradient checkpointing, as configured."""
         if self.settings.peft.method == "lora":
-            if self.accelerator.distributed_type == DistributedType.FSDP:
-                raise ConfigError(
-                    "peft=lora with FSDP: not supported yet (the merged final/ needs the whole "
-                    "model on one process). Use a DDP launch config (conf/accelerate/"
-                    "multi_musa.yaml) or peft=none."
-                )
+            _check_fsdp_for_lora(self.accelerator)
             model = adapters.apply_lora(
                 model, self.settings.peft, adapters.task_heads(model), self.data.new_tokens
             )
@@ -869,6 +864,21 @@ def optimizer_where_it_steps(
     return build_optimizer(make_optimizer, model, accelerator.device)
 
 
+def _check_fsdp_for_lora(accelerator: Accelerator) -> None:
+    """LoRA under FSDP trains some parameters of each wrapped layer and freezes the others:
+    FSDP1 needs ``fsdp_use_orig_params: true`` for that (peft's and accelerate's advice); FSDP2
+    shards parameters one by one and needs nothing."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or plugin is None:
+        return
+    if getattr(plugin, "fsdp_version", 1) == 1 and not plugin.use_orig_params:
+        raise ConfigError(
+            "peft=lora with FSDP (fsdp_version 1) needs fsdp_use_orig_params: true in the "
+            "accelerate config (conf/accelerate/fsdp.yaml has it), as frozen and trained "
+            "parameters share each wrapped layer; or use conf/accelerate/fsdp2.yaml."
+        )
+
+
 def pad_task_batches(data: TaskData, multiple: int | None) -> None:
     """``trainer.pad_to_multiple_of`` for a task's own collators that pad (their
     ``pad_to_multiple_of``, as transformers' collators name it), as for the default one."""
@@ -998,9 +1008,16 @@ def _save_final(
     LoRA, the merged model and the adapter (``final/adapter``) on ``base``
     (:func:`recipes.adapters.base_reference`)."""
     accelerator.wait_for_everyone()
-    if adapters.is_peft_model(accelerator.unwrap_model(model)):
+    unwrapped = accelerator.unwrap_model(model)
+    if adapters.is_peft_model(unwrapped):
+        if accelerator.distributed_type == DistributedType.FSDP:
+            # Sharded: gathered whole to the main process (as a full fine-tuning's final/ is),
+            # which merges and saves an unsharded copy of it.
+            state_dict = accelerator.get_state_dict(model)
+            if accelerator.is_main_process:
+                unwrapped = adapters.gathered_copy(unwrapped, state_dict)
         if accelerator.is_main_process:
-            adapters.save_final(accelerator.unwrap_model(model), folder, tokenizer, base)
+            adapters.save_final(unwrapped, folder, tokenizer, base)
         accelerator.wait_for_everyone()
         return
     state_dict = accelerator.get_state_dict(model)
