@@ -22,7 +22,8 @@ jobs of one Hydra multirun, so they pay the start-up once):
 - llama135m/*: chat fine-tuning without and with packing, and LoRA with gradient checkpointing
   (peak memory against full fine-tuning);
 - compare/*: the ratios a reader decides on (each says which setting won here);
-- fsdp/llama_clm (optional: only with ``--only fsdp``): FSDP through accelerate, one process.
+- fsdp/llama_clm, fsdp/llama_sft_lora (optional: only with ``--only fsdp``): FSDP through
+  accelerate, one process; the second with LoRA (merged on the main process at the end).
 
 Output (``--out DIR``; at most 8 files, as a device machine returns): ``rows.jsonl`` (one JSON
 record per row, appended as each row ends), ``table.md`` (rewritten after every row, with the
@@ -233,6 +234,13 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             "fsdp", "launch", 25, ("recipe=llama_clm", "debug=smoke", *short), dry=(),
             launch_config=fsdp_config, distributed="FSDP",
         ),
+        Process(
+            "fsdp_lora", "launch", 25,
+            ("recipe=llama_sft", "debug=smoke", "peft=lora", "task.num_generations=0",
+             *(o for o in short if not o.startswith("trainer.save_final_model")),
+             "trainer.save_final_model=true"),  # the merge of sharded adapters is the point
+            dry=(), launch_config=fsdp_config, distributed="FSDP",
+        ),
     ]  # fmt: skip
     smoke_caps = {"bert_glue": 12, "bert_squad": 15, "llama_sft": 13}
     rows = [
@@ -262,6 +270,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         ),
         Row("bert_large/compile", "bert", 80, "{padding:max_length,compile:true}", "compiled"),
         Row("fsdp/llama_clm", "fsdp", 25, "", "FSDP, one process", optional=True),
+        Row("fsdp/llama_sft_lora", "fsdp_lora", 25, "", "LoRA under FSDP", optional=True),
     ]
     tokens, samples = "tokens_per_s", "samples_per_s"
     comparisons = [
