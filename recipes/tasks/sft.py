@@ -28,6 +28,7 @@ from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import chat
 from recipes.tasks.base import SummedLoss, Task, TaskData, model_for_generation
+from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
@@ -358,18 +359,6 @@ def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     conversations packed in each. Row padding (position 0) becomes one-token sequences with no
     label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
     return {k: v.reshape(1, -1) for k, v in inputs.items()}
-
-
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: summed next-token cross-entropy of its labelled tokens, and their count."""
-    shifted = labels[:, 1:]
-    losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1),
-        shifted.flatten(),
-        ignore_index=chat.IGNORE_INDEX,
-        reduction="none",
-    ).view(shifted.shape)
-    return losses.sum(dim=1), (shifted != chat.IGNORE_INDEX).sum(dim=1).float()
 
 
 # Special tokens the named templates write (task.chat_template=<name>). A tokenizer without them
