@@ -210,9 +210,13 @@ class ModelConfig:
 class DataConfig:
     """Where the examples come from (``data.*``); each conf/data file names a data set."""
 
-    path: str  # a hub name, a file, a folder of files, or a save_to_disk folder
+    path: str | None = None  # a hub name, a file, a folder of files, or a save_to_disk folder
     name: str | None = None  # the hub data set's configuration (a GLUE task, a WikiText variant)
     train_file: str | None = None  # overrides what path finds
+    # Several local sources instead of path: [{path: a.jsonl, weight: 2}, {path: b, weight: 0.5}].
+    # Each trains on round(weight x its rows) rows (whole copies, then a split_seed draw of the
+    # rest); evaluation rows are each source's own, unweighted (docs/data.md).
+    mix: list[dict[str, Any]] | None = None
     eval_file: str | None = None
     train_split: str = "train"
     eval_split: str = "validation"
@@ -369,6 +373,7 @@ def validate(cfg: DictConfig) -> Settings:
         )
     _check_early_stopping(settings.trainer)
     _check_paths(settings.model, settings.data)
+    mix_sources(settings.data)
     from recipes import adapters  # it builds on this module
 
     settings.peft = adapters.settings(cfg.get("peft"))
@@ -442,11 +447,81 @@ def _check_paths(model: ModelConfig, data: DataConfig) -> None:
         value = getattr(data, name)
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{name}={value}: no such file.")
-    if _is_local(data.path) and not Path(data.path).expanduser().exists():
+    if data.path is not None and _is_local(data.path) and not Path(data.path).expanduser().exists():
         raise ConfigError(
             f"data.path={data.path}: no such file or folder. Give a SQuAD-style file or folder, "
             "a save_to_disk folder, or a hub data set name."
         )
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One checked entry of ``data.mix``."""
+
+    path: str
+    weight: float
+
+
+MIX_EXAMPLE = "data.mix=[{path: a.jsonl, weight: 2}, {path: b.jsonl, weight: 1}]"
+
+
+def mix_sources(data: DataConfig) -> list[MixSource]:
+    """The sources of ``data.mix``, checked (empty when ``data.path`` names the data); a
+    :class:`ConfigError` names the entry and the fix."""
+    if data.mix is None:
+        if data.path is None:
+            raise ConfigError(
+                "data.path is not set: name the data with data.path=<file, folder or hub name>, "
+                f"or mix several sources with {MIX_EXAMPLE}."
+            )
+        return []
+    if not data.mix:
+        raise ConfigError(
+            f"data.mix=[] lists no source: give {MIX_EXAMPLE}, or data.mix=null with data.path=..."
+        )
+    for key in ("path", "train_file"):
+        if getattr(data, key) is not None:
+            raise ConfigError(
+                f"data.mix and data.{key}={getattr(data, key)} are both set: the mix is the "
+                f"training data; add data.{key}=null."
+            )
+    sources: list[MixSource] = []
+    for i, entry in enumerate(data.mix):
+        sources.append(_mix_source(f"data.mix[{i}]", entry))
+        same = [j for j, s in enumerate(sources[:-1]) if _same_file(s.path, sources[-1].path)]
+        if same:
+            raise ConfigError(
+                f"data.mix[{i}].path={sources[-1].path}: already data.mix[{same[0]}]; give each "
+                "source one entry (with the weights added up)."
+            )
+    return sources
+
+
+def _mix_source(where: str, entry: Any) -> MixSource:
+    shape = "an entry is {path: <file or folder>, weight: <number > 0, default 1>}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}={entry}: {shape}.")
+    unknown = sorted(set(entry) - {"path", "weight"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; {shape}.")
+    path, weight = entry.get("path"), entry.get("weight", 1)
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}: no path; {shape}.")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e9:
+        raise ConfigError(
+            f"{where}.weight={weight}: must be a number > 0 (the source trains on "
+            "round(weight x its rows) rows: 2 repeats each row twice, 0.5 keeps half)."
+        )
+    if not Path(path).expanduser().exists():
+        raise ConfigError(
+            f"{where}.path={path}: no such file or folder. A source of data.mix is a local "
+            "file, a folder of train.* / dev.* files, or a save_to_disk folder."
+        )
+    return MixSource(path, float(weight))
+
+
+def _same_file(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:

@@ -5,7 +5,8 @@ folder; ``data.train_file`` / ``data.eval_file`` name files directly. Reading a 
 ``datasets`` (JSON, JSON lines, parquet, CSV, TSV, plain text) unless the task supplies a reader
 for a format of its own (the QA task reads and checks SQuAD JSON and JSON lines itself). When the
 source has no evaluation split, a seeded fraction of the training examples is held out
-(``data.eval_fraction``) and the log says so.
+(``data.eval_fraction``) and the log says so. ``data.mix`` lists several local sources with
+weights instead of ``data.path``; :func:`load_splits` says how they are mixed.
 Features built from the splits are cached on disk, keyed by the content of the data, the tokenizer
 and the feature settings.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import dataclasses
 import hashlib
 import json
 import math
@@ -30,7 +32,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from torch.utils.data import Sampler
 
-from recipes.config import DataConfig, DataError, first_line
+from recipes.config import DataConfig, DataError, MixSource, first_line, mix_sources
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -231,14 +233,19 @@ def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Spli
     """The ``train`` and ``eval`` splits, with ``data.max_*_examples`` applied.
 
     Without an evaluation split in the source, ``data.eval_fraction`` of the training examples
-    (chosen with ``data.split_seed``) are held out for evaluation and the log reports it.
+    (chosen with ``data.split_seed``) are held out for evaluation and the log reports it. With
+    ``data.mix``, see :func:`_load_mix`.
     """
-    train = load_split(cfg, "train", reader)
-    _require_examples(train, "train", cfg)
-    try:
-        held = load_split(cfg, "eval", reader)
-    except MissingSplit as err:
-        held, train = _hold_out(train, cfg, reason=str(err))
+    sources = mix_sources(cfg)
+    if sources:
+        train, held = _load_mix(cfg, sources, reader)
+    else:
+        train = load_split(cfg, "train", reader)
+        _require_examples(train, "train", cfg)
+        try:
+            held = load_split(cfg, "eval", reader)
+        except MissingSplit as err:
+            held, train = _hold_out(train, cfg, reason=str(err))
     splits = {"train": train, "eval": held}
     for role, limit in (("train", cfg.max_train_examples), ("eval", cfg.max_eval_examples)):
         split = splits[role]
@@ -247,6 +254,96 @@ def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Spli
             split.examples = split.examples.select(range(limit))
             split.fingerprint = f"{split.fingerprint} first {limit}"
     return splits
+
+
+def _load_mix(
+    cfg: DataConfig, sources: list[MixSource], reader: Reader | None
+) -> tuple[Split, Split]:
+    """(train, eval) of ``data.mix``: each source read as ``data.path`` would be, its training
+    rows weighted by :func:`_weigh`, then all concatenated and shuffled with ``data.split_seed``.
+
+    Evaluation: ``data.eval_file`` when set; else every source's own evaluation split (a dev file
+    in its folder) or, without one, its ``data.eval_fraction`` held out before weighting, so no
+    repeated training row is evaluated on. Evaluation rows are not weighted.
+    """
+    trains, helds = [], []
+    for i, source in enumerate(sources):
+        one = dataclasses.replace(cfg, path=source.path, mix=None, eval_file=None)
+        train = load_split(one, "train", reader)
+        if len(train.examples) and cfg.eval_file is None:
+            try:
+                helds.append(load_split(one, "eval", reader))
+            except MissingSplit as err:
+                held, train = _hold_out(train, one, reason=str(err))
+                helds.append(held)
+        trains.append(_weigh(train, source.weight, cfg.split_seed, f"data.mix[{i}]"))
+    held = load_split(cfg, "eval", reader) if cfg.eval_file else _concatenate(helds, "eval", cfg)
+    return _concatenate(trains, "train", cfg), held
+
+
+def _weigh(split: Split, weight: float, seed: int, where: str) -> Split:
+    """``round(weight x rows)`` rows of ``split``: every row ``floor`` times over, then the rest
+    drawn without replacement with ``seed`` (weight 2.5: each row twice, and half of them once
+    more), kept in file order (the mix is shuffled as a whole)."""
+    rows = len(split.examples)
+    if rows == 0:
+        raise DataError(
+            f"{where} {split.source}: holds no examples. Point {where}.path at a file or folder "
+            "with data, or drop the entry."
+        )
+    target = math.floor(weight * rows + 0.5)
+    if target == 0:
+        raise DataError(
+            f"{where}.weight={weight:g}: keeps none of the {rows} rows of {split.source}; use a "
+            f"weight of at least {0.5 / rows:.2g}, or drop the entry."
+        )
+    copies, rest = divmod(target, rows)
+    drawn = np.sort(np.random.default_rng(seed).permutation(rows)[:rest])
+    indices = np.concatenate([np.tile(np.arange(rows), copies), drawn])
+    log.info(
+        "train data %s %s: %d rows -> %d (weight %g)", where, split.source, rows, target, weight
+    )
+    return Split(
+        split.examples.select(indices),
+        f"{split.fingerprint} weight {weight!r} seed {seed}",
+        split.source,
+        split.held_out,
+    )
+
+
+def _concatenate(parts: list[Split], role: str, cfg: DataConfig) -> Split:
+    """One split of ``parts``, shuffled with ``data.split_seed`` (``data.max_*_examples`` then
+    keep a share of every source). Columns some sources lack are dropped, not filled with
+    nulls (a task then names a column it needs and no longer finds)."""
+    shared = set.intersection(*(set(p.examples.column_names) for p in parts))
+    for part in parts:
+        extra = [c for c in part.examples.column_names if c not in shared]
+        if extra:
+            log.warning(
+                "%s data %s: column(s) %s dropped (not in every source of data.mix)",
+                role,
+                part.source,
+                ", ".join(extra),
+            )
+    try:
+        examples = datasets.concatenate_datasets(
+            [
+                p.examples.select_columns([c for c in p.examples.column_names if c in shared])
+                for p in parts
+            ]
+        )
+    except ValueError as err:
+        columns = "; ".join(f"{p.source}: {', '.join(p.examples.column_names)}" for p in parts)
+        raise DataError(
+            f"data.mix: the {role} sources do not share one layout ({first_line(err)}): "
+            f"{columns}. Give every source the same columns, of the same types."
+        ) from None
+    return Split(
+        examples.shuffle(seed=cfg.split_seed),
+        cache_key(mix=[p.fingerprint for p in parts], seed=cfg.split_seed),
+        f"data.mix ({', '.join(p.source for p in parts)})",
+        held_out=all(p.held_out for p in parts),
+    )
 
 
 def _require_examples(split: Split, role: str, cfg: DataConfig) -> None:
