@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import GOLDEN_RUN, ROOT, make_task, read_metrics, run_train
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
@@ -365,6 +365,16 @@ def test_smoke_run_learns_and_writes_generations(tmp_path, cache_dir):
     )
     log = (run / "train.log").read_text()
     assert "train: 519 conversations -> " in log and "truncated" in log
+    # final/ renders prompts with the template the run trained with (zephyr's, debug=smoke).
+    saved = AutoTokenizer.from_pretrained(run / "final")
+    assert saved.chat_template == chat.CHAT_TEMPLATES["zephyr"]
+    prompt = generations[0]["messages"]
+    text = saved.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    assert saved(text, add_special_tokens=False)["input_ids"] == chat.render(
+        saved, chat.CHAT_TEMPLATES["zephyr"], prompt, generation_prompt=True
+    )
+    eos = json.loads((run / "final" / "generation_config.json").read_text())["eos_token_id"]
+    assert saved.eos_token_id in (eos if isinstance(eos, list) else [eos])
 
 
 @pytest.mark.slow

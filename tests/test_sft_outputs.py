@@ -1,6 +1,7 @@
 """What a chat fine-tuning run leaves is ready to serve: ``final/`` (and ``final/adapter/``)
 render prompts with the template the run trained with, stop at its end-of-turn token, and the
-adapter's base loads from what its config names.
+adapter's base loads from what its config names (a full fine-tuning run's template: in
+``test_sft.py``'s smoke run).
 
 ``task.chat_template=chatml`` on the bundled tiny Llama, a base model without ChatML tokens,
 adds them as special tokens with new embedding rows (trained under LoRA), as TRL's
@@ -75,13 +76,3 @@ def test_chatml_on_a_base_model_adds_its_tokens_and_the_lora_adapter_loads(tmp_p
     rows = [saved.convert_tokens_to_ids("<|im_start|>"), end]
     trained = merged.get_input_embeddings().weight[rows]
     assert not torch.allclose(trained, base.get_input_embeddings().weight[rows])
-
-
-def test_the_template_of_a_full_fine_tuning_run_is_saved(tmp_path, cache_dir):
-    final = _run(tmp_path / "run", cache_dir)  # debug=smoke: zephyr's template, turns end in EOS
-    saved = AutoTokenizer.from_pretrained(final)
-    assert saved.chat_template == chat.CHAT_TEMPLATES["zephyr"]
-    rendered = saved(_prompt_ids(saved), add_special_tokens=False)["input_ids"]
-    assert rendered == _prompt_ids(saved, chat.CHAT_TEMPLATES["zephyr"])
-    eos = json.loads((final / "generation_config.json").read_text())["eos_token_id"]
-    assert saved.eos_token_id in (eos if isinstance(eos, list) else [eos])
