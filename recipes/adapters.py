@@ -196,15 +196,16 @@ def _token_rows(model: torch.nn.Module, tokens: Sequence[int]) -> dict[str, list
     return rows
 
 
-def base_reference(cfg: Any, resized: bool) -> str | None:
+def base_reference(cfg: Any, resized: bool) -> tuple[str | None, str | None]:
     """What the adapter's ``base_model_name_or_path`` names: the model as ``model.*`` loads it
     (a hub name, or a local folder as an absolute path, so it loads from anywhere), or None where
     ``from_pretrained`` of that would not give the trained base: a GGUF file (dequantised on
-    load) or embeddings resized for added tokens. :func:`save_final` then writes the base."""
+    load) or embeddings resized for added tokens. :func:`save_final` then writes the base.
+    Returned with the revision to load (``model.revision``)."""
     if cfg.gguf_file or resized:
-        return None
+        return None, None
     local = Path(cfg.name_or_path).expanduser()
-    return str(local.resolve()) if local.exists() else cfg.name_or_path
+    return (str(local.resolve()), None) if local.exists() else (cfg.name_or_path, cfg.revision)
 
 
 def adapted_modules(model: torch.nn.Module) -> list[str]:
@@ -385,7 +386,13 @@ def _read_model_file(folder: Path, index: int) -> dict[str, torch.Tensor]:
     return torch.load(folder / f"{MODEL_NAME}{suffix}.bin", map_location="cpu", weights_only=True)
 
 
-def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any, base: str | None) -> None:
+def save_final(
+    model: torch.nn.Module,
+    folder: Path,
+    tokenizer: Any,
+    base: str | None,
+    revision: str | None = None,
+) -> None:
     """``folder/adapter/`` (``peft.PeftModel.from_pretrained`` loads it onto the base model, and
     ``AutoPeftModelFor*`` onto the base its config names) and a merged model in ``folder`` that
     ``AutoModelFor*.from_pretrained`` loads without peft; both with the tokenizer.
@@ -407,6 +414,7 @@ def save_final(model: torch.nn.Module, folder: Path, tokenizer: Any, base: str |
     config_file = folder / ADAPTER_DIR / "adapter_config.json"
     adapter_config = json.loads(config_file.read_text())
     adapter_config["base_model_name_or_path"] = base
+    adapter_config["revision"] = revision
     config_file.write_text(json.dumps(adapter_config, indent=2) + "\n")
     merged = copy.deepcopy(model).merge_and_unload()
     state = merged.state_dict()
@@ -434,6 +442,8 @@ def gathered_copy(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
     with torch.device("meta"):
         empty = type(base)(copy.deepcopy(base.config))
         skeleton = get_peft_model(empty, copy.deepcopy(model.peft_config[adapter]), adapter)
+    # Built from the config, its generation config would lose the model's (stop tokens).
+    skeleton.get_base_model().generation_config = copy.deepcopy(base.generation_config)
     tied: dict[int, list[str]] = {}  # shared parameters (tied embeddings), by name
     for name, parameter in skeleton.named_parameters(remove_duplicate=False):
         tied.setdefault(id(parameter), []).append(name)

@@ -138,6 +138,12 @@ class Trainer:
             accelerator.distributed_type,
         )
         _check_grad_scaler(accelerator)
+        if self.task.sums_loss_terms and accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ConfigError(
+                f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
+                "which needs the gradients in the parameters; launch with DDP or FSDP, not "
+                "DeepSpeed."
+            )
         _check_device_support(trainer_cfg, accelerator)
         # Set both ways: torch_musa 2.7 turns TF32 on by default.
         self.tf32 = device.set_tf32(trainer_cfg.tf32)
@@ -449,13 +455,8 @@ class Trainer:
         backward saw each sum divided by ``sum_scale``, accelerate divides by the accumulation
         steps and the data-parallel reduction averages over processes, so multiply by all
         three over the terms. Done in place before clipping, so the logged norm is the true
-        one (DeepSpeed keeps gradients of its own, so it cannot be used here)."""
+        one (DeepSpeed, which keeps gradients of its own, is refused at setup)."""
         accelerator = self.accelerator
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise TrainingError(
-                f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
-                "which needs the gradients in the parameters; use DDP or FSDP, not DeepSpeed."
-            )
         terms = self.step_terms
         if accelerator.num_processes > 1:
             terms = accelerator.reduce(terms.clone(), reduction="sum")
@@ -465,8 +466,12 @@ class Trainer:
             * accelerator.num_processes
             / max(float(terms), 1.0)
         )
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
+        groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
+        for p in self.model.parameters():
+            if p.grad is not None:
+                key = (type(p.grad), p.grad.device, p.grad.dtype)
+                groups.setdefault(key, []).append(p.grad)
+        for grads in groups.values():
             torch._foreach_mul_(grads, factor)
         self.step_terms.zero_()
 
@@ -718,7 +723,7 @@ class Trainer:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
-            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final", base)
+            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final", *base)
         self.metrics.close()
         result = RunResult(
             output_dir=self.output_dir,
@@ -1003,6 +1008,7 @@ def _save_final(
     tokenizer: PreTrainedTokenizerBase,
     folder: Path,
     base: str | None,
+    revision: str | None,
 ) -> None:
     """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads; with
     LoRA, the merged model and the adapter (``final/adapter``) on ``base``
@@ -1017,7 +1023,7 @@ def _save_final(
             if accelerator.is_main_process:
                 unwrapped = adapters.gathered_copy(unwrapped, state_dict)
         if accelerator.is_main_process:
-            adapters.save_final(unwrapped, folder, tokenizer, base)
+            adapters.save_final(unwrapped, folder, tokenizer, base, revision)
         accelerator.wait_for_everyone()
         return
     state_dict = accelerator.get_state_dict(model)

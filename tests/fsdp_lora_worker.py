@@ -39,6 +39,7 @@ def main(out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "recipes/assets/tiny-llama")
     base = AutoModelForCausalLM.from_pretrained(ROOT / "recipes/assets/tiny-llama")
     lora = adapters.settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
+    base.generation_config.eos_token_id = [NEW_TOKENS[1], base.config.eos_token_id]  # a stop
     model = adapters.apply_lora(base, lora, [], NEW_TOKENS)
     for p in model.parameters():  # B = 0 at init: move the adapters so the merge adds something
         if p.requires_grad:

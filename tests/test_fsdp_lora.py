@@ -9,6 +9,7 @@ precision policy, sharded checkpoints and resume)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,11 @@ def test_lora_trained_sharded_saves_the_same_final_as_on_one_process(tmp_path):
     assert merged.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(merged[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    stops = json.loads((two / "final" / "generation_config.json").read_text())["eos_token_id"]
+    assert (
+        stops == json.loads((one / "final" / "generation_config.json").read_text())["eos_token_id"]
+    )
+    assert isinstance(stops, list) and len(stops) == 2  # the stop token survives the gathering
     base = load_file(two / "final" / "base" / "model.safetensors")
     assert not torch.equal(base["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
 

@@ -91,6 +91,8 @@ class Task(abc.ABC, Generic[DataT]):
     # with its padding-free softmax), so a batch's loss is its sub-batches' losses weighted by
     # rows (``trainer.sub_batches``).
     splits_exactly: bool = False
+    # loss() returns a SummedLoss (the loop normalises the step's gradient by its terms).
+    sums_loss_terms: bool = False
 
     @abc.abstractmethod
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:

@@ -58,6 +58,7 @@ class SupervisedFineTuning(Task[ChatData]):
     """
 
     auto_model_class = AutoModelForCausalLM
+    sums_loss_terms = True
     main_metric = "loss"
     greater_is_better = False
 
