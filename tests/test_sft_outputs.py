@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_train
+from conftest import ROOT
+from test_sft import _smoke
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.tasks import chat
@@ -24,22 +25,6 @@ pytestmark = pytest.mark.slow
 CONVERSATION = json.loads(
     (ROOT / "recipes/assets/conversations/squad/dev.jsonl").read_text().splitlines()[7]
 )["messages"]
-
-
-def _run(run: Path, cache: Path, *extra: str) -> Path:
-    run_train(
-        "recipe=llama_sft",
-        "debug=smoke",
-        "logger=none",
-        f"output_dir={run}",
-        f"data.cache_dir={cache}",
-        "trainer.max_steps=3",
-        "trainer.eval_at_start=false",
-        "trainer.progress_bar=false",
-        "task.num_generations=1",
-        *extra,
-    )
-    return run / "final"
 
 
 def _prompt_ids(tokenizer, template: str | None = None) -> list[int]:
@@ -53,7 +38,10 @@ def _prompt_ids(tokenizer, template: str | None = None) -> list[int]:
 def test_chatml_on_a_base_model_adds_its_tokens_and_the_lora_adapter_loads(tmp_path, cache_dir):
     from peft import AutoPeftModelForCausalLM
 
-    final = _run(tmp_path / "run", cache_dir, "task.chat_template=chatml", "peft=lora")
+    run = tmp_path / "run"
+    _smoke(run, cache_dir, "trainer.max_steps=3", "trainer.eval_at_start=false",
+           "task.num_generations=1", "task.chat_template=chatml", "peft=lora")  # fmt: skip
+    final = run / "final"
     saved = AutoTokenizer.from_pretrained(final)
     end = saved.convert_tokens_to_ids("<|im_end|>")
     assert saved("<|im_end|>", add_special_tokens=False)["input_ids"] == [end]
