@@ -359,7 +359,6 @@ class Trainer:
         # sum is divided by before backward (about one token per row position, so the gradient
         # keeps the size of a mean's for the fp16 scaler); _optimizer_step corrects it exactly.
         self.step_terms = torch.zeros((), device=accelerator.device)
-        self.summed_losses = False
         self.sum_scale = float(
             self.trainer_cfg.per_device_train_batch_size * (self.task.max_seq_length or 1)
         )
@@ -431,18 +430,16 @@ class Trainer:
         processes after the last sub-batch only."""
         accelerator, rows = self.accelerator, sum(len(p["input_ids"]) for p in pieces)
         logged = torch.zeros((), device=accelerator.device)
-        terms: torch.Tensor | float = 1.0
+        terms: torch.Tensor | float = logged.clone() if self.task.sums_loss_terms else 1.0
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             with nullcontext() if last else accelerator.no_sync(self.model):
                 out = self.task.loss(self.model, piece)
                 if isinstance(out, SummedLoss):
-                    self.summed_losses = True
                     loss = out.total / self.sum_scale
                     logged += out.total.detach().float()
-                    count = out.count.detach().float()
-                    terms = count if i == 0 else terms + count
-                    self.step_terms += count
+                    terms = terms + out.count.detach().float()
+                    self.step_terms += out.count.detach().float()
                 else:
                     loss = out * (len(piece["input_ids"]) / rows) if len(pieces) > 1 else out
                     logged += loss.detach().float()
@@ -478,7 +475,7 @@ class Trainer:
     def _optimizer_step(self) -> None:
         """Clip, learn from every process whether the step is finite and whether to stop, then
         update the weights (unless the step is not finite)."""
-        if self.summed_losses:
+        if self.task.sums_loss_terms:
             self._normalise_summed_gradients()
         self.grad_norm = self.accelerator.clip_grad_norm_(
             self.model.parameters(), self.trainer_cfg.max_grad_norm or math.inf
