@@ -457,10 +457,13 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
 
 
 def feature_lengths(features: Any) -> np.ndarray:
-    """Tokens per feature (``input_ids``), read from Arrow without a Python list per feature."""
+    """Tokens per feature (``input_ids``; a task whose features have none, as DPO's pairs,
+    gives a ``length`` column), read from Arrow without a Python list per feature."""
     import pyarrow.compute as pc
 
     table = features.with_format("arrow")[:]
+    if "length" in table.column_names:
+        return table.column("length").to_numpy()
     return pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
 
 

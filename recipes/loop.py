@@ -121,6 +121,9 @@ class Trainer:
         self._setup_model_and_data()
         self._setup_data_loaders()
         self._setup_optimizer()
+        self.task.before_training(
+            self.model, self.data, self.accelerator, self.trainer_cfg.per_device_eval_batch_size
+        )
         self._setup_state()
 
     def _setup_run_folder(self) -> None:
@@ -352,7 +355,7 @@ class Trainer:
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
         saved = state.window[accelerator.process_index] if state.window else None
-        self.window = _Window.fresh(accelerator.device, saved)
+        self.window = _Window.fresh(accelerator.device, self.task.logged_stats, saved)
         self.stopwatch = Stopwatch()
         self.step_loss = torch.zeros((), device=accelerator.device)
         # Summed losses (SummedLoss): their terms this step, and the constant each micro-batch's
@@ -360,7 +363,7 @@ class Trainer:
         # keeps the size of a mean's for the fp16 scaler); _optimizer_step corrects it exactly.
         self.step_terms = torch.zeros((), device=accelerator.device)
         self.sum_scale = float(
-            self.trainer_cfg.per_device_train_batch_size * (self.task.max_seq_length or 1)
+            self.trainer_cfg.per_device_train_batch_size * self.task.terms_per_example
         )
         self.grad_norm: torch.Tensor | None = None
         self.stop_agreed = False
@@ -440,6 +443,7 @@ class Trainer:
                     logged += out.total.detach().float()
                     terms = terms + out.count.detach().float()
                     self.step_terms += out.count.detach().float()
+                    self.window.add_stats(out.stats)
                 else:
                     loss = out * (len(piece["input_ids"]) / rows) if len(pieces) > 1 else out
                     logged += loss.detach().float()
@@ -575,7 +579,7 @@ class Trainer:
         self.progress.set_postfix(
             loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
         )
-        self.window = _Window.fresh(self.accelerator.device)
+        self.window = _Window.fresh(self.accelerator.device, self.task.logged_stats)
         self.stopwatch.restart()
 
     def _window_metrics(self, elapsed: float) -> dict[str, float]:
@@ -585,10 +589,17 @@ class Trainer:
         samples = torch.tensor(
             [window.samples], dtype=torch.float, device=window.loss_and_tokens.device
         )
-        totals = accelerator.reduce(torch.cat([window.loss_and_tokens, samples]), reduction="sum")
-        loss, tokens, terms, samples = totals.tolist()
+        stats = [value.reshape(1) for value in window.stats.values()]
+        totals = accelerator.reduce(
+            torch.cat([window.loss_and_tokens, samples, *stats]), reduction="sum"
+        )
+        loss, tokens, terms, samples, *stat_sums = totals.tolist()
         metrics = {
             "train/loss": loss / max(terms, 1.0),
+            **{
+                f"train/{name}": value / max(terms, 1.0)
+                for name, value in zip(window.stats, stat_sums, strict=True)
+            },
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/epoch": self.state.step / self.steps_per_epoch,
             "train/samples_per_second": samples / elapsed,
@@ -775,13 +786,25 @@ class _Window:
     loss_and_tokens: torch.Tensor  # summed loss, tokens, loss terms
     micro_batches: int
     samples: int
+    stats: dict[str, torch.Tensor]  # the task's own sums over its loss terms (Task.logged_stats)
 
     @classmethod
-    def fresh(cls, where: torch.device, saved: list[float] | None = None) -> _Window:
-        loss, tokens, micro, samples, *terms = saved or [0.0, 0.0, 0, 0, 0.0]
-        terms = terms or [micro]  # saved before summed losses: one term per micro-batch
-        sums = torch.tensor([loss, tokens, terms[0]], dtype=torch.float, device=where)
-        return cls(sums, int(micro), int(samples))
+    def fresh(
+        cls, where: torch.device, names: tuple[str, ...] = (), saved: list[float] | None = None
+    ) -> _Window:
+        loss, tokens, micro, samples, *rest = saved or [0.0, 0.0, 0, 0, 0.0]
+        terms = rest[0] if rest else micro  # saved before summed losses: one per micro-batch
+        values = list(rest[1:]) or [0.0] * len(names)
+        sums = torch.tensor([loss, tokens, terms], dtype=torch.float, device=where)
+        stats = {
+            name: torch.tensor(value, dtype=torch.float, device=where)
+            for name, value in zip(names, values, strict=True)
+        }
+        return cls(sums, int(micro), int(samples), stats)
+
+    def add_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
+        for name, value in stats.items():
+            self.stats[name] += value.detach().float()
 
     def add(
         self,
@@ -804,7 +827,8 @@ class _Window:
 
     def as_list(self) -> list[float]:
         loss, tokens, terms = self.loss_and_tokens.tolist()
-        return [loss, tokens, self.micro_batches, self.samples, terms]
+        stats = [float(value) for value in self.stats.values()]
+        return [loss, tokens, self.micro_batches, self.samples, terms, *stats]
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
@@ -1040,5 +1064,5 @@ def _save_final(
 def _format_metrics(metrics: dict[str, float]) -> str:
     """``loss=1.234, f1=56.78``: the numbers of ``metrics`` for a log line."""
     return ", ".join(
-        f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))
+        f"{k.split('/', 1)[-1]}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))
     )

@@ -13,7 +13,7 @@ they are written: the constructor takes them as required keywords) is one small 
 and may change the defaults of ``main_metric`` / ``greater_is_better`` (the number that ranks
 checkpoints; a task may settle ``main_metric`` in ``build_data``, as a GLUE task does),
 ``max_seq_length``, ``settings()``, ``model_kwargs(data)``, ``check_model(model)``,
-``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
+``before_training(...)``, ``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
 returned back to ``model_kwargs``, ``evaluate`` and ``after_training``: a task keeps no hidden state between them.
 """
 
@@ -75,6 +75,9 @@ class SummedLoss:
 
     total: torch.Tensor
     count: torch.Tensor
+    # The task's own sums over the same terms (DPO's rewards), named in Task.logged_stats: the
+    # loop logs each as train/<name>, divided by the terms of the log window on all processes.
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Task(abc.ABC, Generic[DataT]):
@@ -93,6 +96,16 @@ class Task(abc.ABC, Generic[DataT]):
     splits_exactly: bool = False
     # loss() returns a SummedLoss (the loop normalises the step's gradient by its terms).
     sums_loss_terms: bool = False
+    # The names of SummedLoss.stats, logged as train/<name>.
+    logged_stats: tuple[str, ...] = ()
+
+    @property
+    def terms_per_example(self) -> int:
+        """About how many terms a training example adds to a SummedLoss at most: the loop
+        divides each sum by this times the batch size before backward, so that gradients keep
+        the size of a mean's (what the fp16 scaler expects), and corrects it exactly at the
+        optimizer step. Labelled tokens by default; DPO's one term per pair says 1."""
+        return self.max_seq_length or 1
 
     @abc.abstractmethod
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:
@@ -128,6 +141,12 @@ class Task(abc.ABC, Generic[DataT]):
         over micro-batches and processes; or a :class:`SummedLoss` where rows carry different
         numbers of loss terms (assistant tokens)."""
         return model(**batch).loss
+
+    def before_training(
+        self, model: torch.nn.Module, data: DataT, accelerator: Accelerator, batch_size: int
+    ) -> None:
+        """Work on the prepared model with the run's starting weights, before a resumed run
+        loads its checkpoint (DPO's reference model); ``batch_size`` is the evaluation's."""
 
     def after_training(
         self,

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,16 +141,16 @@ def _field(row: Mapping[str, Any], name: str, optional: bool = False) -> str:
     if value is None and optional:
         return ""
     if not isinstance(value, str):
-        raise ValueError(f"field {name!r} is {_kind(value)}, not a string")
+        raise ValueError(f"field {name!r} is {kind_of(value)}, not a string")
     return value
 
 
 def _from_messages(row: Mapping[str, Any]) -> list[Message]:
     turns = _turn_list(row, "messages")
-    return [_message(turn, f"messages[{i}]") for i, turn in enumerate(turns)]
+    return [parse_message(turn, f"messages[{i}]") for i, turn in enumerate(turns)]
 
 
-def _message(turn: Any, key: str) -> Message:
+def parse_message(turn: Any, key: str) -> Message:
     """One turn as stored: role lower-cased, content as text, ``tool_calls`` as JSON text (a
     dataset holds one schema for all rows, and tool arguments differ from call to call)."""
     if not isinstance(turn, Mapping) or "role" not in turn:
@@ -159,7 +159,7 @@ def _message(turn: Any, key: str) -> Message:
         "role": str(turn["role"]).strip().lower(),
         "content": _content(turn.get("content"), f"{key}.content"),
     }
-    calls = _json_list(turn.get("tool_calls"), f"{key}.tool_calls", "tool call objects")
+    calls = json_list(turn.get("tool_calls"), f"{key}.tool_calls", "tool call objects")
     if calls is not None:
         message["tool_calls"] = calls
     elif message["content"] is None:
@@ -174,7 +174,7 @@ def _content(value: Any, key: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError(f"{key} is {_kind(value)}, not a string or a list of text parts")
+        raise ValueError(f"{key} is {kind_of(value)}, not a string or a list of text parts")
     texts = []
     for j, part in enumerate(value):
         kind = part.get("type", "text") if isinstance(part, Mapping) else None
@@ -189,7 +189,7 @@ def _content(value: Any, key: str) -> str | None:
     return "\n".join(texts)
 
 
-def _json_list(value: Any, key: str, items: str) -> str | None:
+def json_list(value: Any, key: str, items: str) -> str | None:
     """A list of objects (or its JSON text) as JSON text; None when absent or empty."""
     if isinstance(value, str):
         try:
@@ -199,7 +199,7 @@ def _json_list(value: Any, key: str, items: str) -> str | None:
     if not value:
         return None
     if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
-        raise ValueError(f"{key} is {_kind(value)}, not a list of {items}")
+        raise ValueError(f"{key} is {kind_of(value)}, not a list of {items}")
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -213,7 +213,7 @@ def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
         if role is None:
             raise ValueError(f"conversations[{i}].from={turn['from']!r}: use human, gpt or system")
         if not isinstance(turn["value"], str):
-            raise ValueError(f"conversations[{i}].value is {_kind(turn['value'])}, not a string")
+            raise ValueError(f"conversations[{i}].value is {kind_of(turn['value'])}, not a string")
         out.append({"role": role, "content": turn["value"]})
     return out
 
@@ -241,11 +241,20 @@ def _join(instruction: str, extra: str) -> str:
 def _turn_list(row: Mapping[str, Any], key: str) -> list:
     turns = row[key]
     if not isinstance(turns, list) or not turns:
-        raise ValueError(f"field {key!r} is {_kind(turns)}, not a non-empty list of turns")
+        raise ValueError(f"field {key!r} is {kind_of(turns)}, not a non-empty list of turns")
     return turns
 
 
 def _check_messages(messages: list[Message], key: str) -> None:
+    check_roles(messages, key)
+    if not any(m["role"] == "assistant" and has_reply(m) for m in messages):
+        raise ValueError(
+            f"{key}: no non-empty assistant turn (text or tool calls), so nothing to learn"
+        )
+
+
+def check_roles(messages: list[Message], key: str) -> None:
+    """Refuse a role the task does not know, and tool calls outside an assistant turn."""
     for i, message in enumerate(messages):
         if message["role"] not in ROLES:
             raise ValueError(
@@ -253,17 +262,13 @@ def _check_messages(messages: list[Message], key: str) -> None:
             )
         if "tool_calls" in message and message["role"] != "assistant":
             raise ValueError(f"{key}[{i}].tool_calls: only an assistant turn calls tools")
-    if not any(m["role"] == "assistant" and _has_reply(m) for m in messages):
-        raise ValueError(
-            f"{key}: no non-empty assistant turn (text or tool calls), so nothing to learn"
-        )
 
 
-def _has_reply(message: Message) -> bool:
+def has_reply(message: Message) -> bool:
     return bool((message["content"] or "").strip() or message.get("tool_calls"))
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     return "missing" if value is None else type(value).__name__
 
 
@@ -279,40 +284,70 @@ def conversation_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str)
     """The :data:`COLUMNS` of ``(place, row)`` pairs (``tools`` as JSON text or None; ``place``
     names the row in later refusals); every row that fits no layout is reported in one line
     (the first few, with their place and field, and how many in all)."""
-    columns: dict[str, list] = {name: [] for name in COLUMNS}
+
+    def convert(row: Mapping[str, Any]) -> tuple:
+        return to_messages(row, fmt), json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+
+    return rows_dataset(
+        rows,
+        convert,
+        COLUMNS,
+        f"{source}: {{count}} row(s) are not conversations",
+        f"name the layout with task.format={'|'.join(FORMATS[1:])}",
+    )
+
+
+def rows_dataset(
+    rows: Iterator[tuple[str, Any]],
+    convert: Callable[[Mapping[str, Any]], tuple | None],
+    columns: Sequence[str],
+    problem: str,
+    fix: str,
+) -> Dataset:
+    """``columns`` (the last one ``place``) of the rows ``convert`` turns into the other
+    columns' values (None: a row left out); the rows it refuses (ValueError naming the field)
+    are reported together in one DataError, ``problem`` (with ``{count}``) then the first few,
+    then ``fix``."""
+    out: dict[str, list] = {name: [] for name in columns}
     problems = []
     for place, row in rows:
         try:
             if not isinstance(row, Mapping):
-                raise ValueError(f"is {_kind(row)}, not an object")
-            messages = to_messages(row, fmt)
-            tools = _json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+                raise ValueError(f"is {kind_of(row)}, not an object")
+            values = convert(row)
         except ValueError as err:
             problems.append(f"{place}: {err}")
             continue
-        for name, value in zip(COLUMNS, (messages, tools, place), strict=True):
-            columns[name].append(value)
+        if values is None:
+            continue
+        for name, value in zip(columns, (*values, place), strict=True):
+            out[name].append(value)
     if problems:
         shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
         more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
         raise DataError(
-            f"{source}: {len(problems)} row(s) are not conversations: {shown}{more}. Fix or "
-            f"remove them, or name the layout with task.format={'|'.join(FORMATS[1:])}."
+            f"{problem.format(count=len(problems))}: {shown}{more}. Fix or remove them, or {fix}."
         )
-    return Dataset.from_dict(columns)
+    return Dataset.from_dict(out)
 
 
 def read_conversations(path: Path, fmt: str = "auto") -> Dataset | None:
     """JSON lines or JSON (a list of rows, or ``{"data": [...]}``) as conversations, read here so
     that a bad row is named by its line; None for other files (parquet), which ``datasets``
     reads before :func:`normalise` checks them by row."""
+    return read_rows(path, lambda rows: conversation_dataset(rows, fmt, str(path)))
+
+
+def read_rows(path: Path, build: Callable[[Iterator[tuple[str, Any]]], Dataset]) -> Dataset | None:
+    """The rows of a JSON lines or JSON file (a list of rows, or ``{"data": [...]}``), each with
+    its place ("line 3", "row 7"), as ``build`` makes them a dataset; None for other files."""
     if path.suffix not in (".json", ".jsonl"):
         return None
     text = data_lib.read_text(path)
     stripped = text.lstrip()
     if path.suffix == ".jsonl" or not stripped.startswith("["):
         try:
-            return conversation_dataset(_json_lines(path, text), fmt, str(path))
+            return build(_json_lines(path, text))
         except _NotJsonLines:
             pass
     try:
@@ -321,10 +356,8 @@ def read_conversations(path: Path, fmt: str = "auto") -> Dataset | None:
         raise DataError(f"{path}: not JSON ({err.msg} at line {err.lineno}).") from None
     rows = raw.get("data") if isinstance(raw, dict) else raw
     if not isinstance(rows, list):
-        raise DataError(
-            f"{path}: a JSON file of conversations is a list of rows (or 'data': [...])."
-        )
-    return conversation_dataset(((f"row {i}", r) for i, r in enumerate(rows)), fmt, str(path))
+        raise DataError(f"{path}: a JSON file of rows is a list of rows (or 'data': [...]).")
+    return build((f"row {i}", r) for i, r in enumerate(rows))
 
 
 class _NotJsonLines(Exception):
@@ -460,17 +493,20 @@ def tokenize_conversation(
     messages: Sequence[Message],
     train_on_prompt: bool = False,
     tools: str | list | None = None,
+    label_from: int = 0,
 ) -> dict[str, list[int]]:
     """``input_ids`` and ``labels`` of one conversation: assistant turns (with their end-of-turn
-    token) labelled, the rest -100 unless ``train_on_prompt``. The first token never carries a
-    label (nothing predicts it), so packed and unpacked sequences score the same tokens."""
+    token) labelled, the rest -100 unless ``train_on_prompt``; with ``label_from``, only the
+    turns from that index on (a preference pair's completion, not its prompt's replies). The
+    first token never carries a label (nothing predicts it), so packed and unpacked sequences
+    score the same tokens."""
     _check_tool_support(template, messages, tools)
     text = render_text(tokenizer, template, messages, tools=tools)
     ids = _encode(tokenizer, text)
     labels = [IGNORE_INDEX] * len(ids)
     offsets: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < label_from:
             continue
         head = _turn_head(tokenizer, template, messages, i, tools)
         upto = render_text(tokenizer, template, messages[: i + 1], tools=tools)
