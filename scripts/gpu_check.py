@@ -74,6 +74,7 @@ RECIPES = (
     "bert_squad_v2",
     "gpt2_clm",
     "llama_clm",
+    "llama_dpo",
     "llama_sft",
 )
 # Added to every train.py process: writes each job's start and failure into its folder.

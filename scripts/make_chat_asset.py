@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Build the bundled conversations (``recipes/assets/conversations/squad/{train,dev}.jsonl``)
-from the bundled SQuAD v1 slices, for ``recipe=llama_sft debug=smoke``.
+from the bundled SQuAD v1 slices, for ``recipe=llama_sft debug=smoke``, and the preference
+pairs made from them (``recipes/assets/preferences/squad/``), for ``recipe=llama_dpo
+debug=smoke``.
 
 Each paragraph becomes one conversation in the ``messages`` layout: a fixed system message,
 then for each of its first ``TURNS`` questions (those whose first answer lies within one
@@ -8,7 +10,10 @@ sentence) a user turn with that sentence and the question, and an assistant turn
 answer; a second question is added only while the conversation's text stays within
 ``CHAR_BUDGET`` characters. The sentence, not the whole paragraph, and the budget keep most
 conversations within the tiny Llama's 256 positions (the few longer ones exercise
-``task.truncation``). Paragraphs with no such question are skipped. Nothing is random: the order is the
+``task.truncation``). Paragraphs with no such question are skipped. A pair is a conversation up to its last
+question (the prompt), its answer (chosen) and a wrong span of the same sentence, as many words
+long, right after the answer or else right before it (rejected): a near miss, not noise.
+Nothing is random: the order is the
 slices' own, so the files are byte-identical on every run.
 
 Usage (from the repository root)::
@@ -16,7 +21,7 @@ Usage (from the repository root)::
     python scripts/make_chat_asset.py [--assets recipes/assets] [--out recipes/assets]
     # any official SQuAD v1.1 files (the SQuAD-as-chat runs in docs/results.md):
     python scripts/make_chat_asset.py --train-file train-v1.1.json --dev-file dev-v1.1.json \
-        --out ./squad_chat        # writes ./squad_chat/{train,dev}.jsonl
+        --out ./squad_chat        # writes ./squad_chat/{train,dev}.jsonl and pairs/
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ TURNS = 2
 CHAR_BUDGET = 400
 SPLITS = {"train": "squad/v1/train.json", "dev": "squad/v1/dev.json"}
 OUT = "conversations/squad"
+PAIRS_OUT = "preferences/squad"
 
 
 def answer_turns(paragraph: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -71,6 +77,39 @@ def conversations(squad: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield {"messages": messages}
 
 
+def wrong_span(sentence: str, answer: str) -> str | None:
+    """A span of ``sentence`` as long as ``answer`` (in words) that does not overlap it: the
+    words right after the answer, else right before; None when the sentence has no room."""
+    words, size = sentence.split(), max(1, len(answer.split()))
+    start = sentence.find(answer)
+    if start < 0:
+        return None
+    first = len(sentence[:start].split())  # the answer's first word
+    last = first + len(answer.split())
+    for lo in (last, first - size):
+        if lo >= 0 and lo + size <= len(words) and (lo >= last or lo + size <= first):
+            span = " ".join(words[lo : lo + size]).strip(".,;:!?()\"'")
+            if span and span.lower() != answer.lower():
+                return span
+    return None
+
+
+def preference_pairs(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each conversation as a TRL preference pair: the conversation up to its last question is
+    the prompt, the answer is chosen, a wrong span of the same sentence is rejected."""
+    for row in rows:
+        messages = row["messages"]
+        sentence = messages[-2]["content"].split("\nQuestion: ")[0]
+        answer = messages[-1]["content"]
+        wrong = wrong_span(sentence, answer)
+        if wrong is not None:
+            yield {
+                "prompt": messages[:-1],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "recipes" / "assets")
@@ -81,16 +120,23 @@ def main() -> None:
     if args.train_file or args.dev_file:
         if not (args.train_file and args.dev_file and args.out):
             parser.error("--train-file needs --dev-file and --out")
-        out, sources = args.out, {"train": args.train_file, "dev": args.dev_file}
+        out, pairs_out = args.out, args.out / "pairs"
+        sources = {"train": args.train_file, "dev": args.dev_file}
     else:
-        out = (args.out or args.assets) / OUT
+        root = args.out or args.assets
+        out, pairs_out = root / OUT, root / PAIRS_OUT
         sources = {split: args.assets / source for split, source in SPLITS.items()}
-    out.mkdir(parents=True, exist_ok=True)
     for split, source in sources.items():
         rows = list(conversations(load_squad(source)))
-        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        (out / f"{split}.jsonl").write_text(lines, encoding="utf-8")
-        print(f"{out / f'{split}.jsonl'}: {len(rows)} conversations")
+        _write(out / f"{split}.jsonl", rows, "conversations")
+        _write(pairs_out / f"{split}.jsonl", list(preference_pairs(rows)), "preference pairs")
+
+
+def _write(path: Path, rows: list[dict[str, Any]], what: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    path.write_text(lines, encoding="utf-8")
+    print(f"{path}: {len(rows)} {what}")
 
 
 if __name__ == "__main__":

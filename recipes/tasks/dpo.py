@@ -1,0 +1,580 @@
+"""Direct preference optimisation of a causal LM on preference pairs (``task=dpo``).
+
+What the task adds to the shared loop, beside SFT's chat rendering it reuses:
+
+* pairs read in the layouts users have (:mod:`recipes.tasks.preference`), each side rendered
+  with the chat template and labelled on its completion only (the prompt, its earlier replies
+  included, carries no label);
+* the loss of Rafailov et al. as TRL computes it: ``sigmoid`` (with ``label_smoothing``, the
+  conservative cDPO) or ``ipo`` (on length-normalised log-probabilities), from the summed
+  log-probabilities of each completion under the policy and the reference;
+* the reference: under LoRA the same model with its adapter disabled (no second copy); with
+  full fine-tuning a frozen copy of the starting weights; or, with ``precompute_reference``,
+  its log-probabilities computed once before training (and cached with the features), which
+  needs neither;
+* TRL's metrics, in training and evaluation: ``rewards/chosen``, ``rewards/rejected``,
+  ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``.
+
+Each pair is one loss term (:class:`SummedLoss`): the loop divides the gradient of an optimizer
+step by the pairs of the whole step on all processes, so accumulation and process counts give
+the full batch's mean. Batches hold the chosen rows, then the rejected rows; with
+``padding_free`` each pair is one row (chosen then rejected, ``position_ids`` restarting), which
+saves the padding of a short side to a long one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from recipes import adapters
+from recipes import data as data_lib
+from recipes.config import ConfigError, DataConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.tasks import chat, preference
+from recipes.tasks.base import SummedLoss
+from recipes.tasks.sft import (
+    ChatData,
+    SupervisedFineTuning,
+    _add_template_tokens,
+    _end_of_turn,
+)
+from recipes.tasks.token_loss import token_losses
+
+log = get_logger(__name__)
+
+FEATURES_VERSION = 1
+LOSS_TYPES = ("sigmoid", "ipo")
+SIDES = ("chosen", "rejected")
+STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@dataclass
+class PreferenceData(ChatData):
+    """The pairs' features; ``prompts`` are held-out prompts with their chosen answer;
+    ``feature_keys`` and ``cache`` say where precomputed reference log-probs are cached."""
+
+    feature_keys: dict[str, str] = field(default_factory=dict)
+    cache: Path | None = None
+
+
+class DirectPreference(SupervisedFineTuning):
+    """DPO (``task=dpo``).
+
+    Args:
+        format: layout of the rows: auto (detected per row), explicit, implicit, ultrafeedback.
+        chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
+        max_seq_length: tokens of prompt and completion, per side.
+        truncation: truncate (cut the end of a long side) or drop the pair.
+        beta: strength of the pull to the reference (TRL's beta).
+        loss_type: sigmoid (DPO) or ipo.
+        label_smoothing: the share of pairs assumed mislabelled (cDPO; sigmoid only).
+        precompute_reference: compute the reference's log-probabilities once before training.
+        padding_free: each pair in one row, chosen then rejected (no padding between them).
+        disable_dropout: no dropout in the model (TRL's default: policy and reference agree).
+        num_generations: held-out prompts answered greedily after training (0: none).
+        generation_max_new_tokens: length limit of those answers.
+    """
+
+    sums_loss_terms = True
+    logged_stats = STATS
+    terms_per_example = 1  # one term per pair
+    main_metric = "loss"
+    greater_is_better = False
+
+    def __init__(
+        self,
+        *,
+        format: str,
+        chat_template: str | None,
+        max_seq_length: int,
+        truncation: str,
+        beta: float,
+        loss_type: str,
+        label_smoothing: float,
+        precompute_reference: bool,
+        padding_free: bool,
+        disable_dropout: bool,
+        num_generations: int,
+        generation_max_new_tokens: int,
+    ) -> None:
+        if format not in preference.FORMATS:
+            raise ConfigError(f"task.format={format!r}: choose {', '.join(preference.FORMATS)}.")
+        if loss_type not in LOSS_TYPES:
+            raise ConfigError(f"task.loss_type={loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
+        if not beta > 0:
+            raise ConfigError(f"task.beta={beta}: must be > 0 (TRL's default is 0.1).")
+        if not 0 <= label_smoothing < 0.5:
+            raise ConfigError(
+                f"task.label_smoothing={label_smoothing}: must be in [0, 0.5) (the share of "
+                "pairs assumed mislabelled)."
+            )
+        if label_smoothing and loss_type != "sigmoid":
+            raise ConfigError(
+                f"task.label_smoothing={label_smoothing} is for task.loss_type=sigmoid only "
+                "(as in TRL); set it to 0 with ipo."
+            )
+        super().__init__(
+            format="auto",
+            chat_template=chat_template,
+            max_seq_length=max_seq_length,
+            truncation=truncation,
+            train_on_prompt=False,
+            packing=padding_free,
+            num_generations=num_generations,
+            generation_max_new_tokens=generation_max_new_tokens,
+        )
+        self.format = format
+        self.beta = beta
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.precompute_reference = precompute_reference
+        self.padding_free = padding_free
+        self.disable_dropout = disable_dropout
+        # The reference forward, set in before_training: the model with its adapter disabled,
+        # a frozen copy, or None where the batches carry precomputed log-probabilities.
+        self._reference: Callable[[torch.nn.Module, Mapping], torch.Tensor] | None = None
+
+    def settings(self) -> dict[str, Any]:
+        keys = ("format", "chat_template", "max_seq_length", "truncation", "padding_free")
+        return {k: getattr(self, k) for k in keys}
+
+    # ------------------------------------------------------------------------------- data
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
+        template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
+        tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
+        splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, self.format))
+        features, pairs, keys = {}, {}, {}
+        for role, split in splits.items():
+            pairs[role] = preference.normalise(split.examples, self.format, split.source)
+            keys[role], features[role] = self._pair_features(
+                cfg, tokenizer, template, role, split, pairs[role]
+            )
+        return PreferenceData(
+            feature_keys=keys,
+            cache=data_lib.cache_root(cfg),
+            train=features["train"],
+            eval=features["eval"],
+            train_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
+            eval_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
+            template=template,
+            prompts=_held_out_prompts(pairs["eval"], self.num_generations),
+            new_tokens=new_tokens,
+            stop_tokens=_end_of_turn(tokenizer, template),
+        )
+
+    def _pair_features(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str,
+        role: str,
+        split: data_lib.Split,
+        pairs: Dataset,
+    ) -> tuple[str, Dataset]:
+        """Both sides' token ids and completion labels, length policy applied (cached), and
+        their cache key."""
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            template=template,
+            task=self.settings(),
+            version=FEATURES_VERSION,
+        )
+
+        def build() -> Dataset:
+            return pairs.map(
+                self._tokenize_pairs,
+                batched=True,
+                remove_columns=pairs.column_names,
+                fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
+                num_proc=cfg.preprocessing_num_workers,
+                desc="render and tokenize preference pairs",
+            )
+
+        built = data_lib.cached(data_lib.cache_root(cfg) / f"dpo-{role}-{key}", build)
+        log.info(
+            "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
+            role,
+            len(pairs),
+            len(built),
+            self.max_seq_length,
+            "cut at its end" if self.truncation == "truncate" else "dropped with its pair",
+        )
+        if len(built) == 0:
+            raise DataError(
+                f"{role} data: every pair was dropped as longer than task.max_seq_length="
+                f"{self.max_seq_length}; raise it or use task.truncation=truncate."
+            )
+        # Positions in the split (for precomputed reference log-probabilities).
+        return key, built.add_column("index", list(range(len(built))))
+
+    def _tokenize_pairs(
+        self,
+        batch: Mapping[str, list],
+        tokenizer: PreTrainedTokenizerBase,
+        template: str,
+        source: str,
+    ) -> dict[str, list]:
+        names = [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")]
+        out: dict[str, list] = {name: [] for name in (*names, "length")}
+        rows = zip(
+            batch["prompt"],
+            batch["chosen"],
+            batch["rejected"],
+            batch["tools"],
+            batch["place"],
+            strict=True,
+        )
+        for prompt, chosen, rejected, tools, place in rows:
+            sides = []
+            for completion in (chosen, rejected):
+                try:
+                    whole = chat.tokenize_conversation(
+                        tokenizer,
+                        template,
+                        prompt + completion,
+                        tools=tools,
+                        label_from=len(prompt),
+                    )
+                except (chat.TemplateMismatch, chat.RowError) as err:
+                    raise chat.refusal(err, f"{source} {place}") from None
+                sides.append(chat.fit_length(whole, self.max_seq_length, self.truncation))
+            if None in sides:
+                continue
+            for side, fitted in zip(SIDES, sides, strict=True):
+                out[f"{side}_input_ids"].append(fitted["input_ids"])
+                out[f"{side}_labels"].append(fitted["labels"])
+            lengths = [len(s["input_ids"]) for s in sides]
+            out["length"].append(sum(lengths) if self.padding_free else max(lengths))
+        return out
+
+    # ------------------------------------------------------------------------------ model
+
+    def before_training(
+        self,
+        model: torch.nn.Module,
+        data: PreferenceData,
+        accelerator: Accelerator,
+        batch_size: int,
+    ) -> None:
+        """Choose the reference (see the module's docstring) from the starting weights."""
+        unwrapped = accelerator.unwrap_model(model)
+        if self.disable_dropout:
+            _disable_dropout(unwrapped)
+        peft = adapters.is_peft_model(unwrapped)
+        if self.precompute_reference:
+            tables = self._precomputed(model, data, accelerator, batch_size)
+            data.train_collator.reference, data.eval_collator.reference = tables
+            self._reference = None
+            return
+        if peft:
+            self._reference = self._adapter_disabled
+            log.info("DPO reference: the model with its LoRA adapter disabled (no copy)")
+            return
+        if accelerator.distributed_type == DistributedType.FSDP:
+            raise ConfigError(
+                "task=dpo with full fine-tuning under FSDP: the frozen reference copy cannot be "
+                "sharded here; set task.precompute_reference=true (the reference's log-probs "
+                "computed once before training), or train LoRA adapters (peft=lora)."
+            )
+        frozen = copy.deepcopy(unwrapped).eval().requires_grad_(False)
+        autocast = accelerator.autocast
+        log.info("DPO reference: a frozen copy of the starting weights")
+
+        def frozen_copy(_: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+            with autocast():
+                return self._logps_of(frozen, batch)
+
+        self._reference = frozen_copy
+
+    def _adapter_disabled(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        """The base model's log-probabilities: the policy with its LoRA adapter disabled."""
+        with _peft_model(model).disable_adapter():
+            return self._logps_of(model, batch)
+
+    def _precomputed(
+        self,
+        model: torch.nn.Module,
+        data: PreferenceData,
+        accelerator: Accelerator,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference log-probs of the train and eval pairs: read from the feature cache,
+        keyed by the features, the starting weights (:func:`_weights_fingerprint`) and the
+        precision, or computed once and cached there."""
+        key = data_lib.cache_key(
+            features=data.feature_keys,
+            weights=_weights_fingerprint(model, accelerator),
+            precision=accelerator.mixed_precision,
+            loss_type=self.loss_type,
+            version=FEATURES_VERSION,
+        )
+        path = (data.cache or Path(".")) / f"dpo-reference-{key}.pt"
+        if path.exists():
+            tables = torch.load(path)
+            log.info("DPO reference: precomputed log-probs read from the cache, %s", path)
+            return tables["train"], tables["eval"]
+        unwrapped = accelerator.unwrap_model(model)
+        peft = adapters.is_peft_model(unwrapped)
+        reference = self._adapter_disabled if peft else self._logps_of
+        tables = {
+            role: self._precompute(model, reference, split, collator, accelerator, batch_size)
+            for role, split, collator in (
+                ("train", data.train, data.train_collator),
+                ("eval", data.eval, data.eval_collator),
+            )
+        }
+        if accelerator.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{accelerator.process_index}")
+            torch.save(tables, tmp)
+            tmp.replace(path)
+            log.info("DPO reference: precomputed log-probs cached in %s", path)
+        accelerator.wait_for_everyone()
+        return tables["train"], tables["eval"]
+
+    @torch.no_grad()
+    def _precompute(
+        self,
+        model: torch.nn.Module,
+        reference: Callable[[torch.nn.Module, Mapping], torch.Tensor],
+        split: Dataset,
+        collator: PairCollator,
+        accelerator: Accelerator,
+        batch_size: int,
+    ) -> torch.Tensor:
+        """The reference log-probabilities of every pair of ``split``, (pairs, 2), the same on
+        every process: each computes a strided share (all the same number of batches, as FSDP
+        needs), then they are gathered."""
+        rank, world = accelerator.process_index, accelerator.num_processes
+        share = math.ceil(len(split) / world)
+        mine = [min(rank + world * i, len(split) - 1) for i in range(share)]
+        model.eval()
+        values, indices = [], []
+        for start in range(0, share, batch_size):
+            chunk = mine[start : start + batch_size]
+            batch = collator([split[i] for i in chunk])
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            values.append(reference(model, batch).float())
+            indices.append(batch["index"])
+        model.train()
+        values = accelerator.gather(torch.cat(values))
+        indices = accelerator.gather(torch.cat(indices))
+        table = torch.zeros(len(split), 2, dtype=torch.float32)
+        table[indices.cpu()] = values.cpu()
+        log.info("DPO reference: log-probs of %d pairs computed before training", len(split))
+        return table
+
+    # ------------------------------------------------------------------------------- loss
+
+    def _logps_of(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        """Summed log-probabilities of each pair's chosen and rejected completion, (pairs, 2);
+        (for IPO) divided by their tokens."""
+        inputs = {
+            k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
+        }
+        logits = self.forward(model, inputs).logits
+        pairs = len(batch["index"])
+        sides = []
+        for side in SIDES:
+            nll, count = token_losses(logits, batch[f"{side}_labels"])
+            nll, count = nll.view(-1, pairs).sum(0), count.view(-1, pairs).sum(0)
+            sides.append(-nll / count.clamp(min=1) if self.loss_type == "ipo" else -nll)
+        return torch.stack(sides, dim=1)
+
+    def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        with torch.no_grad():
+            return self._reference(model, batch)
+
+    def pair_losses(
+        self, policy: torch.Tensor, reference: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per pair: the loss, and the sums of TRL's metrics over the pairs."""
+        ratios = policy - reference  # log pi/pi_ref of chosen, rejected
+        logits = ratios[:, 0] - ratios[:, 1]
+        if self.loss_type == "ipo":
+            losses = (logits - 1 / (2 * self.beta)) ** 2
+        else:
+            smoothing = self.label_smoothing
+            losses = (
+                -F.logsigmoid(self.beta * logits) * (1 - smoothing)
+                - F.logsigmoid(-self.beta * logits) * smoothing
+            )
+        rewards = (self.beta * ratios).detach()
+        stats = {
+            "rewards/chosen": rewards[:, 0].sum(),
+            "rewards/rejected": rewards[:, 1].sum(),
+            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float().sum(),
+            "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(),
+            "logps/chosen": policy[:, 0].detach().sum(),
+            "logps/rejected": policy[:, 1].detach().sum(),
+        }
+        return losses, stats
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
+        reference = self._reference_logps(model, batch)
+        losses, stats = self.pair_losses(self._logps_of(model, batch), reference)
+        return SummedLoss(
+            losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats
+        )
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        loader: Any,
+        data: PreferenceData,
+        accelerator: Accelerator,
+        output_dir: Any,
+    ) -> dict[str, float]:
+        model.eval()
+        totals = torch.zeros(2 + len(STATS), dtype=torch.float64, device=accelerator.device)
+        for batch in loader:
+            reference = self._reference_logps(model, batch)
+            policy = self._logps_of(model, batch)
+            losses, _ = self.pair_losses(policy, reference)
+            rewards = self.beta * (policy - reference)
+            per_pair = torch.stack(
+                [
+                    losses,
+                    torch.ones_like(losses),
+                    rewards[:, 0],
+                    rewards[:, 1],
+                    (rewards[:, 0] > rewards[:, 1]).float(),
+                    rewards[:, 0] - rewards[:, 1],
+                    policy[:, 0],
+                    policy[:, 1],
+                ],
+                dim=1,
+            )
+            totals += accelerator.gather_for_metrics(per_pair).sum(dim=0).double()
+        model.train()
+        loss, pairs, *stats = totals.tolist()
+        metrics = {"loss": loss / max(pairs, 1.0), "pairs": pairs}
+        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(STATS, stats, strict=True)}
+        return broadcast_object_list([metrics])[0]
+
+
+class PairCollator:
+    """Pads a batch of pairs: the chosen rows, then the rejected rows, with ``attention_mask``;
+    or (``padding_free``) one row per pair, chosen then rejected, with ``position_ids``.
+    ``chosen_labels`` / ``rejected_labels`` label one side each, ``index`` is each pair's
+    position in its split, and ``reference_logps`` the precomputed reference (when set)."""
+
+    def __init__(self, pad_token_id: int, padding_free: bool) -> None:
+        self.pad_token_id = pad_token_id
+        self.padding_free = padding_free
+        self.pad_to_multiple_of: int | None = None  # the loop sets trainer.pad_to_multiple_of
+        self.reference: torch.Tensor | None = None  # (pairs of the split, 2), when precomputed
+
+    def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.padding_free:
+            rows = [self._joined(p) for p in pairs]
+        else:
+            rows = [
+                {
+                    "input_ids": p[f"{side}_input_ids"],
+                    f"{side}_labels": p[f"{side}_labels"],
+                    f"{other}_labels": [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                }
+                for side, other in (("chosen", "rejected"), ("rejected", "chosen"))
+                for p in pairs
+            ]
+        longest = max(len(r["input_ids"]) for r in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = {
+            "input_ids": chat._pad(rows, "input_ids", self.pad_token_id, longest),
+            "chosen_labels": chat._pad(rows, "chosen_labels", chat.IGNORE_INDEX, longest),
+            "rejected_labels": chat._pad(rows, "rejected_labels", chat.IGNORE_INDEX, longest),
+            "index": torch.tensor([p["index"] for p in pairs]),
+        }
+        if self.padding_free:
+            batch["position_ids"] = chat._pad(rows, "position_ids", 0, longest)
+        else:
+            ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
+            batch["attention_mask"] = chat._pad(ones, "m", 0, longest)
+        if self.reference is not None:
+            batch["reference_logps"] = self.reference[batch["index"]]
+        return batch
+
+    @staticmethod
+    def _joined(pair: Mapping[str, Any]) -> dict[str, list[int]]:
+        chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
+        return {
+            "input_ids": list(chosen) + list(rejected),
+            "chosen_labels": list(pair["chosen_labels"]) + [chat.IGNORE_INDEX] * len(rejected),
+            "rejected_labels": [chat.IGNORE_INDEX] * len(chosen) + list(pair["rejected_labels"]),
+            "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
+        }
+
+
+def _weights_fingerprint(model: torch.nn.Module, accelerator: Accelerator) -> list[float]:
+    """Sums of the starting weights the reference is computed from (LoRA's own weights left
+    out: the reference disables them), the same on every process: under FSDP each holds a
+    shard, so the shards' sums are added up."""
+    sums = []
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        if "lora_" not in name:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            sums.append(local.detach().double().sum())
+    total = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        total = accelerator.reduce(total.to(accelerator.device), reduction="sum")
+    return [float(f"{value:.9g}") for value in total.tolist()]
+
+
+def _peft_model(model: torch.nn.Module) -> Any:
+    """The peft model inside a DDP wrapper (FSDP keeps it as its own module)."""
+    inner = getattr(model, "module", model)
+    return inner if hasattr(inner, "disable_adapter") else model
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout to 0 (TRL's ``disable_dropout``): the policy's log-probabilities are then
+    those the reference sees, not a noisy draw of them."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p = 0.0
+            count += 1
+    for config in {id(c): c for c in (getattr(model, "config", None),) if c is not None}.values():
+        for key in ("attention_dropout", "hidden_dropout", "dropout"):
+            if getattr(config, key, 0):
+                setattr(config, key, 0.0)
+                count += 1
+    if count:
+        log.info("task.disable_dropout: %d dropout module(s) and setting(s) set to 0", count)
+
+
+def _held_out_prompts(pairs: Dataset, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` evaluation prompts, with their chosen reply as the reference."""
+    return [
+        {"messages": row["prompt"], "tools": row["tools"], "reference": row["chosen"][0]["content"]}
+        for row in pairs.select(range(min(count, len(pairs))))
+    ]

@@ -1,0 +1,195 @@
+"""Preference pairs for DPO: the layouts users have, read into one form, a prompt conversation
+and two completions of it, the chosen and the rejected.
+
+Pure functions (no model, no loop), as :mod:`recipes.tasks.chat` is for conversations, whose
+messages (and checks of them) a pair reuses. Layouts (``task.format``, detected per row by
+default):
+
+* ``explicit``: TRL's ``{"prompt", "chosen", "rejected"}``. The prompt is text (one user turn) or
+  a list of messages; each completion is text (one assistant turn) or a list of messages. A
+  completion that repeats the prompt's messages first (UltraFeedback-binarized rows, whose
+  ``chosen`` is the whole conversation) has them taken off.
+* ``implicit``: ``{"chosen", "rejected"}``, two whole conversations sharing a prefix: the prompt
+  is the messages they share (TRL's ``extract_prompt``), each completion the rest.
+* ``ultrafeedback``: raw UltraFeedback, ``{"instruction", "completions": [{"response",
+  "overall_score"}, ...]}``: the best-scored completion is chosen and the worst rejected; a row
+  whose completions all score the same carries no preference and is left out (counted in the
+  log).
+
+A completion starts with an assistant turn that holds a reply (text or tool calls); a prompt
+ends before it, with a user (or tool) turn. A row that fits none of this is refused, with its
+line and field, in one message for the whole file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.tasks import chat
+from recipes.tasks.chat import Message
+
+log = get_logger(__name__)
+
+FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
+COLUMNS = ("prompt", "chosen", "rejected", "tools", "place")
+
+
+def detect_format(row: Mapping[str, Any]) -> str | None:
+    if "completions" in row:
+        return "ultrafeedback"
+    if "chosen" in row and "rejected" in row:
+        return "explicit" if "prompt" in row else "implicit"
+    return None
+
+
+def to_pair(
+    row: Mapping[str, Any], fmt: str = "auto"
+) -> tuple[list[Message], list[Message], list[Message]] | None:
+    """``row`` as (prompt, chosen, rejected) messages, checked; None for a row that prefers
+    nothing (an UltraFeedback row of ties). ValueError names the field that is wrong."""
+    layout = detect_format(row) if fmt == "auto" else fmt
+    if layout is None:
+        raise ValueError(
+            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
+            "prompt/chosen/rejected (TRL), chosen/rejected conversations sharing a prompt, or "
+            "instruction/completions (UltraFeedback)"
+        )
+    if layout == "ultrafeedback":
+        pair = _from_ultrafeedback(row)
+        if pair is None:
+            return None
+    elif layout == "explicit":
+        pair = _from_explicit(row)
+    else:
+        pair = _from_implicit(row)
+    _check_pair(*pair)
+    return pair
+
+
+def _from_explicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
+    prompt = _turns(row, "prompt", "user")
+    chosen, rejected = (_turns(row, key, "assistant") for key in ("chosen", "rejected"))
+    return prompt, _after(prompt, chosen), _after(prompt, rejected)
+
+
+def _after(prompt: list[Message], completion: list[Message]) -> list[Message]:
+    """``completion`` without the prompt's messages, where it repeats them first."""
+    if len(completion) > len(prompt) and completion[: len(prompt)] == prompt:
+        return completion[len(prompt) :]
+    return completion
+
+
+def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
+    chosen, rejected = (_turns(row, key, None) for key in ("chosen", "rejected"))
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    # The completions start at the first differing assistant turn (a shared reply stays part
+    # of the prompt, as TRL's extract_prompt keeps every shared message).
+    if shared == 0:
+        raise ValueError(
+            "fields 'chosen' and 'rejected' share no prompt: give the prompt in a 'prompt' "
+            "field, or both whole conversations"
+        )
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _from_ultrafeedback(row: Mapping[str, Any]) -> tuple[list[Message], ...] | None:
+    instruction = row.get("instruction", row.get("prompt"))
+    if not isinstance(instruction, str):
+        raise ValueError(f"field 'instruction' is {chat.kind_of(instruction)}, not a string")
+    completions = row["completions"]
+    if not isinstance(completions, list) or len(completions) < 2:
+        raise ValueError("field 'completions' is not a list of at least two completions")
+    scored = []
+    for i, item in enumerate(completions):
+        response = item.get("response") if isinstance(item, Mapping) else None
+        score = item.get("overall_score") if isinstance(item, Mapping) else None
+        if not isinstance(response, str) or not isinstance(score, (int, float)):
+            raise ValueError(
+                f"completions[{i}] is not a {{response: text, overall_score: number}} object"
+            )
+        scored.append((float(score), i, response))
+    best = max(scored, key=lambda s: (s[0], -s[1]))  # ties: the earlier completion
+    worst = min(scored, key=lambda s: (s[0], s[1]))
+    if best[0] == worst[0]:
+        return None
+    prompt = [{"role": "user", "content": instruction}]
+    return prompt, [_reply(best[2])], [_reply(worst[2])]
+
+
+def _reply(text: str) -> Message:
+    return {"role": "assistant", "content": text}
+
+
+def _turns(row: Mapping[str, Any], key: str, text_role: str | None) -> list[Message]:
+    """Field ``key`` as messages: text as one ``text_role`` turn, or a list of messages."""
+    value = row.get(key)
+    if isinstance(value, str) and text_role is not None:
+        return [{"role": text_role, "content": value}]
+    if not isinstance(value, list) or not value:
+        expected = "text or " if text_role else ""
+        raise ValueError(
+            f"field {key!r} is {chat.kind_of(value)}, not {expected}a list of messages"
+        )
+    return [chat.parse_message(turn, f"{key}[{i}]") for i, turn in enumerate(value)]
+
+
+def _check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
+    for key, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        chat.check_roles(turns, key)
+    if prompt[-1]["role"] == "assistant":
+        raise ValueError(
+            "the prompt ends with an assistant turn; the completions must start with the reply "
+            "they differ in"
+        )
+    for key, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[0]["role"] != "assistant" or not chat.has_reply(turns[0]):
+            raise ValueError(f"field {key!r} does not start with an assistant reply")
+
+
+def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Dataset:
+    """The :data:`COLUMNS` of ``(place, row)`` pairs; every row that fits no layout is reported
+    in one line, with its place and field."""
+
+    ties = []
+
+    def convert(row: Mapping[str, Any]) -> tuple | None:
+        pair = to_pair(row, fmt)
+        tools = chat.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        if pair is None:
+            ties.append(row)
+            return None
+        return (*pair, tools)
+
+    pairs = chat.rows_dataset(
+        rows,
+        convert,
+        COLUMNS,
+        f"{source}: {{count}} row(s) are not preference pairs",
+        f"name the layout with task.format={'|'.join(FORMATS[1:])}",
+    )
+    if ties:
+        log.info("%s: %d row(s) left out, their completions all score the same", source, len(ties))
+    if len(pairs) == 0:
+        raise DataError(f"{source}: no row holds a preference (every row's completions tie).")
+    return pairs
+
+
+def read_pairs(path: Path, fmt: str = "auto") -> Dataset | None:
+    """A JSON lines or JSON file of pairs (None for other files, read by ``datasets``)."""
+    return chat.read_rows(path, lambda rows: pair_dataset(rows, fmt, str(path)))
+
+
+def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
+    """Rows read by ``datasets`` (parquet, a saved folder) as pairs, checked by row; rows
+    :func:`read_pairs` read already keep their place."""
+    if tuple(dataset.column_names) == COLUMNS:
+        return pair_dataset(((r["place"], r) for r in dataset), "explicit", source)
+    return pair_dataset(((f"row {i}", r) for i, r in enumerate(dataset)), fmt, source)
