@@ -122,7 +122,7 @@ def test_padded_and_padding_free_batches_give_the_same_log_probs(tmp_path, token
         assert ("position_ids" in batch) is free
         assert batch["input_ids"].shape[0] == (6 if free else 12)
         with torch.no_grad():
-            logps[free] = dpo._logps_of(model, batch)
+            logps[free] = dpo._logps_of(model, batch)[0]
     torch.testing.assert_close(logps[True], logps[False], atol=1e-4, rtol=1e-5)
     assert (logps[False] < 0).all()
 
@@ -138,14 +138,14 @@ def test_lora_reference_is_the_base_model(tmp_path, tokenizer):
     dpo.check_model(base)
     batch = data.train_collator([data.train[i] for i in range(len(data.train))])
     with torch.no_grad():
-        expected = dpo._logps_of(base, batch)
+        expected = dpo._logps_of(base, batch)[0]
     lora = adapters.settings(OmegaConf.load(ROOT / "conf/peft/lora.yaml"))
     model = adapters.apply_lora(AutoModelForCausalLM.from_pretrained(TINY_LLAMA), lora, []).eval()
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if "lora_B" in name:
                 weight.normal_(std=0.5)  # a trained adapter
-        trained = dpo._logps_of(model, batch)
+        trained = dpo._logps_of(model, batch)[0]
         reference = dpo._adapter_disabled(model, batch)
     assert not torch.allclose(trained, expected, atol=1e-3)
     torch.testing.assert_close(reference, expected)
@@ -154,7 +154,9 @@ def test_lora_reference_is_the_base_model(tmp_path, tokenizer):
 def test_settings_are_checked():
     with pytest.raises(ConfigError, match=r"task\.loss_type='hinge'"):
         make_task("dpo", loss_type="hinge")
-    with pytest.raises(ConfigError, match=r"task\.label_smoothing=0\.1 is for"):
+    with pytest.raises(
+        ConfigError, match=r"task\.label_smoothing=0\.1 is for task\.loss_type=robust"
+    ):
         make_task("dpo", loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ConfigError, match=r"task\.beta=0"):
         make_task("dpo", beta=0)

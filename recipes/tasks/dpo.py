@@ -5,9 +5,10 @@ What the task adds to the shared loop, beside SFT's chat rendering it reuses:
 * pairs read in the layouts users have (:mod:`recipes.tasks.preference`), each side rendered
   with the chat template and labelled on its completion only (the prompt, its earlier replies
   included, carries no label);
-* the loss of Rafailov et al. as TRL computes it: ``sigmoid`` (with ``label_smoothing``, the
-  conservative cDPO) or ``ipo`` (on length-normalised log-probabilities), from the summed
-  log-probabilities of each completion under the policy and the reference;
+* the losses as TRL (1.x) computes them, from the summed log-probabilities of each completion
+  under the policy and the reference: ``sigmoid`` (DPO, Rafailov et al.), ``ipo`` (on
+  log-probabilities divided by the completion's tokens, as TRL) and ``robust`` (robust DPO,
+  ``label_smoothing`` the share of flipped labels, which is what TRL applies it to);
 * the reference: under LoRA the same model with its adapter disabled (no second copy); with
   full fine-tuning a frozen copy of the starting weights; or, with ``precompute_reference``,
   its log-probabilities computed once before training (and cached with the features), which
@@ -56,7 +57,7 @@ from recipes.tasks.token_loss import token_losses
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
-LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_TYPES = ("sigmoid", "ipo", "robust")
 SIDES = ("chosen", "rejected")
 STATS = (
     "rewards/chosen",
@@ -86,8 +87,8 @@ class DirectPreference(SupervisedFineTuning):
         max_seq_length: tokens of prompt and completion, per side.
         truncation: truncate (cut the end of a long side) or drop the pair.
         beta: strength of the pull to the reference (TRL's beta).
-        loss_type: sigmoid (DPO) or ipo.
-        label_smoothing: the share of pairs assumed mislabelled (cDPO; sigmoid only).
+        loss_type: sigmoid (DPO), ipo or robust.
+        label_smoothing: the share of pairs assumed mislabelled (robust only, as in TRL).
         precompute_reference: compute the reference's log-probabilities once before training.
         padding_free: each pair in one row, chosen then rejected (no padding between them).
         disable_dropout: no dropout in the model (TRL's default: policy and reference agree).
@@ -128,10 +129,10 @@ class DirectPreference(SupervisedFineTuning):
                 f"task.label_smoothing={label_smoothing}: must be in [0, 0.5) (the share of "
                 "pairs assumed mislabelled)."
             )
-        if label_smoothing and loss_type != "sigmoid":
+        if label_smoothing and loss_type != "robust":
             raise ConfigError(
-                f"task.label_smoothing={label_smoothing} is for task.loss_type=sigmoid only "
-                "(as in TRL); set it to 0 with ipo."
+                f"task.label_smoothing={label_smoothing} is for task.loss_type=robust (robust "
+                "DPO, where TRL applies it); set it there, or to 0."
             )
         super().__init__(
             format="auto",
@@ -306,14 +307,14 @@ class DirectPreference(SupervisedFineTuning):
 
         def frozen_copy(_: torch.nn.Module, batch: Mapping) -> torch.Tensor:
             with autocast():
-                return self._logps_of(frozen, batch)
+                return self._logps_of(frozen, batch)[0]
 
         self._reference = frozen_copy
 
     def _adapter_disabled(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         """The base model's log-probabilities: the policy with its LoRA adapter disabled."""
         with _peft_model(model).disable_adapter():
-            return self._logps_of(model, batch)
+            return self._logps_of(model, batch)[0]
 
     def _precomputed(
         self,
@@ -339,7 +340,7 @@ class DirectPreference(SupervisedFineTuning):
             return tables["train"], tables["eval"]
         unwrapped = accelerator.unwrap_model(model)
         peft = adapters.is_peft_model(unwrapped)
-        reference = self._adapter_disabled if peft else self._logps_of
+        reference = self._adapter_disabled if peft else (lambda m, b: self._logps_of(m, b)[0])
         tables = {
             role: self._precompute(model, reference, split, collator, accelerator, batch_size)
             for role, split, collator in (
@@ -390,20 +391,23 @@ class DirectPreference(SupervisedFineTuning):
 
     # ------------------------------------------------------------------------------- loss
 
-    def _logps_of(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
-        """Summed log-probabilities of each pair's chosen and rejected completion, (pairs, 2);
-        (for IPO) divided by their tokens."""
+    def _logps_of(
+        self, model: torch.nn.Module, batch: Mapping
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probabilities of each pair's chosen and rejected completion, and their
+        tokens: two (pairs, 2) tensors."""
         inputs = {
             k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
         }
         logits = self.forward(model, inputs).logits
         pairs = len(batch["index"])
-        sides = []
+        logps, tokens = [], []
         for side in SIDES:
             nll, count = token_losses(logits, batch[f"{side}_labels"])
-            nll, count = nll.view(-1, pairs).sum(0), count.view(-1, pairs).sum(0)
-            sides.append(-nll / count.clamp(min=1) if self.loss_type == "ipo" else -nll)
-        return torch.stack(sides, dim=1)
+            # Padded batches: rows of chosen, then of rejected; padding-free: a row per pair.
+            logps.append(-nll.view(-1, pairs).sum(0))
+            tokens.append(count.view(-1, pairs).sum(0))
+        return torch.stack(logps, dim=1), torch.stack(tokens, dim=1)
 
     def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         if "reference_logps" in batch:
@@ -412,36 +416,41 @@ class DirectPreference(SupervisedFineTuning):
             return self._reference(model, batch)
 
     def pair_losses(
-        self, policy: torch.Tensor, reference: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per pair: the loss, and the sums of TRL's metrics over the pairs."""
-        ratios = policy - reference  # log pi/pi_ref of chosen, rejected
-        logits = ratios[:, 0] - ratios[:, 1]
-        if self.loss_type == "ipo":
-            losses = (logits - 1 / (2 * self.beta)) ** 2
+        self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per pair: the loss, from the (pairs, 2) summed log-probs of the policy and the
+        reference and the completions' tokens; and TRL's metrics (:data:`STATS`), (pairs, 6)."""
+        ratios = policy - reference  # log pi / pi_ref of chosen, rejected
+        if self.loss_type == "ipo":  # per token (TRL's normalisation, confirmed by IPO's authors)
+            per_token = ratios / tokens.clamp(min=1)
+            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.beta)) ** 2
         else:
-            smoothing = self.label_smoothing
-            losses = (
-                -F.logsigmoid(self.beta * logits) * (1 - smoothing)
-                - F.logsigmoid(-self.beta * logits) * smoothing
-            )
+            scaled = self.beta * (ratios[:, 0] - ratios[:, 1])
+            losses = -F.logsigmoid(scaled)
+            if self.loss_type == "robust":  # unbiased under a share of flipped labels
+                flip = self.label_smoothing
+                losses = (losses * (1 - flip) + F.logsigmoid(-scaled) * flip) / (1 - 2 * flip)
         rewards = (self.beta * ratios).detach()
-        stats = {
-            "rewards/chosen": rewards[:, 0].sum(),
-            "rewards/rejected": rewards[:, 1].sum(),
-            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float().sum(),
-            "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(),
-            "logps/chosen": policy[:, 0].detach().sum(),
-            "logps/rejected": policy[:, 1].detach().sum(),
-        }
+        stats = torch.stack(
+            [
+                rewards[:, 0],
+                rewards[:, 1],
+                (rewards[:, 0] > rewards[:, 1]).float(),
+                rewards[:, 0] - rewards[:, 1],
+                policy[:, 0].detach(),
+                policy[:, 1].detach(),
+            ],
+            dim=1,
+        )
         return losses, stats
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
+        """The pairs' summed loss and their count; TRL's metrics summed over them."""
         reference = self._reference_logps(model, batch)
-        losses, stats = self.pair_losses(self._logps_of(model, batch), reference)
-        return SummedLoss(
-            losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats
-        )
+        policy, tokens = self._logps_of(model, batch)
+        losses, stats = self.pair_losses(policy, reference, tokens)
+        count = torch.tensor(float(len(losses)), device=losses.device)
+        return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
 
     @torch.no_grad()
     def evaluate(
@@ -452,31 +461,19 @@ class DirectPreference(SupervisedFineTuning):
         accelerator: Accelerator,
         output_dir: Any,
     ) -> dict[str, float]:
+        """The mean loss and metrics over the held-out pairs, on all processes."""
         model.eval()
         totals = torch.zeros(2 + len(STATS), dtype=torch.float64, device=accelerator.device)
         for batch in loader:
             reference = self._reference_logps(model, batch)
-            policy = self._logps_of(model, batch)
-            losses, _ = self.pair_losses(policy, reference)
-            rewards = self.beta * (policy - reference)
-            per_pair = torch.stack(
-                [
-                    losses,
-                    torch.ones_like(losses),
-                    rewards[:, 0],
-                    rewards[:, 1],
-                    (rewards[:, 0] > rewards[:, 1]).float(),
-                    rewards[:, 0] - rewards[:, 1],
-                    policy[:, 0],
-                    policy[:, 1],
-                ],
-                dim=1,
-            )
+            policy, tokens = self._logps_of(model, batch)
+            losses, stats = self.pair_losses(policy, reference, tokens)
+            per_pair = torch.cat([losses[:, None], torch.ones_like(losses)[:, None], stats], dim=1)
             totals += accelerator.gather_for_metrics(per_pair).sum(dim=0).double()
         model.train()
-        loss, pairs, *stats = totals.tolist()
+        loss, pairs, *sums = totals.tolist()
         metrics = {"loss": loss / max(pairs, 1.0), "pairs": pairs}
-        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(STATS, stats, strict=True)}
+        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(STATS, sums, strict=True)}
         return broadcast_object_list([metrics])[0]
 
 
