@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,19 @@ def start_train(*overrides: str, env: dict | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def kill_at_checkpoint(proc: subprocess.Popen, run: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL ``proc`` (a :func:`start_train` run) once ``run`` holds the checkpoint of
+    ``step``: no handler runs, as when a node dies."""
+    deadline = time.monotonic() + timeout
+    while not (run / "checkpoints" / f"step-{step:08d}").is_dir():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
 
 
 def read_metrics(run: Path) -> list[dict]:

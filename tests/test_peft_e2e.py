@@ -8,13 +8,11 @@ run's position. fp32 on CPU: losses must be exactly equal.
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_torchrun, run_train, start_train
+from conftest import kill_at_checkpoint, read_metrics, run_torchrun, run_train, start_train
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -67,14 +65,7 @@ def test_lora_checkpoints_hold_the_trainable_weights_only(reference):
 def test_lora_run_killed_and_resumed_equals_the_uninterrupted_one(reference, tmp_path, cache_dir):
     run = tmp_path / "run"
     proc = start_train(*_lora(cache_dir), f"output_dir={run}")
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step-00000008").is_dir():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "step 8 not reached"
-        time.sleep(0.05)
-    proc.kill()
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_at_checkpoint(proc, run, 8)
     done = run_train(*_lora(cache_dir), f"output_dir={run}", "resume=auto")
     assert "resumed from" in done.stderr
     assert _numbers(run) == _numbers(reference)  # every step, exactly

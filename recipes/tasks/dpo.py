@@ -196,26 +196,9 @@ class DirectPreference(SupervisedFineTuning):
     ) -> tuple[str, Dataset]:
         """Both sides' token ids and completion labels, length policy applied (cached), and
         their cache key."""
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            template=template,
-            task=self.settings(),
-            version=FEATURES_VERSION,
+        key, built = self._tokenized(
+            cfg, tokenizer, template, role, split, pairs, "dpo", FEATURES_VERSION
         )
-
-        def build() -> Dataset:
-            return pairs.map(
-                self._tokenize_pairs,
-                batched=True,
-                remove_columns=pairs.column_names,
-                fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
-                num_proc=cfg.preprocessing_num_workers,
-                desc="render and tokenize preference pairs",
-            )
-
-        built = data_lib.cached(data_lib.cache_root(cfg) / f"dpo-{role}-{key}", build)
         log.info(
             "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
             role,
@@ -232,7 +215,7 @@ class DirectPreference(SupervisedFineTuning):
         # Positions in the split (for precomputed reference log-probabilities).
         return key, built.add_column("index", list(range(len(built))))
 
-    def _tokenize_pairs(
+    def _tokenize(
         self,
         batch: Mapping[str, list],
         tokenizer: PreTrainedTokenizerBase,

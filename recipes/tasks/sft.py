@@ -140,28 +140,45 @@ class SupervisedFineTuning(Task[ChatData]):
         first = conversations[0]
         where = f"{split.source} {first['place']}"
         chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
+        _, built = self._tokenized(
+            cfg, tokenizer, template, role, split, conversations, "sft", FEATURES_VERSION
+        )
+        self._report(role, conversations, built)
+        return built.remove_columns(["cut"])
+
+    def _tokenized(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
+        role: str,
+        split: data_lib.Split,
+        rows: Dataset,
+        kind: str,
+        version: int,
+    ) -> tuple[str, Dataset]:
+        """``rows`` mapped by the task's ``_tokenize`` (batched), cached on disk by the data, the
+        tokenizer, the template and the task's settings; and that cache key."""
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
             template=template,
             task=self.settings(),
-            version=FEATURES_VERSION,
+            version=version,
         )
 
         def build() -> Dataset:
-            return conversations.map(
+            return rows.map(
                 self._tokenize,
                 batched=True,
-                remove_columns=conversations.column_names,
+                remove_columns=rows.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
                 num_proc=cfg.preprocessing_num_workers,
-                desc="render and tokenize conversations",
+                desc=f"render and tokenize ({kind})",
             )
 
-        built = data_lib.cached(data_lib.cache_root(cfg) / f"sft-{role}-{key}", build)
-        self._report(role, conversations, built)
-        return built.remove_columns(["cut"])
+        return key, data_lib.cached(data_lib.cache_root(cfg) / f"{kind}-{role}-{key}", build)
 
     def _tokenize(
         self,
