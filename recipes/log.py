@@ -7,14 +7,11 @@ ranks log warnings and errors so that a failure on any rank is still seen.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import warnings
 from pathlib import Path
 
 from tqdm.auto import tqdm
-
-from recipes.config import ASSETS
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
@@ -28,34 +25,6 @@ class _TqdmHandler(logging.StreamHandler):
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:
             self.handleError(record)
-
-
-# transformers' report of checkpoint keys the model does not use: the 5.x LOAD REPORT table, and
-# 4.x's "Some weights ... were not used" sentence. Either names the checkpoint it loaded.
-_UNUSED_KEYS_REPORT = re.compile(
-    r"LOAD REPORT\S* from: (?P<new>[^\n]+)|"
-    r"Some weights of the model checkpoint at (?P<old>.+?) were not used when initializing"
-)
-# What a 5.x report says besides unused keys: weights left new or changed, which must be seen.
-_OTHER_KEY_STATUSES = ("MISSING", "MISMATCH", "CONVERSION")
-
-
-class _BundledCheckpointReport(logging.Filter):
-    """Drops transformers' report of unused checkpoint keys for the bundled tiny models only.
-
-    ``recipes/assets/tiny-bert`` carries the QA, masked-LM and classification heads so that every
-    BERT recipe loads it with nothing newly initialised; each task then leaves the other heads
-    unused, which is expected. Reports of missing or resized weights, and any report about
-    another checkpoint, pass through.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        found = _UNUSED_KEYS_REPORT.search(message)
-        if found is None or any(status in message for status in _OTHER_KEY_STATUSES):
-            return True
-        source = Path((found["new"] or found["old"]).strip())
-        return not source.resolve().is_relative_to(ASSETS)
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -100,6 +69,5 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     warnings.filterwarnings(
         "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
     )
-    models = logging.getLogger("transformers.modeling_utils")
-    if not any(isinstance(f, _BundledCheckpointReport) for f in models.filters):
-        models.addFilter(_BundledCheckpointReport())
+    # matplotlib says at INFO that it built its font cache (a fresh machine's first curves.png).
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)

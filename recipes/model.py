@@ -8,6 +8,10 @@ the dtype it was saved in (bf16 for most LLMs), which would make bf16 the master
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -115,26 +119,84 @@ def load_model(
     kwargs = {**_source(cfg), **_dtype(cfg.dtype), **(overrides or {}), **task_kwargs}
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
+    kwargs["output_loading_info"] = True  # reported in one line (weights_report), not a table
     try:
         try:
-            model = auto_class.from_pretrained(cfg.name_or_path, attn_implementation=attn, **kwargs)
+            with _library_report_left_out():
+                model, info = auto_class.from_pretrained(
+                    cfg.name_or_path, attn_implementation=attn, **kwargs
+                )
         except ValueError as err:
             if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
                 raise
             log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
-            model = auto_class.from_pretrained(
-                cfg.name_or_path, attn_implementation="eager", **kwargs
-            )
+            with _library_report_left_out():
+                model, info = auto_class.from_pretrained(
+                    cfg.name_or_path, attn_implementation="eager", **kwargs
+                )
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load the model ({first_line(err)})."
         ) from None
+    if line := weights_report(info):
+        log.info("%s: %s", cfg.name_or_path, line)
     if cfg.gguf_file:
         model = _plain_copy(model, auto_class)
     if model.config.pad_token_id is None and model.config.eos_token_id is not None:
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
+
+
+# transformers' own report of the weights a load left new, unused or resized: the 5.x LOAD
+# REPORT table, 4.x's "Some weights of ..." sentences.
+_LIBRARY_REPORT = re.compile(r"LOAD REPORT|^Some weights of ")
+
+
+class _LeaveOutReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _LIBRARY_REPORT.search(record.getMessage()) is None
+
+
+@contextmanager
+def _library_report_left_out() -> Iterator[None]:
+    """transformers' load report dropped while ``from_pretrained`` runs: :func:`load_model`
+    says what it says in one line."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    leave_out = _LeaveOutReport()
+    logger.addFilter(leave_out)
+    try:
+        yield
+    finally:
+        logger.removeFilter(leave_out)
+
+
+def weights_report(info: Mapping[str, Any]) -> str:
+    """One line from ``from_pretrained``'s loading info: the weights the checkpoint did not have
+    (a new head, initialised at random and trained by the run) and those it had in another
+    shape (re-initialised); empty when there are none. Checkpoint weights the model does not
+    use (another task's head, a pre-training head) are expected and left out."""
+    parts = []
+    if info.get("missing_keys"):
+        parts.append(f"new weights, initialised at random: {_weight_names(info['missing_keys'])}")
+    if info.get("mismatched_keys"):
+        resized = [k[0] if isinstance(k, (tuple, list)) else k for k in info["mismatched_keys"]]
+        parts.append(f"re-initialised in a new shape: {_weight_names(resized)}")
+    return "; ".join(parts)
+
+
+def _weight_names(keys: Any, most: int = 6) -> str:
+    """Weight names grouped by module (``qa_outputs.{bias,weight}``), the first ``most``."""
+    modules: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        module, _, leaf = key.rpartition(".")
+        modules.setdefault(module, []).append(leaf)
+    names = [
+        f"{module}.{leaves[0]}" if len(leaves) == 1 else f"{module}.{{{','.join(leaves)}}}"
+        for module, leaves in modules.items()
+    ]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def fit_to_tokenizer(
