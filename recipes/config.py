@@ -110,6 +110,13 @@ class SampleBy(Choice):
     document = "document"
 
 
+class Mode(Choice):
+    """What a run does: train (and evaluate as configured), or only evaluate the model given."""
+
+    train = "train"
+    eval = "eval"
+
+
 class Schedule(Choice):
     """transformers' schedules that need nothing beyond the warmup and the number of steps."""
 
@@ -278,6 +285,7 @@ class TrainSchema:
     peft: Any = MISSING  # conf/peft/: none, or lora (checked by recipes.adapters.settings)
     output_dir: str = MISSING
     resume: str | None = MISSING
+    mode: Mode = Mode.train
 
 
 ConfigStore.instance().store(name="schema", node=TrainSchema)
@@ -292,6 +300,7 @@ class Settings:
     data: DataConfig
     logger: LoggerConfig
     peft: Any = None  # recipes.adapters.PeftSettings: full fine-tuning or LoRA
+    mode: Mode = Mode.train
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -360,6 +369,7 @@ def validate(cfg: DictConfig) -> Settings:
         model=_typed(cfg, "model", ModelConfig),
         data=_typed(cfg, "data", DataConfig),
         logger=_typed(cfg, "logger", LoggerConfig),
+        mode=_mode(cfg.get("mode", "train")),
     )
     for key, ok, rule in _RANGES:
         group, name = key.split(".")
@@ -378,6 +388,16 @@ def validate(cfg: DictConfig) -> Settings:
 
     settings.peft = adapters.settings(cfg.get("peft"))
     return settings
+
+
+def _mode(value: Any) -> Mode:
+    try:
+        return Mode(str(value))
+    except ValueError:
+        raise ConfigError(
+            f"mode={value}: choose train (the default) or eval (score the model of "
+            "model.name_or_path, or the checkpoint of resume=..., without training)."
+        ) from None
 
 
 def _check_early_stopping(trainer: TrainerConfig) -> None:

@@ -108,6 +108,8 @@ class Trainer:
 
     def run(self) -> RunResult:
         self.setup()
+        if self.settings.mode == "eval":
+            return self.evaluate_only()
         self.stop.install()
         return self.finish(self.fit())
 
@@ -718,6 +720,27 @@ class Trainer:
             step,
             self.state.skipped_steps,
         )
+
+    # ------------------------------------------------------------------------------- eval
+
+    def evaluate_only(self) -> RunResult:
+        """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint
+        of ``resume=...``) on the eval split, with the task's own evaluation; nothing trains
+        (the optimizer is built, for a checkpoint to load into, but never steps: no state)."""
+        scores, _ = self._evaluate(self.state.step)
+        self.metrics.close()
+        result = RunResult(
+            output_dir=self.output_dir,
+            metrics=scores,
+            main_metric=self.main_metric,
+            greater_is_better=self.task.greater_is_better,
+        )
+        tracking.finish_trackers(self.accelerator, self.settings.logger, scores)
+        if self.accelerator.is_main_process:
+            tracking.write_results(self.output_dir, result.as_dict(self.state))
+        where = self.resume_from or self.settings.model.name_or_path
+        log.info("evaluated %s: %s", where, _format_metrics(scores))
+        return result
 
     # ------------------------------------------------------------------------------- finish
 
