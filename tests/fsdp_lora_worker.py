@@ -73,6 +73,12 @@ def main(out: Path) -> None:
             )
         dist.barrier()
         dist.destroy_process_group()
+        # Leave without the interpreter's teardown: gloo's threads, torn down by C++
+        # static destructors at exit, now and then abort a rank with "terminate called
+        # without an active exception" after all the work is done and saved.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:
         adapters.save_final(model, out / "final", tokenizer, None)
 

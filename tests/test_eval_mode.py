@@ -4,14 +4,17 @@ from a run's checkpoint, on one process or two, gives the training run's last ev
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_torchrun, run_train
+from conftest import ROOT, run_torchrun, run_train
 
 pytestmark = pytest.mark.slow
 
 SMOKE = ("recipe=bert_squad_v2", "debug=smoke", "logger=none", "trainer.progress_bar=false")
+DEV = ROOT / "recipes" / "assets" / "squad" / "v2" / "dev.json"
 SCORES = ("eval/exact_match", "eval/f1", "eval/HasAns_f1", "eval/NoAns_f1")
 
 
@@ -33,6 +36,7 @@ def test_eval_mode_gives_the_training_runs_last_scores(tmp_path, cache_dir):
     )
     trained = _scores(run)
     assert trained["eval/f1"] > 0
+    _check_answers(run, tmp_path)
     for name, source in (
         ("final", f"model.name_or_path={run}/final"),
         ("checkpoint", f"resume={run}"),
@@ -50,3 +54,42 @@ def test_eval_mode_gives_the_training_runs_last_scores(tmp_path, cache_dir):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _scores(two) == pytest.approx(trained, abs=1e-9)
+
+
+def _answer(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.answer", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _check_answers(run: Path, tmp_path: Path) -> None:
+    """``python -m recipes.answer`` on the run's final/ answers the dev file as the run's last
+    evaluation did (the answers and the n-best candidates with their probabilities), and a
+    question given on the command line gets the best non-null candidate when the threshold
+    rules out the null answer."""
+    out = tmp_path / "answers.json"
+    proc = _answer(str(run / "final"), "--file", str(DEV), "--out", str(out), "--n-best", "20")
+    assert json.loads(out.read_text()) == json.loads((run / "predictions.json").read_text())
+    assert "LOAD REPORT" not in proc.stderr and "Some weights" not in proc.stderr
+    nbest = json.loads((tmp_path / "nbest_answers.json").read_text())
+    expected = json.loads((run / "nbest_predictions.json").read_text())
+    assert nbest.keys() == expected.keys()
+    for qid, candidates in expected.items():
+        assert [c["text"] for c in nbest[qid]] == [c["text"] for c in candidates], qid
+        got = [c["probability"] for c in nbest[qid]]
+        assert got == pytest.approx([c["probability"] for c in candidates], abs=1e-6), qid
+    paragraph = json.loads(DEV.read_text())["data"][0]["paragraphs"][0]
+    question = paragraph["qas"][0]
+    best = next(c["text"] for c in expected[question["id"]] if c["text"])
+    one = _answer(
+        str(run / "final"),
+        "--question",
+        question["question"],
+        "--context",
+        paragraph["context"],
+        "--threshold",
+        "1e9",
+    )
+    assert one.stdout.strip() == best and best in paragraph["context"]

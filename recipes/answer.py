@@ -1,0 +1,207 @@
+"""Answer questions with a trained extractive-QA model (a run's ``final/``), from the command line.
+
+    python -m recipes.answer outputs/bert_squad/<run>/final \\
+        --question "Where is the grotto?" --context "The grotto is at Lourdes ..."
+    python -m recipes.answer <final/> --file questions.jsonl --out predictions.json
+
+transformers 5 removed the question-answering pipeline; this is its replacement for the models
+the project trains, and it answers as a run's evaluation does: the same windows over a long
+context (the task's ``max_seq_length`` / ``doc_stride``), the same n-best search over start and
+end logits, and for SQuAD v2 models the same null-answer threshold (:mod:`recipes.tasks.qa`,
+:mod:`recipes.tasks.qa_answers`). The task settings are the run's own (``config.yaml`` beside
+``final/``), else ``conf/task/qa.yaml``'s; the flags change the answer search. The device is
+accelerate's (MUSA, CUDA or CPU).
+
+``--file``: JSON lines of ``{"question", "context"}`` (``id`` optional), or a SQuAD JSON file
+(answers, when present, are ignored). Prints one answer per line (``id<TAB>answer`` for a file),
+and with ``--out`` writes ``{id: answer}`` (the official SQuAD predictions format) and, with
+``--n-best``, the candidates with their probabilities beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task" / "qa.yaml"
+QA_TASK = "recipes.tasks.qa.QuestionAnswering"
+
+
+def answer(
+    model_dir: Path,
+    questions: Sequence[dict[str, str]],
+    *,
+    n_best: int | None = None,
+    threshold: float | None = None,
+    batch_size: int = 32,
+) -> tuple[dict[str, str], dict[str, list[dict]]]:
+    """The answer to each of ``questions`` (``id``, ``question``, ``context``), and their n-best
+    lists, from the QA model saved in ``model_dir``."""
+    import torch
+    from accelerate import PartialState
+    from datasets import Dataset
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
+
+    from recipes.tasks.qa_answers import AnswerCollector, top_candidates
+
+    task = _task(model_dir, n_best, threshold)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    device = PartialState().device
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir).to(device).eval()
+    examples = Dataset.from_list([dict(q) for q in questions])
+    windows = examples.map(
+        task._eval_features,
+        batched=True,
+        with_indices=True,
+        remove_columns=examples.column_names,
+        fn_kwargs={"tokenizer": tokenizer},
+    )
+    inputs = [c for c in tokenizer.model_input_names if c in windows.column_names]
+    pad = DataCollatorWithPadding(tokenizer)
+    collector = AnswerCollector(
+        windows.select_columns(["offset_mapping", "example_index"]),
+        task.n_best_size,
+        task.max_answer_length,
+    )
+    left_padded = tokenizer.padding_side == "left"
+    with torch.no_grad():
+        for start in range(0, len(windows), batch_size):
+            rows = windows.select_columns(inputs)[start : start + batch_size]
+            batch = pad(
+                [
+                    dict(zip(rows, values, strict=True))
+                    for values in zip(*rows.values(), strict=True)
+                ]
+            )
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = model(**batch)
+            found = top_candidates(
+                out.start_logits, out.end_logits, batch["attention_mask"], task.n_best_size,
+                left_padded,
+            )  # fmt: skip
+            arrays = {k: v.cpu().numpy() for k, v in found.items()}
+            collector.add(arrays, list(range(start, start + len(batch["input_ids"]))))
+    predictions, nbest, _ = collector.answers(
+        examples, task.version_2_with_negative, task.null_score_diff_threshold, with_nbest=True
+    )
+    return predictions, nbest
+
+
+def _task(model_dir: Path, n_best: int | None, threshold: float | None) -> Any:
+    """The QA task as the run that saved ``model_dir`` had it (its ``config.yaml``), else with
+    ``conf/task/qa.yaml``'s settings; ``n_best`` / ``threshold`` replace the run's."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import instantiate
+
+    run_config = model_dir.parent / "config.yaml"
+    saved = OmegaConf.load(run_config).get("task") if run_config.is_file() else None
+    if saved is not None and saved.get("_target_") != QA_TASK:
+        raise SystemExit(f"error: {model_dir} was trained by {saved.get('_target_')}, not task=qa.")
+    if saved is None and not CONF_TASK.is_file():
+        raise SystemExit(
+            f"error: no config.yaml beside {model_dir} (a run's final/ has one) and no "
+            f"{CONF_TASK} to take the QA settings from."
+        )
+    settings = OmegaConf.load(CONF_TASK) if CONF_TASK.is_file() else saved
+    if saved is not None:
+        settings = OmegaConf.merge(settings, saved)
+    if n_best is not None:
+        settings.n_best_size = n_best
+    if threshold is not None:
+        settings.null_score_diff_threshold = threshold
+    return instantiate(OmegaConf.create({"task": settings}), "task")
+
+
+def read_questions(path: Path) -> list[dict[str, str]]:
+    """Questions of a JSON lines file (``question``, ``context``, optional ``id``) or of a SQuAD
+    JSON file; a row without a question or context is refused with its place."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("{") and '"data"' in text[:200]:
+        rows = _squad_rows(json.loads(text))
+    else:
+        rows = ((f"line {n}", json.loads(line)) for n, line in _lines(text))
+    questions, problems = [], []
+    for i, (place, row) in enumerate(rows):
+        if not isinstance(row, dict) or not all(
+            isinstance(row.get(k), str) and row[k].strip() for k in ("question", "context")
+        ):
+            problems.append(place)
+            continue
+        questions.append(
+            {"id": str(row.get("id", i)), "question": row["question"], "context": row["context"]}
+        )
+    if problems:
+        raise SystemExit(
+            f"error: {path}: {len(problems)} row(s) lack a non-empty 'question' or 'context' "
+            f"({', '.join(problems[:3])}); fix or remove them."
+        )
+    return questions
+
+
+def _lines(text: str) -> Iterator[tuple[int, str]]:
+    return ((n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip())
+
+
+def _squad_rows(squad: dict) -> Iterator[tuple[str, dict]]:
+    for article in squad["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                yield f"question {qa.get('id')}", {**qa, "context": paragraph["context"]}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recipes.answer", description=__doc__)
+    parser.add_argument("model", type=Path, help="a QA run's final/ (or any QA model folder)")
+    parser.add_argument("--question")
+    parser.add_argument("--context")
+    parser.add_argument("--file", type=Path, help="JSON lines of question/context, or SQuAD JSON")
+    parser.add_argument("--out", type=Path, help="write {id: answer} here (SQuAD's format)")
+    parser.add_argument("--n-best", type=int, help="candidates to keep (and write with --out)")
+    parser.add_argument("--threshold", type=float, help="SQuAD v2 null-score threshold")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    if (args.file is None) == (args.question is None or args.context is None):
+        parser.error("give --question and --context, or --file")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"{args.model}: no model here (config.json); give a run's final/ folder")
+    _quiet()
+    questions = (
+        read_questions(args.file)
+        if args.file
+        else [{"id": "0", "question": args.question, "context": args.context}]
+    )
+    predictions, nbest = answer(
+        args.model,
+        questions,
+        n_best=args.n_best,
+        threshold=args.threshold,
+        batch_size=args.batch_size,
+    )
+    for qid, text in predictions.items():
+        print(f"{qid}\t{text}" if args.file else text)
+    if args.out:
+        args.out.write_text(json.dumps(predictions, indent=2, ensure_ascii=False))
+        if args.n_best:
+            nbest_out = args.out.with_name(f"nbest_{args.out.name}")
+            nbest_out.write_text(json.dumps(nbest, indent=2, ensure_ascii=False, default=float))
+        print(f"wrote {args.out}", file=sys.stderr)
+
+
+def _quiet() -> None:
+    """No progress bars or library notices: the answers are the output."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    main()
