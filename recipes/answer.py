@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task" / "qa.yaml"
 QA_TASK = "recipes.tasks.qa.QuestionAnswering"
@@ -33,60 +36,31 @@ QA_TASK = "recipes.tasks.qa.QuestionAnswering"
 
 def answer(
     model_dir: Path,
-    questions: Sequence[dict[str, str]],
+    questions: Dataset,
     *,
     n_best: int | None = None,
     threshold: float | None = None,
     batch_size: int = 32,
 ) -> tuple[dict[str, str], dict[str, list[dict]]]:
     """The answer to each of ``questions`` (``id``, ``question``, ``context``), and their n-best
-    lists, from the QA model saved in ``model_dir``."""
-    import torch
-    from accelerate import PartialState
-    from datasets import Dataset
+    lists, from the QA model saved in ``model_dir``: the task's evaluation windows and answer
+    collection (:meth:`recipes.tasks.qa.QuestionAnswering.collect`) on accelerate's device."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
-
-    from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 
     task = _task(model_dir, n_best, threshold)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    device = PartialState().device
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir).to(device).eval()
-    examples = Dataset.from_list([dict(q) for q in questions])
-    windows = examples.map(
-        task._eval_features,
-        batched=True,
-        with_indices=True,
-        remove_columns=examples.column_names,
-        fn_kwargs={"tokenizer": tokenizer},
+    data = task.question_windows(questions, tokenizer)
+    accelerator = Accelerator()
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    loader = DataLoader(
+        data.eval, batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer)
     )
-    inputs = [c for c in tokenizer.model_input_names if c in windows.column_names]
-    pad = DataCollatorWithPadding(tokenizer)
-    collector = AnswerCollector(
-        windows.select_columns(["offset_mapping", "example_index"]),
-        task.n_best_size,
-        task.max_answer_length,
-    )
-    left_padded = tokenizer.padding_side == "left"
-    with torch.no_grad():
-        for start in range(0, len(windows), batch_size):
-            rows = windows.select_columns(inputs)[start : start + batch_size]
-            batch = pad(
-                [
-                    dict(zip(rows, values, strict=True))
-                    for values in zip(*rows.values(), strict=True)
-                ]
-            )
-            batch = {k: v.to(device) for k, v in batch.items()}
-            out = model(**batch)
-            found = top_candidates(
-                out.start_logits, out.end_logits, batch["attention_mask"], task.n_best_size,
-                left_padded,
-            )  # fmt: skip
-            arrays = {k: v.cpu().numpy() for k, v in found.items()}
-            collector.add(arrays, list(range(start, start + len(batch["input_ids"]))))
+    model, loader = accelerator.prepare(model, loader)
+    collector = task.collect(model, loader, data, accelerator)
     predictions, nbest, _ = collector.answers(
-        examples, task.version_2_with_negative, task.null_score_diff_threshold, with_nbest=True
+        data.eval_examples, task.version_2_with_negative, task.null_score_diff_threshold, True
     )
     return predictions, nbest
 
@@ -117,41 +91,20 @@ def _task(model_dir: Path, n_best: int | None, threshold: float | None) -> Any:
     return instantiate(OmegaConf.create({"task": settings}), "task")
 
 
-def read_questions(path: Path) -> list[dict[str, str]]:
-    """Questions of a JSON lines file (``question``, ``context``, optional ``id``) or of a SQuAD
-    JSON file; a row without a question or context is refused with its place."""
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("{") and '"data"' in text[:200]:
-        rows = _squad_rows(json.loads(text))
-    else:
-        rows = ((f"line {n}", json.loads(line)) for n, line in _lines(text))
-    questions, problems = [], []
-    for i, (place, row) in enumerate(rows):
-        if not isinstance(row, dict) or not all(
-            isinstance(row.get(k), str) and row[k].strip() for k in ("question", "context")
-        ):
-            problems.append(place)
-            continue
-        questions.append(
-            {"id": str(row.get("id", i)), "question": row["question"], "context": row["context"]}
-        )
-    if problems:
-        raise SystemExit(
-            f"error: {path}: {len(problems)} row(s) lack a non-empty 'question' or 'context' "
-            f"({', '.join(problems[:3])}); fix or remove them."
-        )
-    return questions
+def read_questions(path: Path) -> Dataset:
+    """The questions of a JSON lines file (``question``, ``context``, optional ``id``) or of a
+    SQuAD JSON file, checked as training data is (:func:`recipes.tasks.qa_examples.read_squad_json`:
+    a row without a question or context is refused with its place); answers are not needed."""
+    from recipes.data import DataError
+    from recipes.tasks.qa_examples import read_squad_json
 
-
-def _lines(text: str) -> Iterator[tuple[int, str]]:
-    return ((n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip())
-
-
-def _squad_rows(squad: dict) -> Iterator[tuple[str, dict]]:
-    for article in squad["data"]:
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
-                yield f"question {qa.get('id')}", {**qa, "context": paragraph["context"]}
+    try:
+        questions = read_squad_json(path, answers_required=False)
+    except DataError as err:
+        raise SystemExit(f"error: {err}") from None
+    if questions is None:
+        raise SystemExit(f"error: {path}: give JSON lines (.jsonl) or SQuAD JSON (.json).")
+    return questions.select_columns(["id", "question", "context"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -169,11 +122,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("give --question and --context, or --file")
     if not (args.model / "config.json").is_file():
         parser.error(f"{args.model}: no model here (config.json); give a run's final/ folder")
-    _quiet()
+    from recipes.log import quiet_libraries
+
+    quiet_libraries()
+    from datasets import Dataset
+
     questions = (
         read_questions(args.file)
         if args.file
-        else [{"id": "0", "question": args.question, "context": args.context}]
+        else Dataset.from_list([{"id": "0", "question": args.question, "context": args.context}])
     )
     predictions, nbest = answer(
         args.model,
@@ -190,17 +147,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             nbest_out = args.out.with_name(f"nbest_{args.out.name}")
             nbest_out.write_text(json.dumps(nbest, indent=2, ensure_ascii=False, default=float))
         print(f"wrote {args.out}", file=sys.stderr)
-
-
-def _quiet() -> None:
-    """No progress bars or library notices: the answers are the output."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 if __name__ == "__main__":

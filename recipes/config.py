@@ -111,10 +111,12 @@ class SampleBy(Choice):
 
 
 class Mode(Choice):
-    """What a run does: train (and evaluate as configured), or only evaluate the model given."""
+    """What a run does: train (and evaluate as configured), only evaluate the model given, or
+    only predict with it on ``data.predict_file``."""
 
     train = "train"
     eval = "eval"
+    predict = "predict"
 
 
 class Schedule(Choice):
@@ -225,6 +227,8 @@ class DataConfig:
     # rest); evaluation rows are each source's own, unweighted (docs/data.md).
     mix: list[dict[str, Any]] | None = None
     eval_file: str | None = None
+    # mode=predict: rows without labels (QA questions, texts to classify, prompts to complete).
+    predict_file: str | None = None
     train_split: str = "train"
     eval_split: str = "validation"
     max_train_examples: int | None = None  # keep the first N (quick experiments)
@@ -258,6 +262,17 @@ class LoggerConfig:
 
 
 @dataclass
+class GenerationConfig:
+    """How mode=predict completes prompts (``generation.*``; transformers' names): greedy by
+    default, sampled with ``do_sample=true``."""
+
+    max_new_tokens: int | None = None  # null: the task's own (task.generation_max_new_tokens)
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
 class SchedulerConfig:
     """A transformers schedule by name (``scheduler.*``); the loop supplies the optimizer and the
     number of steps."""
@@ -282,6 +297,7 @@ class TrainSchema:
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     peft: Any = MISSING  # conf/peft/: none, or lora (checked by recipes.adapters.settings)
     output_dir: str = MISSING
     resume: str | None = MISSING
@@ -301,6 +317,7 @@ class Settings:
     logger: LoggerConfig
     peft: Any = None  # recipes.adapters.PeftSettings: full fine-tuning or LoRA
     mode: Mode = Mode.train
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -370,6 +387,9 @@ def validate(cfg: DictConfig) -> Settings:
         data=_typed(cfg, "data", DataConfig),
         logger=_typed(cfg, "logger", LoggerConfig),
         mode=_mode(cfg.get("mode", "train")),
+        generation=_typed(cfg, "generation", GenerationConfig)
+        if "generation" in cfg
+        else GenerationConfig(),
     )
     for key, ok, rule in _RANGES:
         group, name = key.split(".")
@@ -383,6 +403,7 @@ def validate(cfg: DictConfig) -> Settings:
         )
     _check_early_stopping(settings.trainer)
     _check_paths(settings.model, settings.data)
+    _check_predict(settings, cfg.get("resume"))
     mix_sources(settings.data)
     from recipes import adapters  # it builds on this module
 
@@ -395,9 +416,34 @@ def _mode(value: Any) -> Mode:
         return Mode(str(value))
     except ValueError:
         raise ConfigError(
-            f"mode={value}: choose train (the default) or eval (score the model of "
-            "model.name_or_path, or the checkpoint of resume=..., without training)."
+            f"mode={value}: choose train (the default), eval (score the model of "
+            "model.name_or_path, or the checkpoint of resume=..., without training) or predict "
+            "(answer the rows of data.predict_file with the model of model.name_or_path)."
         ) from None
+
+
+def _check_predict(settings: Settings, resume: str | None) -> None:
+    data, generation = settings.data, settings.generation
+    if settings.mode != Mode.predict:
+        return
+    if data.predict_file is None:
+        raise ConfigError(
+            "mode=predict needs data.predict_file=<file>: the rows to predict on (questions and "
+            "contexts, texts, or prompts), without labels."
+        )
+    if resume is not None:
+        raise ConfigError(
+            f"resume={resume}: mode=predict uses model.name_or_path (a run's final/); a "
+            "checkpoint holds only what trains. Score a checkpoint with mode=eval instead."
+        )
+    if generation.max_new_tokens is not None and generation.max_new_tokens < 1:
+        raise ConfigError(f"generation.max_new_tokens={generation.max_new_tokens}: must be >= 1.")
+    if generation.temperature <= 0 or not 0 < generation.top_p <= 1:
+        raise ConfigError(
+            f"generation.temperature={generation.temperature} / generation.top_p="
+            f"{generation.top_p}: the temperature must be > 0 and top_p in (0, 1] (for greedy "
+            "answers leave generation.do_sample=false)."
+        )
 
 
 def _check_early_stopping(trainer: TrainerConfig) -> None:
@@ -463,7 +509,7 @@ def _check_paths(model: ModelConfig, data: DataConfig) -> None:
             f"model.gguf_file={gguf}: not in {model.name_or_path}. Name a .gguf file of that "
             "folder, or set model.gguf_file=null for a normal Hugging Face folder."
         )
-    for name in ("train_file", "eval_file"):
+    for name in ("train_file", "eval_file", "predict_file"):
         value = getattr(data, name)
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{name}={value}: no such file.")

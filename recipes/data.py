@@ -229,6 +229,22 @@ def load_split(cfg: DataConfig, role: str, reader: Reader | None = None) -> Spli
     return Split(_read_files(files, cfg, reader), digest, source)
 
 
+def load_predict_file(cfg: DataConfig, reader: Reader | None = None) -> Split:
+    """The rows of ``data.predict_file`` (mode=predict), read as a training file would be."""
+    path = Path(str(cfg.predict_file)).expanduser()
+    if not path.is_file():
+        raise DataError(
+            f"data.predict_file={cfg.predict_file}: not a file. Give one file of rows "
+            "(JSON lines, JSON, CSV, TSV, parquet or text)."
+        )
+    log.info("predict data: %s", path)
+    digest = cache_key(files=[_file_digest(path)], sample_by=cfg.sample_by)
+    split = Split(_read_files([path], cfg, reader), digest, str(path))
+    if len(split.examples) == 0:
+        raise DataError(f"data.predict_file={path}: holds no rows.")
+    return split
+
+
 def load_splits(cfg: DataConfig, reader: Reader | None = None) -> dict[str, Split]:
     """The ``train`` and ``eval`` splits, with ``data.max_*_examples`` applied.
 

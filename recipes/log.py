@@ -71,3 +71,15 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     )
     # matplotlib says at INFO that it built its font cache (a fresh machine's first curves.png).
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+
+
+def quiet_libraries() -> None:
+    """No progress bars or notices from datasets and transformers: for the command-line tools
+    (``recipes.answer``, ``recipes.chat``), whose output is their answers."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()

@@ -107,6 +107,8 @@ class Trainer:
         self.last_saved_step = -1
 
     def run(self) -> RunResult:
+        if self.settings.mode == "predict":
+            return self.predict_only()
         self.setup()
         if self.settings.mode == "eval":
             return self.evaluate_only()
@@ -740,6 +742,59 @@ class Trainer:
             tracking.write_results(self.output_dir, result.as_dict(self.state))
         where = self.resume_from or self.settings.model.name_or_path
         log.info("evaluated %s: %s", where, _format_metrics(scores))
+        return result
+
+    def predict_only(self) -> RunResult:
+        """``mode=predict``: the model of ``model.name_or_path`` answers the rows of
+        ``data.predict_file`` with the task's own code (its evaluation's windows and answer
+        search, its generation); the task writes its predictions file to the run folder. No
+        training data is read, and no optimizer built."""
+        self._setup_run_folder()
+        self._setup_device()
+        settings, accelerator = self.settings, self.accelerator
+        self.tokenizer = load_tokenizer(settings.model)
+        overrides = config_overrides(settings.model)
+        with accelerator.main_process_first():
+            data = self.task.build_predict_data(settings.data, self.tokenizer)
+        model = load_model(settings.model, self.task.auto_model_class, overrides)
+        self.task.check_model(model)
+        fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
+        loader = DataLoader(
+            data.eval,
+            batch_size=self.trainer_cfg.per_device_eval_batch_size,
+            collate_fn=data.eval_collator or DataCollatorWithPadding(self.tokenizer),
+        )
+        model, loader = accelerator.prepare(model, loader)
+        report = self.task.predict(
+            model, self.tokenizer, loader, data, accelerator, self.output_dir, settings.generation
+        )
+        result = RunResult(
+            output_dir=self.output_dir,
+            metrics={},
+            main_metric=self.main_metric,
+            greater_is_better=self.task.greater_is_better,
+        )
+        if accelerator.is_main_process:
+            tracking.write_results(
+                self.output_dir,
+                {
+                    "mode": "predict",
+                    "model": settings.model.name_or_path,
+                    "predict_file": settings.data.predict_file,
+                    **report,
+                    "main_metric": result.main_metric,
+                    "main_value": None,
+                    "metrics": {},
+                    "overrides": tracking.hydra_context().get("overrides", []),
+                },
+            )
+        log.info(
+            "predicted %d row(s) of %s with %s: %s",
+            report["rows"],
+            settings.data.predict_file,
+            settings.model.name_or_path,
+            self.output_dir / report["file"],
+        )
         return result
 
     # ------------------------------------------------------------------------------- finish

@@ -53,7 +53,10 @@ def check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
             f"output_dir={output_dir} already holds a finished run (final/); nothing was changed. "
             "Pick a new folder with output_dir=... (or remove that one)."
         )
-    marker = next((m for m in ("metrics.jsonl", "checkpoints") if (output_dir / m).exists()), None)
+    marker = next(
+        (m for m in ("metrics.jsonl", "checkpoints", "results.json") if (output_dir / m).exists()),
+        None,
+    )
     if marker is None or resume == "auto":
         return found
     if resume is None:

@@ -1,5 +1,5 @@
 """``python -m recipes.answer``'s refusals, before any model loads: what to give, and which rows
-of a questions file lack a question or a context. (Its answers against a run's own evaluation:
+of a questions file lack a question or a context (as training data is checked). (Its answers against a run's own evaluation:
 tests/test_eval_mode.py.)"""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ def test_questions_come_from_json_lines_or_a_squad_file(tmp_path):
         + json.dumps({"id": "q7", "question": "Where?", "context": "In Paris."})
         + "\n"
     )
-    assert read_questions(lines) == [
+    assert read_questions(lines).to_list() == [
         {"id": "0", "question": "Who?", "context": "Ann did."},
         {"id": "q7", "question": "Where?", "context": "In Paris."},
     ]
     squad = ASSETS / "squad" / "v2" / "dev.json"
-    questions = read_questions(squad)
+    questions = read_questions(squad).to_list()
     data = json.loads(squad.read_text())["data"]
     assert len(questions) == sum(len(p["qas"]) for a in data for p in a["paragraphs"])
     first = data[0]["paragraphs"][0]
@@ -46,7 +46,11 @@ def test_a_row_without_question_or_context_is_refused_with_its_line(tmp_path):
         + json.dumps({"question": " ", "context": "x"})
         + "\n"
     )
-    with pytest.raises(SystemExit, match=r"2 row\(s\) lack .*line 2, line 3"):
+    # The training data's checks (recipes.tasks.qa_examples), which mode=predict reads with too.
+    with pytest.raises(
+        SystemExit,
+        match=r"2 problem\(s\): line 2 \(id 1\): lacks context; line 3 \(id 2\): empty question",
+    ):
         read_questions(bad)
 
 

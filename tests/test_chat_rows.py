@@ -373,6 +373,40 @@ def test_a_row_whose_replies_are_all_blank_is_refused(tmp_path):
         read_rows(tmp_path, [{"messages": [USER, blank, USER, {**blank, "content": ""}]}])
 
 
+def test_prompts_to_answer_come_in_every_layout_and_need_a_user_turn(tmp_path):
+    """mode=predict's rows: conversations (a final reply is the reference), any training layout
+    without its answer, or TRL's prompt-only rows; a row with nothing to answer is named."""
+    system = {"role": "system", "content": "Be brief."}
+    rows = [
+        {"messages": [system, USER]},
+        {"messages": [USER, REPLY]},
+        {"instruction": "Name a pond animal.", "input": "One word."},
+        {"instruction": "Summarise.", "context": "Frogs live in ponds."},
+        {"conversations": [{"from": "human", "value": "hi"}]},
+        {"prompt": "Why do frogs jump?"},
+        {"prompt": [USER]},
+    ]
+    path = write_rows(tmp_path / "prompts.jsonl", rows)
+    prompts = chat.read_conversations(path, prompt=True)["messages"]
+    assert prompts[0] == [system, USER] and prompts[1] == [USER, REPLY]
+    assert prompts[2] == [{"role": "user", "content": "Name a pond animal.\n\nOne word."}]
+    assert prompts[3] == [{"role": "user", "content": "Summarise.\n\nFrogs live in ponds."}]
+    assert prompts[4] == [{"role": "user", "content": "hi"}]
+    assert prompts[5] == [{"role": "user", "content": "Why do frogs jump?"}]
+    assert prompts[6] == [USER]
+    with pytest.raises(DataError) as err:
+        chat.read_conversations(
+            write_rows(
+                tmp_path / "bad.jsonl", [{"messages": [USER]}, {"messages": [system, REPLY]}]
+            ),
+            prompt=True,
+        )
+    assert "1 row(s) are not prompts: line 2: messages: no user turn to answer" in str(err.value)
+    # Training still needs the answer.
+    with pytest.raises(DataError, match="line 1: messages: no non-empty assistant turn"):
+        read_rows(tmp_path, [{"messages": [system, USER]}])
+
+
 def test_bad_tools_are_named_by_line(tmp_path):
     with pytest.raises(DataError, match=r"line 1: field 'tools' is text but not JSON"):
         read_rows(tmp_path, [{**TOOL_ROW, "tools": "[{"}])

@@ -80,6 +80,29 @@ def test_finished_run_is_never_overwritten(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
+def test_predictions_are_never_overwritten_and_mlm_does_not_predict(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text('{"rows": 3}\n')
+    (run / "predictions.json").write_text("{}\n")
+    rows = ASSETS / "squad" / "v1" / "dev.json"
+    stderr = _fails("mode=predict", f"data.predict_file={rows}", tmp_path=tmp_path)
+    assert "already holds a run (results.json)" in stderr
+    assert sorted(p.name for p in run.iterdir()) == ["predictions.json", "results.json"]
+    proc = run_train(
+        "recipe=bert_mlm",
+        "debug=smoke",
+        "logger=none",
+        "mode=predict",
+        f"data.predict_file={rows}",
+        f"output_dir={tmp_path / 'mlm'}",
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "error: mode=predict: task=MaskedLanguageModeling has no predictions" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "recipe,override,expected",
     [

@@ -145,6 +145,14 @@ def test_command_line_overrides_reach_the_run():
         ("trainer.keep_last_n_checkpoints=0", "trainer.keep_last_n_checkpoints=0"),
         ("trainer.save_every_n_steps=-5", "trainer.save_every_n_steps=-5"),
         ("trainer.length_group_size=0", "trainer.length_group_size=0"),
+        ("mode=predict", "mode=predict needs data.predict_file=<file>"),
+        ("data.predict_file=/no/such/rows.jsonl", "data.predict_file=/no/such/rows.jsonl"),
+        ("mode=predict data.predict_file=README.md resume=auto", "resume=auto: mode=predict"),
+        (
+            "mode=predict data.predict_file=README.md generation.temperature=0",
+            "generation.temperature=0.0",
+        ),
+        ("mode=predict data.predict_file=README.md generation.max_new_tokens=0", "must be >= 1"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):

@@ -1,5 +1,7 @@
 """``mode=eval``: a trained model scored on the eval split without training, from its final/ or
-from a run's checkpoint, on one process or two, gives the training run's last evaluation."""
+from a run's checkpoint, on one process or two, gives the training run's last evaluation; and
+``mode=predict`` and ``python -m recipes.answer`` on the same questions without their answers
+give the same answers."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def test_eval_mode_gives_the_training_runs_last_scores(tmp_path, cache_dir):
     trained = _scores(run)
     assert trained["eval/f1"] > 0
     _check_answers(run, tmp_path)
+    _check_predictions(run, tmp_path, cache)
     for name, source in (
         ("final", f"model.name_or_path={run}/final"),
         ("checkpoint", f"resume={run}"),
@@ -93,3 +96,52 @@ def _check_answers(run: Path, tmp_path: Path) -> None:
         "1e9",
     )
     assert one.stdout.strip() == best and best in paragraph["context"]
+
+
+def _check_predictions(run: Path, tmp_path: Path, cache: str) -> None:
+    """``mode=predict`` on the dev questions without answers or ids (JSON lines) answers as the
+    run's last evaluation did; on the SQuAD file itself, with the null answer ruled out by the
+    threshold, each answer is the best-scoring non-null candidate of the run's n-best list."""
+    questions = tmp_path / "questions.jsonl"
+    rows = [
+        {"question": qa["question"], "context": paragraph["context"]}
+        for article in json.loads(DEV.read_text())["data"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+    ]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    predicted = tmp_path / "predicted"
+    done = run_train(
+        *SMOKE,
+        cache,
+        "mode=predict",
+        f"model.name_or_path={run}/final",
+        f"data.predict_file={questions}",
+        f"output_dir={predicted}",
+    )
+    expected = json.loads((run / "predictions.json").read_text())
+    answers = json.loads((predicted / "predictions.json").read_text())
+    assert list(answers.values()) == list(expected.values())
+    assert list(answers) == [str(i) for i in range(len(rows))]  # numbered, in file order
+    assert json.loads((predicted / "results.json").read_text())["rows"] == len(rows)
+    assert "LOAD REPORT" not in done.stderr and "Some weights" not in done.stderr
+    assert not (predicted / "checkpoints").exists() and not (predicted / "metrics.jsonl").exists()
+
+    spans = tmp_path / "spans"
+    run_train(
+        *SMOKE,
+        cache,
+        "mode=predict",
+        f"model.name_or_path={run}/final",
+        f"data.predict_file={DEV}",
+        "task.null_score_diff_threshold=1e9",
+        f"output_dir={spans}",
+    )
+    answers = json.loads((spans / "predictions.json").read_text())
+    nbest = json.loads((run / "nbest_predictions.json").read_text())
+    assert answers.keys() == nbest.keys()
+    for qid, candidates in nbest.items():
+        spans_only = [c for c in candidates if c["text"]]
+        top = max(c["start_logit"] + c["end_logit"] for c in spans_only)
+        tied = {c["text"] for c in spans_only if c["start_logit"] + c["end_logit"] == top}
+        assert answers[qid] in tied, qid

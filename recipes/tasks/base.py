@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from recipes.config import ConfigError
 from recipes.log import get_logger
 
 if TYPE_CHECKING:
-    from recipes.config import DataConfig
+    from recipes.config import DataConfig, GenerationConfig
 
 log = get_logger(__name__)
 
@@ -159,6 +160,33 @@ class Task(abc.ABC, Generic[DataT]):
         """Last words logged after training (a generated sample for a language model)."""
         return {}
 
+    # ----------------------------------------------------------------------------- mode=predict
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:
+        """mode=predict: the rows of ``data.predict_file`` (no labels needed) as model-ready
+        features in ``eval`` (``train`` is empty), checked as training rows are, plus what
+        :meth:`predict` needs to write its answers."""
+        raise ConfigError(
+            f"mode=predict: task={type(self).__name__} has no predictions to make; qa, "
+            "classification, clm, sft and dpo models predict (mode=eval scores this one)."
+        )
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: DataT,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``; the
+        ``tokenizer`` is the one ``build_predict_data`` had), write
+        the task's predictions file into ``output_dir`` (main process), and return what to
+        report: ``rows`` and ``file``."""
+        raise NotImplementedError
+
 
 def write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` as indented JSON, atomically (a reader never sees half a file)."""
@@ -171,6 +199,71 @@ def _to_builtin(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+@torch.no_grad()
+def complete_each(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    accelerator: Accelerator,
+    generation: GenerationConfig,
+    max_new_tokens: int,
+    max_length: int | None = None,
+) -> list[str]:
+    """mode=predict: the completion of each prompt (token ids), greedy or sampled as
+    ``generation`` says, in order, on every process; each process completes its share.
+
+    One prompt at a time, so no padding can change an answer; a sampled answer draws from a
+    generator seeded with the run's seed plus the prompt's number, so it does not depend on the
+    number of processes. ``max_length`` caps prompt + answer (the length the model trained on):
+    a longer prompt keeps its end."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise ConfigError(
+            "mode=predict: a sharded (FSDP) model cannot generate one prompt per process; "
+            "launch on one process, or with DDP (the model fits: it was saved whole in final/)."
+        )
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    seed = torch.initial_seed()
+    completed = []
+    with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
+        for i in mine:
+            ids = prompts[i]
+            new_tokens = max_new_tokens
+            if max_length is not None:
+                ids = ids[-(max_length - 1) :]  # room for at least one new token
+                new_tokens = min(new_tokens, max_length - len(ids))
+            inputs = torch.tensor([ids], device=accelerator.device)
+            torch.manual_seed(seed + i)
+            generated = unwrapped.generate(
+                input_ids=inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling(generation),
+            )
+            text = tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
+            completed.append((i, text))
+    return [text for _, text in sorted(gather_object(completed))]
+
+
+def sampling(generation: GenerationConfig) -> dict[str, Any]:
+    """``generate()``'s arguments for ``generation``: greedy, or sampled with its temperature
+    and top_p (and the model's generation_config for the rest, top_k say, as transformers
+    does)."""
+    if not generation.do_sample:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": generation.temperature, "top_p": generation.top_p}
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """Write one JSON object per line, atomically."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False, default=_to_builtin) + "\n")
+    tmp.replace(path)
 
 
 def model_for_generation(

@@ -109,30 +109,43 @@ CHAT_TEMPLATES = {
 # --------------------------------------------------------------------------------- layouts
 
 
-def detect_format(row: Mapping[str, Any]) -> str | None:
-    """The layout whose fields ``row`` has, or None."""
+def detect_format(row: Mapping[str, Any], prompt: bool = False) -> str | None:
+    """The layout whose fields ``row`` has, or None. A prompt to answer (``prompt``) may lack
+    the answer's field, and may be TRL's prompt-only row (``prompt``: text or messages)."""
     if "messages" in row:
         return "messages"
     if "conversations" in row:
         return "sharegpt"
-    if "instruction" in row and "output" in row:
+    if "instruction" in row and ("output" in row or (prompt and "context" not in row)):
         return "alpaca"
-    if "instruction" in row and "response" in row:
+    if "instruction" in row and ("response" in row or prompt):
         return "dolly"
+    if prompt and "prompt" in row:
+        return "prompt"
     return None
 
 
-def to_messages(row: Mapping[str, Any], fmt: str = "auto") -> list[Message]:
-    """``row`` as a checked list of messages; ValueError names the field that is wrong."""
-    layout = detect_format(row) if fmt == "auto" else fmt
+def to_messages(row: Mapping[str, Any], fmt: str = "auto", prompt: bool = False) -> list[Message]:
+    """``row`` as a checked list of messages; ValueError names the field that is wrong.
+
+    ``prompt``: a row to answer (mode=predict), not to learn from: it needs a user turn, not an
+    assistant's, and a final assistant turn, if any, is the reference answer."""
+    layout = detect_format(row, prompt) if fmt == "auto" else fmt
     if layout is None:
         raise ValueError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
             "conversations (ShareGPT), instruction/input/output (Alpaca) or "
-            "instruction/context/response (Dolly)"
+            "instruction/context/response (Dolly)" + (" or prompt" if prompt else "")
         )
-    messages = _NORMALISERS[layout](row)
-    _check_messages(messages, "messages" if layout == "messages" else "conversations")
+    key = "messages" if layout in ("messages", "prompt") else "conversations"
+    messages = _NORMALISERS[layout](row, prompt)
+    if prompt:
+        check_roles(messages, key)
+        asked = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+        if not any(m["role"] == "user" for m in asked):
+            raise ValueError(f"{key}: no user turn to answer (before a final assistant reply)")
+    else:
+        _check_messages(messages, key)
     return messages
 
 
@@ -145,7 +158,7 @@ def _field(row: Mapping[str, Any], name: str, optional: bool = False) -> str:
     return value
 
 
-def _from_messages(row: Mapping[str, Any]) -> list[Message]:
+def _from_messages(row: Mapping[str, Any], prompt: bool = False) -> list[Message]:
     turns = _turn_list(row, "messages")
     return [parse_message(turn, f"messages[{i}]") for i, turn in enumerate(turns)]
 
@@ -203,7 +216,7 @@ def json_list(value: Any, key: str, items: str) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
+def _from_sharegpt(row: Mapping[str, Any], prompt: bool = False) -> list[Message]:
     turns = _turn_list(row, "conversations")
     out = []
     for i, turn in enumerate(turns):
@@ -218,20 +231,30 @@ def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
     return out
 
 
-def _from_alpaca(row: Mapping[str, Any]) -> list[Message]:
-    prompt = _join(_field(row, "instruction"), _field(row, "input", optional=True))
-    return _single_turn(row, prompt, _field(row, "output"))
+def _from_alpaca(row: Mapping[str, Any], prompt: bool = False) -> list[Message]:
+    asked = _join(_field(row, "instruction"), _field(row, "input", optional=True))
+    return _single_turn(row, asked, _field(row, "output", optional=prompt))
 
 
-def _from_dolly(row: Mapping[str, Any]) -> list[Message]:
-    prompt = _join(_field(row, "instruction"), _field(row, "context", optional=True))
-    return _single_turn(row, prompt, _field(row, "response"))
+def _from_dolly(row: Mapping[str, Any], prompt: bool = False) -> list[Message]:
+    asked = _join(_field(row, "instruction"), _field(row, "context", optional=True))
+    return _single_turn(row, asked, _field(row, "response", optional=prompt))
+
+
+def _from_prompt(row: Mapping[str, Any], prompt: bool = True) -> list[Message]:
+    """TRL's prompt-only row: ``prompt`` as text (one user turn) or as messages."""
+    if isinstance(row["prompt"], str):
+        return [{"role": "user", "content": row["prompt"]}]
+    turns = _turn_list(row, "prompt")
+    return [parse_message(turn, f"prompt[{i}]") for i, turn in enumerate(turns)]
 
 
 def _single_turn(row: Mapping[str, Any], prompt: str, answer: str) -> list[Message]:
+    """A system turn (if any), the user's and the answer (left out when empty: a prompt)."""
     system = _field(row, "system", optional=True)
     head = [{"role": "system", "content": system}] if system else []
-    return [*head, {"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    tail = [{"role": "assistant", "content": answer}] if answer else []
+    return [*head, {"role": "user", "content": prompt}, *tail]
 
 
 def _join(instruction: str, extra: str) -> str:
@@ -277,22 +300,27 @@ _NORMALISERS = {
     "sharegpt": _from_sharegpt,
     "alpaca": _from_alpaca,
     "dolly": _from_dolly,
+    "prompt": _from_prompt,  # rows to answer only (detect_format's prompt)
 }
 
 
-def conversation_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Dataset:
+def conversation_dataset(
+    rows: Iterator[tuple[str, Any]], fmt: str, source: str, prompt: bool = False
+) -> Dataset:
     """The :data:`COLUMNS` of ``(place, row)`` pairs (``tools`` as JSON text or None; ``place``
     names the row in later refusals); every row that fits no layout is reported in one line
-    (the first few, with their place and field, and how many in all)."""
+    (the first few, with their place and field, and how many in all). ``prompt``: rows to answer
+    (:func:`to_messages`)."""
 
     def convert(row: Mapping[str, Any]) -> tuple:
-        return to_messages(row, fmt), json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        return to_messages(row, fmt, prompt), tools
 
     return rows_dataset(
         rows,
         convert,
         COLUMNS,
-        f"{source}: {{count}} row(s) are not conversations",
+        f"{source}: {{count}} row(s) are not {'prompts' if prompt else 'conversations'}",
         f"name the layout with task.format={'|'.join(FORMATS[1:])}",
     )
 
@@ -331,11 +359,11 @@ def rows_dataset(
     return Dataset.from_dict(out)
 
 
-def read_conversations(path: Path, fmt: str = "auto") -> Dataset | None:
-    """JSON lines or JSON (a list of rows, or ``{"data": [...]}``) as conversations, read here so
-    that a bad row is named by its line; None for other files (parquet), which ``datasets``
-    reads before :func:`normalise` checks them by row."""
-    return read_rows(path, lambda rows: conversation_dataset(rows, fmt, str(path)))
+def read_conversations(path: Path, fmt: str = "auto", prompt: bool = False) -> Dataset | None:
+    """JSON lines or JSON (a list of rows, or ``{"data": [...]}``) as conversations (or, with
+    ``prompt``, prompts to answer), read here so that a bad row is named by its line; None for
+    other files (parquet), which ``datasets`` reads before :func:`normalise` checks them by row."""
+    return read_rows(path, lambda rows: conversation_dataset(rows, fmt, str(path), prompt))
 
 
 def read_rows(path: Path, build: Callable[[Iterator[tuple[str, Any]]], Dataset]) -> Dataset | None:
@@ -377,12 +405,14 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         yield f"line {number}", row
 
 
-def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
+def normalise(dataset: Dataset, fmt: str, source: str, prompt: bool = False) -> Dataset:
     """Rows read by ``datasets`` (parquet, a saved folder) as conversations, checked by row;
     rows :func:`read_conversations` has normalised already keep their layout and place."""
     if tuple(dataset.column_names) == COLUMNS:
-        return conversation_dataset(((r["place"], r) for r in dataset), "messages", source)
-    return conversation_dataset(((f"row {i}", r) for i, r in enumerate(dataset)), fmt, source)
+        rows = ((r["place"], r) for r in dataset)
+        return conversation_dataset(rows, "messages", source, prompt)
+    rows = ((f"row {i}", r) for i, r in enumerate(dataset))
+    return conversation_dataset(rows, fmt, source, prompt)
 
 
 # ------------------------------------------------------------------------------ templates

@@ -21,11 +21,11 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.classification import classification_scores, regression_scores
-from recipes.tasks.base import Task, TaskData
+from recipes.tasks.base import Task, TaskData, write_jsonl
 
 log = get_logger(__name__)
 
@@ -71,6 +71,11 @@ class ClassificationData(TaskData):
     """Features plus the label names, in id order (None: a regression target)."""
 
     label_names: list[str] | None = None
+    row_ids: list[Any] | None = None  # mode=predict: each row's id (ID_COLUMNS) or number
+
+
+# A predict file's column that names its rows (GLUE's test files have idx), kept in the output.
+ID_COLUMNS = ("id", "idx", "index")
 
 
 def glue_task(name: str | None) -> GlueTask | None:
@@ -187,7 +192,7 @@ class SequenceClassification(Task[ClassificationData]):
         self,
         batch: Mapping[str, list],
         tokenizer: PreTrainedTokenizerBase,
-        columns: tuple[str, str | None, str],
+        columns: tuple[str, str | None, str | None],
         label_names: list[str] | None,
         source: str,
     ) -> dict[str, list]:
@@ -207,8 +212,74 @@ class SequenceClassification(Task[ClassificationData]):
             truncation=True,
             max_length=self.max_seq_length,
         )
-        encoded["labels"] = [_label_id(v, label_names, source, label) for v in batch[label]]
+        if label is not None:  # None: rows to predict on
+            encoded["labels"] = [_label_id(v, label_names, source, label) for v in batch[label]]
         return dict(encoded)
+
+    def build_predict_data(
+        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
+    ) -> ClassificationData:
+        """The texts of ``data.predict_file`` (the training columns; no label needed)."""
+        split = data_lib.load_predict_file(cfg)
+        text, pair, _ = _columns(cfg, glue_task(cfg.name), split, with_label=False)
+        examples = split.examples
+        ids = next((c for c in ID_COLUMNS if c in examples.column_names), None)
+        features = examples.map(
+            self._features,
+            batched=True,
+            remove_columns=examples.column_names,
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "columns": (text, pair, None),
+                "label_names": None,
+                "source": f"predict data {split.source}",
+            },
+            desc="predict features",
+        )
+        return ClassificationData(
+            train=features.select([]),
+            eval=features,
+            row_ids=list(examples[ids]) if ids else list(range(len(examples))),
+        )
+
+    @torch.no_grad()
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ClassificationData,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """``predictions.jsonl``: per row (in file order) its id, the predicted label and every
+        label's probability; for regression, the predicted score. Label names are the model's
+        own (``id2label``, saved by the training run)."""
+        config = accelerator.unwrap_model(model).config
+        regression = config.problem_type == "regression" or config.num_labels == 1
+        model.eval()
+        outputs = []
+        for batch in loader:
+            logits = model(**batch).logits.float()
+            out = logits.squeeze(-1) if regression else logits.softmax(-1)
+            outputs.append(accelerator.gather_for_metrics(out).cpu().numpy())
+        model.train()
+        if accelerator.is_main_process:
+            values = np.concatenate(outputs)
+            names = [str(config.id2label[i]) for i in range(config.num_labels)]
+            records = (
+                {"id": row, "score": float(value)}
+                if regression
+                else {
+                    "id": row,
+                    "label": names[int(value.argmax())],
+                    "probabilities": dict(zip(names, value.tolist(), strict=True)),
+                }
+                for row, value in zip(data.row_ids or [], values, strict=True)
+            )
+            write_jsonl(output_dir / "predictions.jsonl", records)
+        return {"rows": len(data.eval), "file": "predictions.jsonl"}
 
     def model_kwargs(self, data: ClassificationData) -> dict[str, Any]:
         if data.label_names is None:
@@ -284,10 +355,11 @@ def _label_id(value: Any, label_names: list[str] | None, source: str, column: st
 
 
 def _columns(
-    cfg: DataConfig, glue: GlueTask | None, split: data_lib.Split
+    cfg: DataConfig, glue: GlueTask | None, split: data_lib.Split, with_label: bool = True
 ) -> tuple[str, str | None, str]:
     """The text, pair and label columns: explicit settings first, then the GLUE task's names,
-    then ``text`` / ``label``."""
+    then ``text`` / ``label``. Without ``with_label`` (rows to predict on) the label is not
+    looked for, and returned as ''."""
     have = split.examples.column_names
 
     def pick(key: str, explicit: str | None, candidates: Sequence[str] | None) -> str | None:
@@ -311,7 +383,9 @@ def _columns(
     text = pick("text_column", cfg.text_column, glue.text if glue else ("text", "sentence"))
     pair_candidates = glue.pair if glue else None
     pair = pick("text_pair_column", cfg.text_pair_column, pair_candidates)
-    label = pick("label_column", cfg.label_column, glue.label if glue else ("label",))
+    label = ""
+    if with_label:
+        label = pick("label_column", cfg.label_column, glue.label if glue else ("label",))
     assert text is not None and label is not None
     return text, pair, label
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,28 @@ from transformers import (
 )
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import Task, TaskData, model_for_generation
+from recipes.tasks.base import (
+    Task,
+    TaskData,
+    complete_each,
+    model_for_generation,
+    write_jsonl,
+)
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
 IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
+
+
+@dataclass
+class PromptData(TaskData):
+    """mode=predict: the texts to continue."""
+
+    prompts: list[str] = field(default_factory=list)
 
 
 class LanguageModeling(Task[TaskData]):
@@ -268,6 +282,59 @@ class CausalLanguageModeling(LanguageModeling):
             batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX
         )
         return _sequence_nll(logits, labels)
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptData:
+        """The texts of ``data.predict_file`` (a text file's lines, or the ``text`` column,
+        ``data.text_column``, of JSON lines / CSV / parquet) as prompts to continue; blank
+        texts are passed over."""
+        split = data_lib.load_predict_file(cfg)
+        column = cfg.text_column or "text"
+        if column not in split.examples.column_names:
+            raise DataError(
+                f"data.predict_file={split.source}: no {column!r} column (it has "
+                f"{', '.join(split.examples.column_names)}); name it with data.text_column=..."
+            )
+        texts = split.examples[column]
+        wrong = [n for n, text in enumerate(texts) if not isinstance(text, str)]
+        if wrong:
+            raise DataError(
+                f"data.predict_file={split.source}: {len(wrong)} row(s) hold no text in "
+                f"{column!r} (rows {', '.join(map(str, wrong[:3]))}); fix or remove them."
+            )
+        prompts = [text for text in texts if text.strip()]
+        if len(prompts) < len(texts):
+            log.info("predict: %d blank texts passed over", len(texts) - len(prompts))
+        empty = Dataset.from_dict({"input_ids": []})
+        return PromptData(train=empty, eval=empty, prompts=prompts)
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: PromptData,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """``generations.jsonl``: each prompt and its continuation (greedy, or sampled with
+        ``generation.do_sample``), prompt and continuation within ``block_size`` tokens."""
+        answers = complete_each(
+            model,
+            [tokenizer(text)["input_ids"] for text in data.prompts],
+            tokenizer,
+            accelerator,
+            generation,
+            generation.max_new_tokens or self.sample_max_new_tokens,
+            self.block_size,
+        )
+        if accelerator.is_main_process:
+            records = (
+                {"prompt": prompt, "generated": answer}
+                for prompt, answer in zip(data.prompts, answers, strict=True)
+            )
+            write_jsonl(output_dir / "generations.jsonl", records)
+        return {"rows": len(answers), "file": "generations.jsonl"}
 
     @torch.no_grad()
     def after_training(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from datasets import Dataset
 from transformers import AutoModelForQuestionAnswering, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import squad_v1, squad_v2
@@ -134,11 +135,7 @@ class QuestionAnswering(Task[QAData]):
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> QAData:
         """Load, check and featurize the train and evaluation splits (cached on disk)."""
-        if not tokenizer.is_fast:
-            raise ConfigError(
-                "model.name_or_path: question answering needs a fast tokenizer (offset mappings); "
-                "this model only has a slow one."
-            )
+        _check_fast(tokenizer)
         splits = data_lib.load_splits(cfg, reader=read_squad_json)
         for role, split in splits.items():
             check_examples(
@@ -161,6 +158,44 @@ class QuestionAnswering(Task[QAData]):
             train=train,
             eval=_longest_first(windows, tokenizer),
             eval_examples=eval_examples,
+            eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
+            left_padded=tokenizer.padding_side == "left",
+        )
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> QAData:
+        """The questions of ``data.predict_file`` (SQuAD JSON or JSON lines; answers and ids may
+        be missing), in evaluation windows."""
+        _check_fast(tokenizer)
+        split = data_lib.load_predict_file(
+            cfg, reader=lambda path: read_squad_json(path, answers_required=False)
+        )
+        missing = {"question", "context"} - set(split.examples.column_names)
+        if missing:
+            raise DataError(
+                f"data.predict_file={split.source}: no {' or '.join(sorted(missing))} column; "
+                "questions to answer need 'question' and 'context'."
+            )
+        examples = split.examples
+        if "id" not in examples.column_names:
+            examples = examples.add_column("id", [str(i) for i in range(len(examples))])
+        data = self.question_windows(examples, tokenizer)
+        log.info("predict: %d questions -> %d features", len(examples), len(data.eval))
+        return data
+
+    def question_windows(self, examples: Dataset, tokenizer: PreTrainedTokenizerBase) -> QAData:
+        """Questions (``id``, ``question``, ``context``) as evaluation windows, with no training
+        features: what mode=predict and ``python -m recipes.answer`` run the model on."""
+        windows = examples.map(
+            self._eval_features,
+            batched=True,
+            with_indices=True,
+            remove_columns=examples.column_names,
+            fn_kwargs={"tokenizer": tokenizer},
+        )
+        return QAData(
+            train=windows.select([]),
+            eval=_longest_first(windows, tokenizer),
+            eval_examples=examples,
             eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
             left_padded=tokenizer.padding_side == "left",
         )
@@ -290,11 +325,52 @@ class QuestionAnswering(Task[QAData]):
         accelerator: Accelerator,
         output_dir: Path | None,
     ) -> dict[str, float]:
-        """Answer every evaluation question, score EM / F1, write the predictions files.
+        """Answer every evaluation question, score EM / F1, write the predictions files."""
+        collector = self.collect(model, loader, data, accelerator)
+        metrics: dict[str, float] = {}
+        if collector is not None:
+            metrics = self._score(collector, data.eval_examples, output_dir)
+        return broadcast_object_list([metrics])[0]
 
-        Every process runs its share of the windows; only the top candidates of each window are
-        gathered, and the main process turns them into answers batch by batch.
-        """
+    @torch.no_grad()
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: QAData,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """``predictions.json`` ({id: answer}), and ``nbest_predictions.json`` with
+        ``task.write_nbest``, ``null_odds.json`` for v2: evaluation's files, without scores."""
+        collector = self.collect(model, loader, data, accelerator)
+        if collector is not None:
+            predictions, nbest, null_odds = collector.answers(
+                data.eval_examples,
+                self.version_2_with_negative,
+                self.null_score_diff_threshold,
+                self.write_nbest,
+            )
+            write_json(output_dir / "predictions.json", predictions)
+            if self.write_nbest:
+                write_json(output_dir / "nbest_predictions.json", nbest)
+            if null_odds:
+                write_json(output_dir / "null_odds.json", null_odds)
+        return {"rows": len(data.eval_examples), "file": "predictions.json"}
+
+    @torch.no_grad()
+    def collect(
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: QAData,
+        accelerator: Accelerator,
+    ) -> AnswerCollector | None:
+        """The top start / end candidates of every window of ``loader``, collected on the main
+        process (None on the others): every process runs its share of the windows, and only
+        their top candidates are gathered."""
         collector = None
         if accelerator.is_main_process:
             collector = AnswerCollector(data.eval_windows, self.n_best_size, self.max_answer_length)
@@ -315,10 +391,7 @@ class QuestionAnswering(Task[QAData]):
                 arrays = {k: v.cpu().numpy() for k, v in candidates.items()}
                 collector.add(arrays, arrays.pop("feature_index"))
         model.train()
-        metrics: dict[str, float] = {}
-        if collector is not None:
-            metrics = self._score(collector, data.eval_examples, output_dir)
-        return broadcast_object_list([metrics])[0]
+        return collector
 
     def _score(
         self, collector: AnswerCollector, examples: Dataset, output_dir: Path | None
@@ -346,6 +419,14 @@ class QuestionAnswering(Task[QAData]):
             if null_odds:
                 write_json(output_dir / "null_odds.json", null_odds)
         return {k: float(v) for k, v in scores.items() if k != "total"}
+
+
+def _check_fast(tokenizer: PreTrainedTokenizerBase) -> None:
+    if not tokenizer.is_fast:
+        raise ConfigError(
+            "model.name_or_path: question answering needs a fast tokenizer (offset mappings); "
+            "this model only has a slow one."
+        )
 
 
 def _longest_first(windows: Dataset, tokenizer: PreTrainedTokenizerBase) -> Dataset:

@@ -31,13 +31,14 @@ COLUMNS = ("id", "context", "question", "answers")
 MAX_REPORTED_PROBLEMS = 5
 
 
-def read_squad_json(path: Path) -> Dataset | None:
+def read_squad_json(path: Path, answers_required: bool = True) -> Dataset | None:
     """Read SQuAD JSON or JSON lines into one row per question, checking its layout.
 
     Three layouts are read: the official nested file (v1.1 / v2.0: ``{"data": [{"title",
     "paragraphs": [{"context", "qas": [...]}]}]}``), the flat rows of transformers' question-
     answering examples (``{"data": [{"id", "title", "context", "question", "answers"}]}``, what
-    ``run_qa.py --train_file`` reads) and JSON lines of such rows. ``answers`` may be a list of
+    ``run_qa.py --train_file`` reads) and JSON lines of such rows. Rows to predict on
+    (``answers_required=False``) may lack ``answers`` and ``id`` (then their number, from 0). ``answers`` may be a list of
     ``{"text", "answer_start"}`` objects or ``{"text": [...], "answer_start": [...]}``. The rows
     have the columns of the hub's ``squad`` / ``squad_v2``; unanswerable v2.0 questions get empty
     answer lists (their ``plausible_answers`` are not answers). Returns None for other file types
@@ -54,8 +55,9 @@ def read_squad_json(path: Path) -> Dataset | None:
     problems: list[str] = []
     rows = [
         row
-        for place, raw in _questions(path, text, problems)
-        if (row := _question_row(place, raw, problems)) is not None
+        for n, (place, raw) in enumerate(_questions(path, text, problems))
+        if (row := _question_row(place, _unlabelled(raw, n, answers_required), problems))
+        is not None
     ]
     problems += _duplicate_ids([(row["id"], row.pop("place")) for row in rows])
     if problems:
@@ -207,6 +209,13 @@ def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> str:
     )
 
 
+def _unlabelled(raw: Any, number: int, answers_required: bool) -> Any:
+    """A question to predict on, read as one without answers (and numbered, without an id)."""
+    if answers_required or not isinstance(raw, dict):
+        return raw
+    return {"id": str(number), **raw} | ({} if raw.get("answers") else {"answers": []})
+
+
 def _question_row(place: str, raw: Any, problems: list[str]) -> dict[str, Any] | None:
     """The question as a row of ``ROW_FEATURES`` (and its place), or None with the reasons
     added to ``problems``."""
@@ -236,6 +245,8 @@ def _question_row(place: str, raw: Any, problems: list[str]) -> dict[str, Any] |
         )
     if not wrong and not raw["context"].strip():
         wrong.append("empty context")
+    elif not wrong and not raw["question"].strip():
+        wrong.append("empty question")
     elif not wrong and any(start > len(raw["context"]) for start in answers[1]):
         wrong.append(
             f"answer_start={max(answers[1])} is past the end of the context "

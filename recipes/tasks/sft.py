@@ -10,7 +10,7 @@ held-out conversations' labelled tokens (the assistant's), summed exactly across
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,19 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import chat
-from recipes.tasks.base import SummedLoss, Task, TaskData, model_for_generation
+from recipes.tasks.base import (
+    SummedLoss,
+    Task,
+    TaskData,
+    complete_each,
+    model_for_generation,
+    write_jsonl,
+)
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
@@ -126,6 +133,67 @@ class SupervisedFineTuning(Task[ChatData]):
             new_tokens=new_tokens,
             stop_tokens=_end_of_turn(tokenizer, template),
         )
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        """The prompts of ``data.predict_file``: conversations (any layout training reads, the
+        answer's field optional) or TRL's prompt-only rows; a conversation that ends with an
+        assistant reply is asked what comes before it, and the reply is kept as its reference."""
+        template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
+        tokenizer.chat_template = template
+        fmt = self.format if self.format in chat.FORMATS else "auto"  # DPO's layouts are pairs
+        split = data_lib.load_predict_file(
+            cfg, lambda path: chat.read_conversations(path, fmt, prompt=True)
+        )
+        prompts = []
+        for row in chat.normalise(split.examples, fmt, split.source, prompt=True):
+            messages, reference = row["messages"], None
+            if messages[-1]["role"] == "assistant":
+                messages, reference = messages[:-1], messages[-1]["content"]
+            prompts.append({"messages": messages, "tools": row["tools"], "reference": reference})
+        empty = Dataset.from_dict({"input_ids": []})
+        return ChatData(
+            train=empty,
+            eval=empty,
+            template=template,
+            prompts=prompts,
+            new_tokens=new_tokens,
+            stop_tokens=_end_of_turn(tokenizer, template),
+        )
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ChatData,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """``generations.jsonl``: per prompt, its messages, the answer generated with the chat
+        template (greedy, or sampled with ``generation.do_sample``) and the reference, if any."""
+        prompts = [
+            chat.render(tokenizer, data.template, p["messages"], True, p["tools"])
+            for p in data.prompts
+        ]
+        answers = complete_each(
+            model,
+            prompts,
+            tokenizer,
+            accelerator,
+            generation,
+            generation.max_new_tokens or self.generation_max_new_tokens,
+            self.max_seq_length,
+        )
+        if accelerator.is_main_process:
+            records = (
+                {"messages": p["messages"], "generated": answer}
+                | ({"reference": p["reference"]} if p["reference"] is not None else {})
+                for p, answer in zip(data.prompts, answers, strict=True)
+            )
+            write_jsonl(output_dir / "generations.jsonl", records)
+        return {"rows": len(answers), "file": "generations.jsonl"}
 
     def _features(
         self,
