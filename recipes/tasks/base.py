@@ -15,6 +15,8 @@ checkpoints; a task may settle ``main_metric`` in ``build_data``, as a GLUE task
 ``max_seq_length``, ``settings()``, ``model_kwargs(data)``, ``check_model(model)``,
 ``before_training(...)``, ``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
 returned back to ``model_kwargs``, ``evaluate`` and ``after_training``: a task keeps no hidden state between them.
+A task that answers new rows (``mode=predict``) also gives ``build_predict_data(data_cfg,
+tokenizer)`` and ``predict(...)``, which get the same hand-back.
 """
 
 from __future__ import annotations
@@ -182,9 +184,8 @@ class Task(abc.ABC, Generic[DataT]):
         generation: GenerationConfig,
     ) -> dict[str, Any]:
         """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``; the
-        ``tokenizer`` is the one ``build_predict_data`` had), write
-        the task's predictions file into ``output_dir`` (main process), and return what to
-        report: ``rows`` and ``file``."""
+        ``tokenizer`` is the one ``build_predict_data`` had), write the task's predictions file
+        into ``output_dir`` (main process), and return what to report: ``rows`` and ``file``."""
         raise NotImplementedError
 
 
