@@ -10,7 +10,8 @@ context (the task's ``max_seq_length`` / ``doc_stride``), the same n-best search
 end logits, and for SQuAD v2 models the same null-answer threshold (:mod:`recipes.tasks.qa`,
 :mod:`recipes.tasks.qa_answers`). The task settings are the run's own (``config.yaml`` beside
 ``final/``), else ``conf/task/qa.yaml``'s; the flags change the answer search. The device is
-accelerate's (MUSA, CUDA or CPU).
+accelerate's (MUSA, CUDA or CPU), and batches are padded and computed (autocast) as the run's
+evaluations were, so the answers are the run's.
 
 ``--file``: JSON lines of ``{"question", "context"}`` (``id`` optional), or a SQuAD JSON file
 (answers, when present, are ignored). Prints one answer per line (``id<TAB>answer`` for a file),
@@ -40,22 +41,40 @@ def answer(
     *,
     n_best: int | None = None,
     threshold: float | None = None,
-    batch_size: int = 32,
+    batch_size: int | None = None,
+    mixed_precision: str | None = None,
 ) -> tuple[dict[str, str], dict[str, list[dict]]]:
     """The answer to each of ``questions`` (``id``, ``question``, ``context``), and their n-best
     lists, from the QA model saved in ``model_dir``: the task's evaluation windows and answer
-    collection (:meth:`recipes.tasks.qa.QuestionAnswering.collect`) on accelerate's device."""
+    collection (:meth:`recipes.tasks.qa.QuestionAnswering.collect`) on accelerate's device, in
+    batches padded and computed as the run's evaluations were (its ``trainer.*`` settings)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
-    task = _task(model_dir, n_best, threshold)
+    from recipes.config import TrainerConfig
+    from recipes.loop import resolve_mixed_precision
+
+    saved = _run_config(model_dir)
+    task = _task(model_dir, saved.get("task"), n_best, threshold)
+    trainer = {**vars(TrainerConfig()), "mixed_precision": "no", **saved.get("trainer", {})}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = task.question_windows(questions, tokenizer)
-    accelerator = Accelerator()
+    accelerator = Accelerator(
+        mixed_precision=resolve_mixed_precision(mixed_precision or str(trainer["mixed_precision"]))
+    )
     model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    fixed = str(trainer["padding"]) == "max_length"
+    padding = DataCollatorWithPadding(
+        tokenizer,
+        padding="max_length" if fixed else "longest",
+        max_length=task.max_seq_length if fixed else None,
+        pad_to_multiple_of=trainer["pad_to_multiple_of"],
+    )
     loader = DataLoader(
-        data.eval, batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer)
+        data.eval,
+        batch_size=batch_size or trainer["per_device_eval_batch_size"],
+        collate_fn=padding,
     )
     model, loader = accelerator.prepare(model, loader)
     collector = task.collect(model, loader, data, accelerator)
@@ -65,15 +84,25 @@ def answer(
     return predictions, nbest
 
 
-def _task(model_dir: Path, n_best: int | None, threshold: float | None) -> Any:
-    """The QA task as the run that saved ``model_dir`` had it (its ``config.yaml``), else with
+def _run_config(model_dir: Path) -> dict[str, Any]:
+    """The resolved config of the run that saved ``model_dir`` (its ``config.yaml``), or {}."""
+    from omegaconf import OmegaConf
+
+    run_config = model_dir.parent / "config.yaml"
+    if not run_config.is_file():
+        return {}
+    return OmegaConf.to_container(OmegaConf.load(run_config), resolve=False)  # type: ignore[return-value]
+
+
+def _task(
+    model_dir: Path, saved: dict[str, Any] | None, n_best: int | None, threshold: float | None
+) -> Any:
+    """The QA task as the run that saved ``model_dir`` had it (``saved``), else with
     ``conf/task/qa.yaml``'s settings; ``n_best`` / ``threshold`` replace the run's."""
     from omegaconf import OmegaConf
 
     from recipes.config import instantiate
 
-    run_config = model_dir.parent / "config.yaml"
-    saved = OmegaConf.load(run_config).get("task") if run_config.is_file() else None
     if saved is not None and saved.get("_target_") != QA_TASK:
         raise SystemExit(f"error: {model_dir} was trained by {saved.get('_target_')}, not task=qa.")
     if saved is None and not CONF_TASK.is_file():
@@ -81,7 +110,7 @@ def _task(model_dir: Path, n_best: int | None, threshold: float | None) -> Any:
             f"error: no config.yaml beside {model_dir} (a run's final/ has one) and no "
             f"{CONF_TASK} to take the QA settings from."
         )
-    settings = OmegaConf.load(CONF_TASK) if CONF_TASK.is_file() else saved
+    settings = OmegaConf.load(CONF_TASK) if CONF_TASK.is_file() else OmegaConf.create(saved)
     if saved is not None:
         settings = OmegaConf.merge(settings, saved)
     if n_best is not None:
@@ -116,7 +145,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write {id: answer} here (SQuAD's format)")
     parser.add_argument("--n-best", type=int, help="candidates to keep (and write with --out)")
     parser.add_argument("--threshold", type=float, help="SQuAD v2 null-score threshold")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, help="windows per batch (the run's eval batch)")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["auto", "no", "bf16", "fp16"],
+        help="autocast (default: the run's trainer.mixed_precision; fp32 without a run config)",
+    )
     args = parser.parse_args(argv)
     if (args.file is None) == (args.question is None or args.context is None):
         parser.error("give --question and --context, or --file")
@@ -138,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         n_best=args.n_best,
         threshold=args.threshold,
         batch_size=args.batch_size,
+        mixed_precision=args.mixed_precision,
     )
     for qid, text in predictions.items():
         print(f"{qid}\t{text}" if args.file else text)

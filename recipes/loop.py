@@ -184,17 +184,37 @@ class Trainer:
             adapters.enable_gradient_checkpointing(model)
         return model
 
-    def _setup_data_loaders(self) -> None:
-        trainer_cfg, data = self.trainer_cfg, self.data
-        fixed = self.task.max_seq_length if trainer_cfg.padding == "max_length" else None
-        padding = DataCollatorWithPadding(
+    def _padding(self) -> DataCollatorWithPadding:
+        """The collator of a task without its own: each batch padded to its longest row (to
+        the task's max_seq_length with trainer.padding=max_length), to trainer.pad_to_multiple_of."""
+        fixed = self.task.max_seq_length if self.trainer_cfg.padding == "max_length" else None
+        return DataCollatorWithPadding(
             self.tokenizer,
             padding="max_length" if fixed else "longest",
             max_length=fixed,
-            pad_to_multiple_of=trainer_cfg.pad_to_multiple_of,
+            pad_to_multiple_of=self.trainer_cfg.pad_to_multiple_of,
         )
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.trainer_cfg.dataloader_num_workers,
+            **device.pin_memory_kwargs(self.trainer_cfg.pin_memory, self.accelerator.device),
+        }
+
+    def _eval_loader(self, data: TaskData) -> DataLoader:
+        """Batches of ``data.eval``, as every evaluation (and mode=predict) reads them."""
+        return DataLoader(
+            data.eval,
+            batch_size=self.trainer_cfg.per_device_eval_batch_size,
+            collate_fn=data.eval_collator or self._padding(),
+            **self._loader_kwargs(),
+        )
+
+    def _setup_data_loaders(self) -> None:
+        trainer_cfg, data = self.trainer_cfg, self.data
+        fixed = self.task.max_seq_length if trainer_cfg.padding == "max_length" else None
         pad_task_batches(data, trainer_cfg.pad_to_multiple_of)
-        self.collator = data.train_collator or padding
+        self.collator = data.train_collator or self._padding()
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
         varied = lengths is not None and len(lengths) > 0 and lengths.min() < lengths.max()
@@ -210,24 +230,15 @@ class Trainer:
         if data.random_collator:
             self.collator = SeededCollator(self.collator, trainer_cfg.seed)
         self.sampler = self._length_grouped_sampler(lengths) if varied else None
-        loader_kwargs = {
-            "num_workers": trainer_cfg.dataloader_num_workers,
-            **device.pin_memory_kwargs(trainer_cfg.pin_memory, self.accelerator.device),
-        }
         self.train_loader = DataLoader(
             data.train,
             batch_size=trainer_cfg.per_device_train_batch_size,
             shuffle=self.sampler is None,
             sampler=self.sampler,
             collate_fn=self.collator,
-            **loader_kwargs,
+            **self._loader_kwargs(),
         )
-        self.eval_loader = DataLoader(
-            data.eval,
-            batch_size=trainer_cfg.per_device_eval_batch_size,
-            collate_fn=data.eval_collator or padding,
-            **loader_kwargs,
-        )
+        self.eval_loader = self._eval_loader(data)
 
     def _length_grouped_sampler(
         self, lengths: np.ndarray
@@ -759,12 +770,8 @@ class Trainer:
         model = load_model(settings.model, self.task.auto_model_class, overrides)
         self.task.check_model(model)
         fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
-        loader = DataLoader(
-            data.eval,
-            batch_size=self.trainer_cfg.per_device_eval_batch_size,
-            collate_fn=data.eval_collator or DataCollatorWithPadding(self.tokenizer),
-        )
-        model, loader = accelerator.prepare(model, loader)
+        pad_task_batches(data, self.trainer_cfg.pad_to_multiple_of)
+        model, loader = accelerator.prepare(model, self._eval_loader(data))
         report = self.task.predict(
             model, self.tokenizer, loader, data, accelerator, self.output_dir, settings.generation
         )
