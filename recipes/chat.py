@@ -98,10 +98,9 @@ class Chat:
     def reply(self, text: str) -> str:
         """The model's answer to the user's ``text`` after the conversation so far (the
         oldest turns are left out when the whole would not fit the model's positions)."""
-        import torch
 
         from recipes.tasks import chat
-        from recipes.tasks.base import sampling
+        from recipes.tasks.base import complete
 
         self.messages.append({"role": "user", "content": text})
         template = self.tokenizer.chat_template
@@ -109,17 +108,10 @@ class Chat:
         ids = chat.render(self.tokenizer, template, self.messages, True)
         while len(ids) + self.max_new_tokens > limit and self._forget_a_turn():
             ids = chat.render(self.tokenizer, template, self.messages, True)
-        ids = ids[-(limit - 1) :]  # one turn longer than the model: its end, and a token's room
-        inputs = torch.tensor([ids], device=self.device)
-        with torch.no_grad():
-            out = self.model.generate(
-                input_ids=inputs,
-                attention_mask=torch.ones_like(inputs),
-                max_new_tokens=min(self.max_new_tokens, limit - len(ids)),
-                pad_token_id=self.tokenizer.pad_token_id,
-                **sampling(self.generation),
-            )
-        answer = self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
+        text = complete(
+            self.model, ids, self.tokenizer, self.generation, self.max_new_tokens, limit
+        )
+        answer = text.strip()
         self.messages.append({"role": "assistant", "content": answer})
         return answer
 

@@ -230,23 +230,37 @@ def complete_each(
     completed = []
     with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
         for i in mine:
-            ids = prompts[i]
-            new_tokens = max_new_tokens
-            if max_length is not None:
-                ids = ids[-(max_length - 1) :]  # room for at least one new token
-                new_tokens = min(new_tokens, max_length - len(ids))
-            inputs = torch.tensor([ids], device=accelerator.device)
             torch.manual_seed(seed + i)
-            generated = unwrapped.generate(
-                input_ids=inputs,
-                attention_mask=torch.ones_like(inputs),
-                max_new_tokens=new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling(generation),
+            text = complete(
+                unwrapped, prompts[i], tokenizer, generation, max_new_tokens, max_length
             )
-            text = tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
             completed.append((i, text))
     return [text for _, text in sorted(gather_object(completed))]
+
+
+@torch.no_grad()
+def complete(
+    model: torch.nn.Module,
+    ids: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    max_new_tokens: int,
+    max_length: int | None = None,
+) -> str:
+    """The completion of one prompt (token ids) by the unwrapped ``model``, on its device;
+    ``max_length`` caps prompt + answer (a longer prompt keeps its end)."""
+    if max_length is not None:
+        ids = ids[-(max_length - 1) :]  # room for at least one new token
+        max_new_tokens = min(max_new_tokens, max_length - len(ids))
+    inputs = torch.tensor([ids], device=next(model.parameters()).device)
+    generated = model.generate(
+        input_ids=inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling(generation),
+    )
+    return tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
 
 
 def sampling(generation: GenerationConfig) -> dict[str, Any]:

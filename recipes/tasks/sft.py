@@ -31,6 +31,7 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
     TaskData,
+    complete,
     complete_each,
     model_for_generation,
     write_jsonl,
@@ -381,10 +382,7 @@ class SupervisedFineTuning(Task[ChatData]):
         unwrapped = model_for_generation(model, accelerator, "greedy answers")
         if unwrapped is None:
             return {}
-        records = [
-            self._answer(unwrapped, tokenizer, data.template, p, accelerator.device)
-            for p in data.prompts
-        ]
+        records = [self._answer(unwrapped, tokenizer, data.template, p) for p in data.prompts]
         unwrapped.train()
         with (output_dir / "generations.jsonl").open("w", encoding="utf-8") as out:
             for record in records:
@@ -406,20 +404,12 @@ class SupervisedFineTuning(Task[ChatData]):
         tokenizer: PreTrainedTokenizerBase,
         template: str | None,
         prompt: dict[str, Any],
-        device: torch.device,
     ) -> dict[str, Any]:
         ids = chat.render(tokenizer, template, prompt["messages"], True, prompt["tools"])
-        ids = ids[-(self.max_seq_length - 1) :]  # room for at least one new token
-        new_tokens = min(self.generation_max_new_tokens, self.max_seq_length - len(ids))
-        inputs = torch.tensor([ids], device=device)
-        generated = model.generate(
-            input_ids=inputs,
-            attention_mask=torch.ones_like(inputs),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
+        greedy = GenerationConfig()
+        text = complete(
+            model, ids, tokenizer, greedy, self.generation_max_new_tokens, self.max_seq_length
         )
-        text = tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
         return {"messages": prompt["messages"], "reference": prompt["reference"], "generated": text}
 
 
