@@ -54,6 +54,7 @@ def answer(
 
     from recipes.config import TrainerConfig
     from recipes.loop import resolve_mixed_precision
+    from recipes.model import backend_kwargs
 
     saved = _run_config(model_dir)
     task = _task(model_dir, saved.get("task"), n_best, threshold)
@@ -63,7 +64,7 @@ def answer(
     accelerator = Accelerator(
         mixed_precision=resolve_mixed_precision(mixed_precision or str(trainer["mixed_precision"]))
     )
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir, **backend_kwargs())
     fixed = str(trainer["padding"]) == "max_length"
     padding = DataCollatorWithPadding(
         tokenizer,

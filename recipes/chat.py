@@ -71,6 +71,7 @@ class Chat:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from recipes.config import GenerationConfig
+        from recipes.model import backend_kwargs
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if not self.tokenizer.chat_template:
@@ -79,7 +80,11 @@ class Chat:
                 "the one it trained with in final/; for a base model, train one first."
             )
         self.device = PartialState().device
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, **backend_kwargs())
+            .to(self.device)
+            .eval()
+        )
         self.head = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict[str, Any]] = list(self.head)
         self.max_new_tokens = max_new_tokens

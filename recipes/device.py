@@ -249,6 +249,14 @@ def musa_sdpa_trains(version: str | None) -> bool:
     return found is not None and found >= _MUSA_SDPA_BACKWARD
 
 
+def hub_kernels_run_here(name: str | None = None) -> bool:
+    """Whether the ``kernels`` library (transformers 5's hub kernels, on by default when it is
+    installed) can run a model on this backend. It knows cpu, cuda, rocm, mps, npu, xpu, tpu
+    and neuron, not musa: there ``model.train()`` / ``.eval()`` re-kernelize the model and raise
+    "Unsupported device type 'musa'" (found on the emulated MUSA device)."""
+    return (backend() if name is None else name) != MUSA
+
+
 def default_attn_implementation() -> str:
     """``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1 (``"eager"``: its SDPA had
     no backward). ``python -m recipes.env`` checks SDPA against eager on the device."""

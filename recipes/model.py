@@ -38,6 +38,14 @@ def _source(cfg: ModelConfig) -> dict[str, Any]:
     return source
 
 
+def backend_kwargs() -> dict[str, Any]:
+    """``from_pretrained`` arguments this backend needs: no hub kernels where the ``kernels``
+    library cannot run (MUSA), in the transformers releases that take ``use_kernels``."""
+    if device.hub_kernels_run_here() or not hasattr(transformers.PreTrainedModel, "use_kernels"):
+        return {}
+    return {"use_kernels": False}
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer; a missing or unreachable model fails with the key to fix.
 
@@ -116,7 +124,13 @@ def load_model(
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = device.default_attn_implementation()
-    kwargs = {**_source(cfg), **_dtype(cfg.dtype), **(overrides or {}), **task_kwargs}
+    kwargs = {
+        **_source(cfg),
+        **_dtype(cfg.dtype),
+        **backend_kwargs(),
+        **(overrides or {}),
+        **task_kwargs,
+    }
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
     kwargs["output_loading_info"] = True  # reported in one line (weights_report), not a table
