@@ -10,7 +10,10 @@ github.com/MooreThreads/torch_musa:
   v2.7.x.
 - ``torch_musa._dynamo`` (the torch.compile backend): from v1.3.2.
 - ``torch.musa.is_autocast_enabled`` / ``get_autocast_dtype`` (what torch 2.2's checkpointing
-  calls): from v1.3.2; v1.3.0 has ``is_autocast_musa_enabled`` / ``get_autocast_musa_dtype``.
+  calls): v1.3.2 to v2.5.0; v1.3.0 has ``is_autocast_musa_enabled`` / ``get_autocast_musa_dtype``;
+  v2.7.x has neither (torch >= 2.4 keeps the autocast state itself).
+- ``torch.musa.get_amp_supported_dtype()``: fp16, bf16 and fp32 whatever the card up to v2.5.0;
+  v2.7.x lists bf16 only on cards of capability 2.2 or more (S4000).
 - ``torch_musa.optim.FusedAdamW``: from v2.1.1; state ``step`` (a CPU float32 tensor),
   ``exp_avg``, ``exp_avg_sq``, and ``fused: True`` in its groups (optim/fused_adamw.py). Its
   constructor refuses parameters on any device but MUSA up to v2.7.0 ("musa only"); v2.7.1 also
@@ -24,7 +27,9 @@ github.com/MooreThreads/torch_musa:
 
 The devices are simulated (cards of the given name and capability; the indices whose
 capability or properties are read are kept in ``torch.musa.queried``); tensors cannot be moved
-to them, which is what a broken build looks like to the doctor's SDPA check.
+to them, which is what a broken build looks like to the doctor's SDPA check. With
+``emulated=True`` the same release runs on the emulated device instead (``tests/emulated_musa``):
+cards that hold tensors and run every operator, as ``scripts/emulated_musa.py`` uses it.
 """
 
 from __future__ import annotations
@@ -42,18 +47,21 @@ class Release:
     has_dynamo: bool
     fused_adamw: tuple[str, ...]  # the devices FusedAdamW's constructor takes; () for none
     fused_adamw_kernel: bool  # torch's _fused_adamw_ registered for MUSA
-    device_autocast_names: bool  # torch.musa.is_autocast_enabled / get_autocast_dtype
+    autocast_names: str  # "musa": is_autocast_musa_enabled...; "plain": is_autocast_enabled...
     autoload_entry_point: bool
+    amp_bf16_by_capability: bool = False  # get_amp_supported_dtype() asks the card
 
 
 MUSA_ONLY = ("musa",)
 RELEASES = {
-    "v1.3.0": Release("v1.3.0", "1.3.0+73c9f5b", False, False, (), False, False, False),
-    "v1.3.2": Release("v1.3.2", "1.3.2+af1592c", False, True, (), False, True, False),
-    "v2.0.0": Release("v2.0.0", "2.0.0+8c8e412", False, True, (), False, True, False),
-    "v2.5.0": Release("v2.5.0", "2.5.0+0dbf6f1", False, True, MUSA_ONLY, True, True, True),
-    "v2.7.0": Release("v2.7.0", "2.7.0+7a6f07a", True, True, MUSA_ONLY, True, True, True),
-    "v2.7.1": Release("v2.7.1", "2.7.1+0bc05bf", True, True, ("musa", "cpu"), True, True, True),
+    "v1.3.0": Release("v1.3.0", "1.3.0+73c9f5b", False, False, (), False, "musa", False),
+    "v1.3.2": Release("v1.3.2", "1.3.2+af1592c", False, True, (), False, "plain", False),
+    "v2.0.0": Release("v2.0.0", "2.0.0+8c8e412", False, True, (), False, "plain", False),
+    "v2.5.0": Release("v2.5.0", "2.5.0+0dbf6f1", False, True, MUSA_ONLY, True, "plain", True),
+    "v2.7.0": Release("v2.7.0", "2.7.0+7a6f07a", True, True, MUSA_ONLY, True, "none", True, True),
+    "v2.7.1": Release(
+        "v2.7.1", "2.7.1+0bc05bf", True, True, ("musa", "cpu"), True, "none", True, True
+    ),
 }
 
 _INIT = """
@@ -172,6 +180,25 @@ if {fused_adamw_kernel!r}:
     _library.impl("_fused_adamw_", _fused_adamw_)
 """
 
+_EMULATED_INIT = """
+import sys
+
+if {tests!r} not in sys.path:
+    sys.path.append({tests!r})
+
+from emulated_musa import install as _install
+from fake_torch_musa import RELEASES as _RELEASES
+
+__version__ = {version!r}
+
+
+def _autoload():
+    pass
+
+
+_install(_RELEASES[{tag!r}], card={card!r}, cards={devices!r}, module=sys.modules[__name__])
+"""
+
 _FUSED_ADAMW = """
 import torch
 
@@ -232,20 +259,32 @@ def write_release(
     devices: int = 1,
     mccl: bool = True,
     broken: bool = False,
+    emulated: str | None = None,
 ) -> Path:
     """Write ``torch_musa`` of release ``tag`` under ``root`` (put ``root`` on PYTHONPATH); a
-    build for ``devices`` cards, with MCCL or (as S80 / S3000 builds) without."""
+    build for ``devices`` cards, with MCCL or (as S80 / S3000 builds) without.
+
+    ``emulated``: a card of ``emulated_musa.CARDS`` (``"S4000"``, ``"S80"``): the release runs on
+    ``devices`` emulated cards of that kind, which set the name, capability and MCCL."""
     release = RELEASES[tag]
     autocast = ("is_autocast", "get_autocast_dtype")
-    names = (
-        ("is_autocast_enabled", "get_autocast_dtype")
-        if release.device_autocast_names
-        else ("is_autocast_musa_enabled", "get_autocast_musa_dtype")
-    )
+    names = {
+        "musa": ("is_autocast_musa_enabled", "get_autocast_musa_dtype"),
+        "plain": ("is_autocast_enabled", "get_autocast_dtype"),
+        "none": ("_autocast_enabled", "_autocast_dtype"),
+    }[release.autocast_names]
     package = root / "torch_musa"
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        textwrap.dedent(_INIT).format(
+    if emulated is not None:
+        init = textwrap.dedent(_EMULATED_INIT).format(
+            tests=str(Path(__file__).resolve().parent),
+            version=release.version,
+            tag=tag,
+            card=emulated,
+            devices=devices,
+        )
+    else:
+        init = textwrap.dedent(_INIT).format(
             version=release.version,
             broken=broken,
             name=device_name,
@@ -255,9 +294,8 @@ def write_release(
             mccl=mccl,
             fused_adamw_kernel=release.fused_adamw_kernel,
             **dict(zip(autocast, names, strict=True)),
-        ),
-        encoding="utf-8",
-    )
+        )
+    (package / "__init__.py").write_text(init, encoding="utf-8")
     if release.has_dynamo:
         (package / "_dynamo").mkdir()
         (package / "_dynamo" / "__init__.py").write_text("", encoding="utf-8")

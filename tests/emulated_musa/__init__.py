@@ -1,0 +1,408 @@
+"""An emulated MUSA device for tests: tensors on ``musa`` held in host memory.
+
+``csrc/emulator.cpp`` is torch's PrivateUse1 backend (host allocator, a device guard with N
+cards, copies, a fallback that runs every other operator's CPU kernel on the same memory and
+refuses mixed devices, a generator per card, autocast, and an ``mccl`` backend of gloo over the
+same memory). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
+build and source (``$MUSA_EMULATOR_CACHE``, else ``~/.cache/musa-recipes/emulated-musa``).
+
+:func:`install` puts ``torch.musa`` on top of it as a torch_musa release has it: the functions,
+autocast dtypes, TF32 default, optimizer kernels and MCCL of that tag (the tables in
+``tests/fake_torch_musa.py``). ``scripts/emulated_musa.py`` runs any command with a generated
+``torch_musa`` stand-in that calls :func:`install`.
+
+What it cannot show: muDNN kernels, real numerics, speed, memory limits, MCCL topology and the
+driver. Those need a card (``scripts/gpu_check.py`` on a lent device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "emulator.cpp"
+NAME = "musa_emulator"
+
+
+@dataclass(frozen=True)
+class Card:
+    """A MUSA card as its driver reports it."""
+
+    name: str
+    capability: tuple[int, int]
+    memory_gib: int
+    mccl: bool  # S80 / S3000 builds of torch_musa ship without MCCL
+
+
+CARDS = {
+    "S4000": Card("MTT S4000", (2, 2), 48, True),
+    "S3000": Card("MTT S3000", (2, 1), 32, False),
+    "S80": Card("MTT S80", (2, 1), 16, False),
+}
+
+
+def cache_root() -> Path:
+    found = os.environ.get("MUSA_EMULATOR_CACHE")
+    if found:
+        return Path(found)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "musa-recipes" / "emulated-musa"
+
+
+def build_dir() -> Path:
+    """Where this torch build's compiled extension lives: one folder per torch, Python and source
+    (a changed source or another torch builds anew, never loads a stale library)."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(sys.version.encode())
+    key.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
+    return cache_root() / f"torch-{torch.__version__}-{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def extension(verbose: bool = False) -> types.ModuleType:
+    """The compiled emulator, built on first use (about a minute on 2 cores) and loaded from the
+    cache afterwards."""
+    import torch.distributed  # noqa: F401  (the c10d types the extension's functions take)
+
+    folder = build_dir()
+    library = folder / f"{NAME}.so"
+    if not (folder / "built").exists():
+        from torch.utils import cpp_extension
+
+        folder.mkdir(parents=True, exist_ok=True)
+        print(
+            f"emulated MUSA: compiling {SOURCE.name} into {folder} (once per torch build)",
+            file=sys.stderr,
+        )
+        module = cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            build_directory=str(folder),
+            extra_cflags=["-O1"],
+            verbose=verbose,
+        )
+        (folder / "built").write_text(str(library), encoding="utf-8")
+        return module
+    spec = importlib.util.spec_from_file_location(
+        NAME, library, loader=importlib.machinery.ExtensionFileLoader(NAME, str(library))
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def visible_cards(physical: int, env: str | None) -> int:
+    """How many cards a process sees: all ``physical`` ones without ``MUSA_VISIBLE_DEVICES``,
+    else the listed ordinals up to the first that does not exist (as CUDA's runtime reads
+    ``CUDA_VISIBLE_DEVICES``)."""
+    if env is None:
+        return physical
+    seen: list[int] = []
+    for item in env.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= physical or int(item) in seen:
+            break
+        seen.append(int(item))
+    return len(seen)
+
+
+def _index(device: torch.device | str | int | None, ext: types.ModuleType) -> int:
+    """A card ordinal from what torch.cuda-style functions accept (None: the current card)."""
+    if device is None:
+        return int(ext.current_device())
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "musa":
+        raise ValueError(f"Expected a musa device, but got: {device}")
+    return int(ext.current_device()) if device.index is None else int(device.index)
+
+
+def _properties(ext: types.ModuleType, card: Card, index: int) -> types.SimpleNamespace:
+    if not 0 <= index < ext.device_count():
+        raise AssertionError("Invalid device id")
+    major, minor = card.capability
+    return types.SimpleNamespace(
+        name=card.name,
+        major=major,
+        minor=minor,
+        total_memory=card.memory_gib << 30,
+        multi_processor_count=128 if card.mccl else 32,
+    )
+
+
+def _tag(tag: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in tag.lstrip("v").split("."))
+
+
+# Names of torch.musa that came or went between the tags (read at each tag; every other name
+# defined below is in all of v1.3.0 to v2.7.1): name -> (first tag, last tag).
+_SPANS = {
+    "is_bf16_supported": ("v2.5.0", None),
+    "is_initialized": ("v2.5.0", None),
+    "reset_max_memory_allocated": ("v2.5.0", None),
+    "is_tf32_supported": ("v2.7.1", None),
+    "StreamContext": ("v2.7.1", None),
+    "reset_peak_stats": (None, "v1.3.2"),
+}
+
+_AUTOCAST_NAMES = {
+    "musa": (
+        "is_autocast_musa_enabled",
+        "set_autocast_musa_enabled",
+        "get_autocast_musa_dtype",
+        "set_autocast_musa_dtype",
+    ),
+    "plain": (
+        "is_autocast_enabled",
+        "set_autocast_enabled",
+        "get_autocast_dtype",
+        "set_autocast_dtype",
+    ),
+    "none": (),
+}
+
+
+def _in_release(name: str, tag: str) -> bool:
+    first, last = _SPANS.get(name, (None, None))
+    return (first is None or _tag(tag) >= _tag(first)) and (last is None or _tag(tag) <= _tag(last))
+
+
+def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release) -> None:
+    """``torch.musa`` (the torch_musa module itself, as torch_musa sets it) as ``release`` has it,
+    on the emulated cards."""
+    index = functools.partial(_index, ext=ext)
+
+    def is_available() -> bool:
+        return ext.device_count() > 0
+
+    def set_device(device) -> None:
+        ext.set_device(index(device))
+
+    class device:
+        def __init__(self, device):
+            self.idx = index(device) if device is not None else -1
+            self.prev_idx = -1
+
+        def __enter__(self):
+            self.prev_idx = ext.current_device()
+            if self.idx >= 0:
+                ext.set_device(self.idx)
+
+        def __exit__(self, *exc):
+            ext.set_device(self.prev_idx)
+            return False
+
+    def get_rng_state(device="musa") -> torch.Tensor:
+        return ext.get_rng_state(index(device))
+
+    def set_rng_state(new_state: torch.Tensor, device="musa") -> None:
+        ext.set_rng_state(index(device), new_state.to("cpu", torch.uint8))
+
+    def manual_seed(seed: int) -> None:
+        ext.manual_seed(ext.current_device(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def manual_seed_all(seed: int) -> None:
+        for i in range(ext.device_count()):
+            ext.manual_seed(i, int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def seed_all() -> None:
+        chosen = ext.seed(0) if ext.device_count() else 0
+        for i in range(1, ext.device_count()):
+            ext.manual_seed(i, chosen)
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        total = card.memory_gib << 30
+        return total - int(ext.memory_allocated(index(device))), total
+
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        # Up to v2.5.0 a constant; v2.7.x asks the current card for bf16 (capability >= 2.2).
+        if not release.amp_bf16_by_capability:
+            return [torch.float16, torch.bfloat16, torch.float32]
+        return [torch.float16, *([torch.bfloat16] if card.capability >= (2, 2) else [])]
+
+    class GradScaler(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("device", None)
+            super().__init__("musa", *args, **kwargs)
+
+    amp = types.ModuleType("torch_musa.amp")
+    amp.GradScaler = GradScaler
+    amp.autocast = functools.partial(torch.autocast, "musa")
+
+    class Stream(torch.Stream):
+        def __new__(cls, device=None, priority=0, **kwargs):
+            if kwargs:  # torch.Stream(stream_id=..., device_index=..., device_type=...)
+                return super().__new__(cls, **kwargs)
+            return super().__new__(
+                cls, device=torch.device("musa", index(device)), priority=priority
+            )
+
+    class Event(torch.Event):
+        def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+            return super().__new__(cls, device="musa", enable_timing=enable_timing)
+
+    def current_stream(device=None) -> torch.Stream:
+        return Stream(device)
+
+    @contextlib.contextmanager
+    def stream(s):
+        yield s
+
+    def properties(device) -> types.SimpleNamespace:  # the device is not optional here
+        return _properties(ext, card, index(device))
+
+    autocast_functions = (
+        lambda: torch.is_autocast_enabled("musa"),
+        lambda enabled: torch.set_autocast_enabled("musa", enabled),
+        lambda: torch.get_autocast_dtype("musa"),
+        lambda dtype: torch.set_autocast_dtype("musa", dtype),
+    )
+    functions = {
+        "is_available": is_available,
+        "is_initialized": lambda: True,
+        "_initialized": True,
+        "_lazy_init": lambda: None,
+        "_is_in_bad_fork": lambda: False,
+        "device_count": lambda: int(ext.device_count()),
+        "current_device": lambda: int(ext.current_device()),
+        "set_device": set_device,
+        "device": device,
+        "synchronize": lambda device=None: None,
+        "get_device_name": lambda device=None: _properties(ext, card, index(device)).name,
+        "get_device_capability": lambda device=None: (
+            (properties(device).major, properties(device).minor)
+        ),
+        "get_device_properties": properties,
+        "is_bf16_supported": lambda: card.capability >= (2, 2),
+        "is_tf32_supported": lambda: card.capability >= (2, 2),
+        "memory_allocated": lambda device=None: int(ext.memory_allocated(index(device))),
+        "max_memory_allocated": lambda device=None: int(ext.max_memory_allocated(index(device))),
+        "memory_reserved": lambda device=None: int(ext.memory_allocated(index(device))),
+        "max_memory_reserved": lambda device=None: int(ext.max_memory_allocated(index(device))),
+        "reset_peak_memory_stats": lambda device=None: ext.reset_peak_memory_stats(index(device)),
+        "reset_max_memory_allocated": lambda device=None: ext.reset_peak_memory_stats(
+            index(device)
+        ),
+        "reset_peak_stats": lambda device=None: ext.reset_peak_memory_stats(index(device)),
+        "mem_get_info": mem_get_info,
+        "empty_cache": lambda: None,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": lambda: ext.seed(ext.current_device()),
+        "seed_all": seed_all,
+        "initial_seed": lambda: int(ext.initial_seed(ext.current_device())),
+        "get_rng_state": get_rng_state,
+        "set_rng_state": set_rng_state,
+        "get_rng_state_all": lambda: [ext.get_rng_state(i) for i in range(ext.device_count())],
+        "set_rng_state_all": lambda states: [
+            ext.set_rng_state(i, state.to("cpu", torch.uint8)) for i, state in enumerate(states)
+        ],
+        "get_amp_supported_dtype": get_amp_supported_dtype,
+        "amp": amp,
+        "Stream": Stream,
+        "StreamContext": stream,
+        "Event": Event,
+        "current_stream": current_stream,
+        "default_stream": current_stream,
+        "set_stream": lambda s: None,
+        "stream": stream,
+        **dict(zip(_AUTOCAST_NAMES[release.autocast_names], autocast_functions, strict=False)),
+    }
+    for name, value in functions.items():
+        if _in_release(name, release.tag):
+            setattr(musa, name, value)
+    sys.modules[f"{musa.__name__}.amp"] = amp
+
+
+def _patch_sharded_grad_scaler() -> None:
+    """torch_musa's ShardedGradScaler (FSDP with fp16): torch's defaults to device "cuda"; the
+    vendor's replaces it with one on musa that takes no device."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import sharded_grad_scaler
+
+    class ShardedGradScaler(sharded_grad_scaler.ShardedGradScaler):
+        def __init__(
+            self,
+            init_scale=2.0**16,
+            backoff_factor=0.5,
+            growth_factor=2.0,
+            growth_interval=2000,
+            enabled=True,
+            process_group=dist.group.WORLD,
+        ):
+            super().__init__(
+                "musa",
+                init_scale=init_scale,
+                backoff_factor=backoff_factor,
+                growth_factor=growth_factor,
+                growth_interval=growth_interval,
+                enabled=enabled,
+                process_group=process_group,
+            )
+
+    sharded_grad_scaler.ShardedGradScaler = ShardedGradScaler
+
+
+def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleType | None = None):
+    """Make ``musa`` a device of this process: ``cards`` emulated cards of kind ``card``
+    (``CARDS``), of which ``MUSA_VISIBLE_DEVICES`` shows some, and ``torch.musa`` as torch_musa
+    ``release`` (a ``fake_torch_musa.Release``) has it, on ``module`` (the torch_musa stand-in;
+    a new module by default). Returns ``torch.musa``."""
+    import torch.distributed as dist
+
+    kind = CARDS[card]
+    ext = extension()
+    visible = visible_cards(cards, os.environ.get("MUSA_VISIBLE_DEVICES"))
+    ext.configure(visible, kind.name, *kind.capability, kind.memory_gib << 30)
+    torch.utils.rename_privateuse1_backend("musa")
+    musa = module if module is not None else types.ModuleType("torch_musa")
+    _populate(musa, ext, kind, release)
+    torch.musa = musa  # as torch_musa does: torch.musa is the torch_musa module
+    # torch 2.13 imports "torch.musa" by name when autocast starts (torch_musa's tags, built for
+    # torch <= 2.7, set only the attribute); torch._register_device_module would do the same.
+    sys.modules.setdefault("torch.musa", musa)
+    # torch_musa adds Tensor.musa / Module.musa / UntypedStorage.musa by hand; torch's generator
+    # writes the same methods.
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+    )
+    # torch_musa's torch counts PrivateUse1 as a dense backend (torch_patches, c10/core/TensorImpl.h:
+    # has_compatible_shallow_copy_type), so Module.to("musa") sets each parameter's data in place
+    # and tied weights stay tied. Stock torch replaces each parameter instead and unties them;
+    # swapping tensors on conversion keeps the parameters themselves, as the vendor's torch does.
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    mudnn = types.ModuleType("torch_musa.core.mudnn")
+    mudnn.allow_tf32 = release.tf32_default
+    torch.backends.mudnn = mudnn  # and no torch.backends.musa, as in every release
+    kernels = ["_fused_adamw_", "_fused_adam_"]
+    if release.fused_adamw_kernel:
+        ext.register_kernels(kernels)
+    else:
+        ext.set_missing_ops([f"aten::{name}" for name in kernels])
+    # The vendor's patched distributed_c10d: a constant, in builds with and without MCCL.
+    dist.distributed_c10d.is_mccl_available = lambda: True
+    dist.is_mccl_available = dist.distributed_c10d.is_mccl_available
+    if kind.mccl:  # torch_musa: register_backend("mccl", creator, False, "musa") (its patched
+        # torch reads the device string as ["musa"])
+
+        def _create_mccl(store, rank, size, timeout):
+            return ext.collectives(dist.ProcessGroupGloo(store, rank, size, timeout))
+
+        dist.Backend.register_backend("mccl", _create_mccl, devices=["musa"])
+    _patch_sharded_grad_scaler()
+    musa._emulator = ext
+    return musa
