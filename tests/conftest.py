@@ -106,15 +106,60 @@ def run_train(
     return proc
 
 
-def start_train(*overrides: str, env: dict | None = None) -> subprocess.Popen:
-    """``python train.py <overrides>`` started in the background (to be signalled or killed)."""
+def start_train(
+    *overrides: str,
+    env: dict | None = None,
+    script: tuple[str, ...] = (str(ROOT / "train.py"),),
+) -> subprocess.Popen:
+    """``python train.py <overrides>`` started in the background (to be signalled or killed);
+    ``script`` as for :func:`run_train`."""
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *_fp32_first(overrides)],
+        [sys.executable, *script, *_fp32_first(overrides)],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+    )
+
+
+# The emulated MUSA device (tests/emulated_musa): ``scripts/emulated_musa.py`` runs a command with
+# a torch_musa stand-in of a release, on cards that hold tensors in host memory.
+EMULATED_MUSA = ROOT / "scripts" / "emulated_musa.py"
+
+
+def on_musa(
+    *command: str, cards: int = 1, release: str = "v2.7.1", card: str = "S4000"
+) -> tuple[str, ...]:
+    """``command`` (train.py by default) on ``cards`` emulated MUSA cards, as the arguments of
+    ``python``: a ``script`` for :func:`run_train` / :func:`start_train`."""
+    command = command or (sys.executable, str(ROOT / "train.py"))
+    return (
+        str(EMULATED_MUSA),
+        f"--cards={cards}",
+        f"--release={release}",
+        f"--card={card}",
+        "--",
+        *command,
+    )
+
+
+def musa_launch(processes: int = 2, *, release: str = "v2.7.1") -> tuple[str, ...]:
+    """train.py under ``accelerate launch --config_file conf/accelerate/multi_musa.yaml`` on
+    ``processes`` emulated cards (one thread each), as the arguments of ``python``."""
+    return on_musa(
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "conf/accelerate/multi_musa.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "train.py"),
+        cards=processes,
+        release=release,
     )
 
 

@@ -794,7 +794,8 @@ std::vector<std::vector<at::Tensor>> host(const std::vector<std::vector<at::Tens
   return out;
 }
 
-// The gloo work, answering with the musa tensors once it is done.
+// The gloo work, answering with the musa tensors once it is done (its future completes with
+// them; gloo's works without a future of their own complete it when waited on).
 struct DeviceWork final : c10d::Work {
   DeviceWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> outputs)
       : c10d::Work(-1, inner->retrieveOpType()),
@@ -802,11 +803,18 @@ struct DeviceWork final : c10d::Work {
         outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {
+    c10::intrusive_ptr<c10::ivalue::Future> done;
+    try {
+      done = inner_->getFuture();
+    } catch (const c10::Error&) {
+      completes_in_wait_ = true;
+      return;
+    }
     auto future = future_;
     auto outputs_copy = outputs_;
-    inner_->getFuture()->addCallback([future, outputs_copy](c10::ivalue::Future& done) {
-      if (done.hasError()) {
-        future->setError(done.exception_ptr());
+    done->addCallback([future, outputs_copy](c10::ivalue::Future& finished) {
+      if (finished.hasError()) {
+        future->setError(finished.exception_ptr());
       } else {
         future->markCompleted(c10::IValue(outputs_copy));
       }
@@ -829,7 +837,14 @@ struct DeviceWork final : c10d::Work {
   }
   bool wait(std::chrono::milliseconds timeout) override {
     bool done = inner_->wait(timeout);
-    future_->wait();
+    if (!completes_in_wait_) {
+      future_->wait();
+      return done;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!future_->completed()) {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
     return done;
   }
   void abort() override {
@@ -843,6 +858,8 @@ struct DeviceWork final : c10d::Work {
   c10::intrusive_ptr<c10d::Work> inner_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool completes_in_wait_ = false;
+  std::mutex mutex_;
 };
 
 c10::intrusive_ptr<c10d::Work> wrap(

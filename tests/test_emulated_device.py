@@ -1,0 +1,285 @@
+"""The emulated MUSA device itself (``tests/emulated_musa``): what it must do as hardware does,
+checked in fresh processes under ``scripts/emulated_musa.py`` (the device is installed once per
+process and cannot be undone).
+
+- It refuses what a card refuses: a musa tensor mixed with a CPU tensor (a CPU scalar and CPU
+  indices are accepted, as on CUDA) or with another card's tensor.
+- Views, in-place and ``out=`` results are the musa tensors themselves, on the same memory.
+- Memory is counted per card; RNG is per card and never draws from the CPU's generator.
+- Autocast casts on musa with the dtypes the release and card have; the grad scaler steps.
+- ``torch.musa`` has what the torch_musa tag has, and lacks what it lacks.
+- ``mccl`` all-reduces, gathers and scatters musa tensors, and DDP's gradients equal one
+  process's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, free_port, on_musa
+from emulated_musa import visible_cards
+
+_SEMANTICS = r"""
+import io, json
+import torch
+import torch_musa  # releases before v2.5.0 are not loaded by torch itself
+
+out = {}
+
+def refused(fn):
+    try:
+        fn()
+    except (RuntimeError, NotImplementedError) as err:
+        return str(err)
+    return None
+
+x = torch.arange(12.0).view(3, 4).to("musa")
+out["device"] = str(x.device)
+out["cpu_tensor"] = refused(lambda: x + torch.ones(3, 4))
+out["cpu_weight"] = refused(lambda: torch.nn.functional.linear(x, torch.ones(2, 4)))
+out["cpu_target"] = refused(
+    lambda: torch.nn.functional.cross_entropy(x, torch.tensor([0, 1, 2]))
+)
+out["cpu_ids"] = refused(lambda: torch.nn.functional.embedding(torch.tensor([0]), x))
+out["other_card"] = refused(lambda: x + torch.ones(3, 4, device="musa:1"))
+out["cpu_scalar"] = (x * torch.tensor(2.0)).sum().item()
+out["cpu_indices"] = x[torch.tensor([0, 2])].sum().item()
+view = x.view(12)
+view[0] = 100.0
+out["view_shares_memory"] = [x[0, 0].item(), str(view.device)]
+same = x.add_(1)
+out["in_place_is_self"] = same is x
+result = torch.empty(0, device="musa")
+torch.add(torch.ones(5, device="musa"), 1, out=result)
+out["out_resized"] = [list(result.shape), result.sum().item(), str(result.device)]
+
+# Memory: counted per card, exactly, with the peak.
+torch.musa.reset_peak_memory_stats(1)
+before = torch.musa.memory_allocated(1)
+block = torch.empty(1024, dtype=torch.float32, device="musa:1")
+grown = torch.musa.memory_allocated(1) - before
+del block
+out["memory"] = [grown, torch.musa.memory_allocated(1) - before,
+                 torch.musa.max_memory_allocated(1) - before]
+
+# RNG: per card, reproducible, and the CPU generator untouched by device draws.
+cpu_state = torch.get_rng_state()
+torch.musa.manual_seed_all(7)
+a = torch.rand(4, device="musa:0")
+b = torch.rand(4, device="musa:1")
+state = torch.musa.get_rng_state(0)
+c = torch.nn.functional.dropout(torch.ones(64, device="musa:0"), 0.5)
+torch.musa.set_rng_state(state, 0)
+d = torch.nn.functional.dropout(torch.ones(64, device="musa:0"), 0.5)
+out["rng"] = {
+    "cards_alike_from_one_seed": torch.equal(a.cpu(), b.cpu()),
+    "restored_state_repeats": torch.equal(c.cpu(), d.cpu()),
+    "cpu_untouched": torch.equal(cpu_state, torch.get_rng_state()),
+    "all": len(torch.musa.get_rng_state_all()),
+}
+
+# Autocast and the grad scaler.
+weight = torch.randn(4, 4, device="musa", requires_grad=True)
+with torch.autocast("musa", dtype=torch.bfloat16):
+    product = x @ weight
+out["autocast_bf16"] = str(product.dtype)
+scaler = torch.musa.amp.GradScaler()
+optimizer = torch.optim.SGD([weight], lr=0.1)
+with torch.autocast("musa", dtype=torch.float16):
+    loss = (x @ weight).float().pow(2).mean()
+scaler.scale(loss).backward()
+scaler.step(optimizer)
+scaler.update()
+out["scaler"] = [str(weight.grad.device), scaler.get_scale() > 0]
+
+# Checkpoints: saved from one card, loaded onto another, or onto the CPU.
+buffer = io.BytesIO()
+torch.save({"x": x}, buffer)
+buffer.seek(0)
+out["load_musa1"] = str(torch.load(buffer, map_location="musa:1")["x"].device)
+buffer.seek(0)
+out["load_cpu"] = str(torch.load(buffer, map_location="cpu")["x"].device)
+out["pinned"] = torch.ones(3).pin_memory().is_pinned()
+out["names"] = sorted(n for n in dir(torch.musa) if not n.startswith("_"))
+out["amp_dtypes"] = [str(t) for t in torch.musa.get_amp_supported_dtype()]
+out["device_name"] = torch.musa.get_device_name(0)
+out["capability"] = list(torch.musa.get_device_capability(0))
+param = torch.nn.Parameter(torch.ones(2, device="musa"))
+param.grad = torch.ones(2, device="musa")
+out["fused_adamw"] = refused(lambda: torch.optim.AdamW([param], fused=True).step())
+model = torch.nn.Linear(3, 3)
+model.extra = torch.nn.Linear(3, 3)
+model.extra.weight = model.weight  # tied, as a language model's head and embeddings
+model.to("musa")
+out["tied_after_to"] = model.extra.weight is model.weight
+print(json.dumps(out))
+"""
+
+
+def _semantics(release: str = "v2.7.1", card: str = "S4000") -> dict:
+    done = subprocess.run(
+        [
+            sys.executable,
+            *on_musa(sys.executable, "-c", _SEMANTICS, cards=2, release=release, card=card),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_visible_cards_follow_musa_visible_devices() -> None:
+    assert visible_cards(2, None) == 2
+    assert visible_cards(8, "0,1") == 2
+    assert visible_cards(2, "0,1,2,3,4,5,6,7") == 2  # the listed cards that exist
+    assert visible_cards(4, "1,x,2") == 1  # up to the first that does not parse
+    assert visible_cards(4, "") == 0
+
+
+@pytest.fixture(scope="module")
+def s4000() -> dict:
+    return _semantics()
+
+
+@pytest.mark.slow
+def test_mixed_devices_are_refused_as_on_hardware(s4000) -> None:
+    assert s4000["device"] == "musa:0"
+    for case in ("cpu_tensor", "cpu_weight", "cpu_target", "cpu_ids"):
+        assert "same device" in s4000[case] and "musa:0 and cpu" in s4000[case], case
+    assert "musa:0 and musa:1" in s4000["other_card"]
+    assert s4000["cpu_scalar"] == 132.0  # a CPU scalar is a number
+    assert s4000["cpu_indices"] == 6 + 38  # CPU indices are moved by indexing, as on CUDA
+
+
+@pytest.mark.slow
+def test_views_in_place_and_out_results_are_the_device_tensors(s4000) -> None:
+    assert s4000["view_shares_memory"] == [100.0, "musa:0"]
+    assert s4000["in_place_is_self"] is True
+    assert s4000["out_resized"] == [[5], 10.0, "musa:0"]
+    assert s4000["tied_after_to"] is True
+
+
+@pytest.mark.slow
+def test_memory_rng_autocast_scaler_and_checkpoints(s4000) -> None:
+    assert s4000["memory"] == [4096, 0, 4096]
+    assert s4000["rng"] == {
+        "cards_alike_from_one_seed": True,
+        "restored_state_repeats": True,
+        "cpu_untouched": True,
+        "all": 2,
+    }
+    assert s4000["autocast_bf16"] == "torch.bfloat16"
+    assert s4000["scaler"] == ["musa:0", True]
+    assert s4000["load_musa1"] == "musa:1" and s4000["load_cpu"] == "cpu"
+    assert s4000["pinned"] is True
+    assert s4000["device_name"] == "MTT S4000" and s4000["capability"] == [2, 2]
+
+
+@pytest.mark.slow
+def test_torch_musa_has_what_the_release_has(s4000) -> None:
+    v271 = set(s4000["names"])
+    assert {"is_bf16_supported", "is_tf32_supported", "StreamContext", "amp"} <= v271
+    assert not {"is_autocast_enabled", "get_autocast_dtype", "reset_peak_stats"} & v271
+    assert s4000["amp_dtypes"] == ["torch.float16", "torch.bfloat16"]  # v2.7 asks the card
+    assert s4000["fused_adamw"] is None  # torch's _fused_adamw_ is registered for MUSA
+
+    oldest = _semantics("v1.3.0", "S80")
+    names = set(oldest["names"])
+    assert {"is_autocast_musa_enabled", "get_autocast_musa_dtype", "reset_peak_stats"} <= names
+    assert not {"is_bf16_supported", "is_initialized", "is_autocast_enabled"} & names
+    assert oldest["amp_dtypes"] == ["torch.float16", "torch.bfloat16", "torch.float32"]
+    assert oldest["device_name"] == "MTT S80" and oldest["capability"] == [2, 1]
+    assert "_fused_adamw_" in oldest["fused_adamw"] and "'musa' backend" in oldest["fused_adamw"]
+
+
+_COLLECTIVES = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch_musa
+
+rank = int(os.environ["RANK"])
+torch.musa.set_device(rank)
+dist.init_process_group("mccl")
+device = torch.device("musa", rank)
+out = {"backend": dist.get_backend()}
+t = torch.full((3,), float(rank + 1), device=device)
+dist.all_reduce(t)
+out["all_reduce"] = [t.tolist(), str(t.device)]
+flat = torch.empty(2 * 3, device=device)
+dist.all_gather_into_tensor(flat, torch.full((3,), float(rank), device=device))
+out["all_gather_flat"] = flat.tolist()
+part = torch.empty(2, device=device)
+dist.reduce_scatter_tensor(part, torch.arange(4.0, device=device) * (rank + 1))
+out["reduce_scatter"] = part.tolist()
+b = torch.full((2,), float(rank), device=device)
+dist.broadcast(b, src=1)
+out["broadcast"] = b.tolist()
+objects = [None, None]
+dist.all_gather_object(objects, {"rank": rank})
+out["objects"] = objects
+dist.barrier()
+
+# DDP: the gradient of two processes with half a batch each is the gradient of the whole batch.
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+whole = torch.randn(8, 4)
+reference = [p.detach().clone() for p in model.parameters()]
+model.zero_grad()
+model(whole).pow(2).mean().backward()
+expected = [p.grad.clone() for p in model.parameters()]
+ddp = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[rank])
+ddp.zero_grad()
+ddp(whole[rank * 4:(rank + 1) * 4].to(device)).pow(2).mean().backward()
+out["ddp_grad_error"] = max(
+    (p.grad.cpu() - e).abs().max().item() for p, e in zip(ddp.module.parameters(), expected)
+)
+out["ddp_grad_device"] = str(next(ddp.module.parameters()).grad.device)
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_mccl_collectives_and_ddp_on_two_cards(tmp_path) -> None:
+    script = tmp_path / "collectives.py"
+    script.write_text(_COLLECTIVES)
+    done = subprocess.run(
+        [
+            sys.executable,
+            *on_musa(
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                f"--master_port={free_port()}",
+                str(script),
+                str(tmp_path),
+                cards=2,
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert out["backend"] == "mccl"
+        assert out["all_reduce"] == [[3.0, 3.0, 3.0], f"musa:{rank}"]
+        assert out["all_gather_flat"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+        assert out["reduce_scatter"] == [[0.0, 3.0], [6.0, 9.0]][rank]
+        assert out["broadcast"] == [1.0, 1.0]
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert out["ddp_grad_error"] < 1e-6
+        assert out["ddp_grad_device"] == f"musa:{rank}"

@@ -1,0 +1,176 @@
+"""Every recipe on the emulated MUSA device (``scripts/emulated_musa.py``, torch_musa v2.7.1 on
+S4000 cards unless a test says otherwise), as ``python train.py`` and under
+``accelerate launch --config_file conf/accelerate/multi_musa.yaml``.
+
+- On one card, in fp32 with the same seed, each step's loss equals the CPU run's within 1e-5:
+  the device runs the CPU's kernels, so any larger gap is the project computing something else
+  on the device (a tensor left behind, a branch on the device type).
+- On two cards (MULTI_MUSA, mccl), half the batch each, the losses equal one card's with the
+  same global batch.
+- Under bf16 autocast, and with the oldest release on an S80 (fp16 with the grad scaler, no
+  fused AdamW kernel), every step runs.
+
+Dropout is switched off in the exact comparisons, so one process and two draw nothing that
+could differ; the resume test (test_emulated_runs.py) keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import musa_launch, on_musa, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+RECIPES = (
+    "bert_squad",
+    "bert_squad_v2",
+    "bert_glue",
+    "bert_mlm",
+    "gpt2_clm",
+    "llama_clm",
+    "llama_sft",
+    "llama_dpo",
+)
+GLOBAL_BATCH = 8
+EXACT = (
+    "debug=smoke",
+    "logger=none",
+    "trainer.progress_bar=false",
+    "trainer.group_by_length=false",
+    "trainer.sub_batches=1",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.mixed_precision=no",
+    "optimizer.lr=1e-3",
+    "scheduler.warmup_ratio=0",
+    "trainer.eval_at_start=false",
+    "trainer.eval_at_end=false",
+    "trainer.save_final_model=false",
+)
+BERT_NO_DROPOUT = (
+    "model.attention_dropout=0.0",
+    "++model.config_overrides.hidden_dropout_prob=0.0",
+)
+NO_DROPOUT = {
+    "bert_squad": BERT_NO_DROPOUT,
+    "bert_squad_v2": BERT_NO_DROPOUT,
+    "bert_glue": BERT_NO_DROPOUT,
+    "bert_mlm": BERT_NO_DROPOUT,
+    "gpt2_clm": (
+        "model.attention_dropout=0.0",
+        "++model.config_overrides.resid_pdrop=0.0",
+        "++model.config_overrides.embd_pdrop=0.0",
+    ),
+}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _losses(run: Path) -> list[float]:
+    return [m["train/loss"] for m in read_metrics(run) if "train/loss" in m]
+
+
+@functools.cache
+def _runs() -> Path:
+    return Path(tempfile.mkdtemp(prefix="emulated-recipes-"))
+
+
+def _exact(recipe: str, where: str, cache_dir: Path) -> Path:
+    """One exact run of ``recipe``: ``cpu``, ``one`` card or ``two`` cards (global batch 8)."""
+    run = _runs() / f"{recipe}-{where}"
+    overrides = (
+        f"recipe={recipe}",
+        *EXACT,
+        *NO_DROPOUT.get(recipe, ()),
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+    )
+    if where == "cpu":
+        run_train(*overrides, f"trainer.per_device_train_batch_size={GLOBAL_BATCH}")
+    elif where == "one":
+        done = run_train(
+            *overrides, f"trainer.per_device_train_batch_size={GLOBAL_BATCH}", script=on_musa()
+        )
+        assert "device musa, 1 process(es)" in done.stderr
+    else:
+        done = run_train(
+            *overrides,
+            f"trainer.per_device_train_batch_size={GLOBAL_BATCH // 2}",
+            script=musa_launch(2),
+            env=ONE_THREAD,
+        )
+        assert "device musa:0, 2 process(es)" in done.stderr
+        assert "DistributedType.MULTI_MUSA" in done.stderr
+    return run
+
+
+_one_card = functools.cache(lambda recipe, cache_dir: _exact(recipe, "one", cache_dir))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_card_equals_the_cpu(recipe, cache_dir):
+    cpu = _losses(_exact(recipe, "cpu", cache_dir))
+    musa = _losses(_one_card(recipe, cache_dir))
+    assert len(musa) == len(cpu) == 3
+    assert musa == pytest.approx(cpu, abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_cards_under_multi_musa_equal_one(recipe, cache_dir):
+    two = _losses(_exact(recipe, "two", cache_dir))
+    one = _losses(_one_card(recipe, cache_dir))
+    assert len(two) == 3
+    if recipe == "bert_mlm":
+        # Masked LM draws its masks per process from the process's generator (as
+        # transformers' DataCollatorForLanguageModeling does), so two processes mask other
+        # tokens than one: the first loss is of the same model on other masks.
+        assert two[0] == pytest.approx(one[0], rel=0.01) and all(map(math.isfinite, two))
+        return
+    assert two == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_autocast(recipe, tmp_path, cache_dir):
+    run = tmp_path / "run"
+    done = run_train(
+        f"recipe={recipe}",
+        *EXACT,
+        "trainer.mixed_precision=bf16",
+        "trainer.max_steps=2",
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+        script=on_musa(),
+    )
+    assert "autocast: bf16" in done.stderr and "device musa" in done.stderr
+    losses = _losses(run)
+    assert len(losses) == 2 and all(map(math.isfinite, losses))
+
+
+def test_oldest_release_on_an_s80_trains_in_fp16_with_the_grad_scaler(tmp_path, cache_dir):
+    """torch_musa v1.3.0 on an MTT S80: no bf16 (fp16 and accelerate's grad scaler by default),
+    no fused AdamW kernel (choosing it would fail at the first step), no MCCL; the SFT recipe
+    trains and saves a final/ that loads on the CPU."""
+    run = tmp_path / "run"
+    done = run_train(
+        "recipe=llama_sft",
+        "debug=smoke",
+        "logger=none",
+        "trainer.progress_bar=false",
+        "trainer.mixed_precision=auto",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+        script=on_musa(release="v1.3.0", card="S80"),
+    )
+    assert "mixed precision fp16" in done.stderr and "autocast: fp16" in done.stderr
+    assert len(_losses(run)) == 3 and all(map(math.isfinite, _losses(run)))
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert config["model_type"] == "llama"
