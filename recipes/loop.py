@@ -264,9 +264,7 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
-        optimizer = optimizer_where_it_steps(
-            instantiate(self.cfg, "optimizer"), self.model, accelerator
-        )
+        optimizer = optimizer_where_it_steps(optimizer_factory(self.cfg), self.model, accelerator)
         self.flops = FlopCounter(
             self.model,
             accelerator.device,
@@ -959,6 +957,14 @@ def _build_accelerator(cfg: DictConfig, settings: Settings) -> Accelerator:
             InitProcessGroupKwargs(timeout=timedelta(seconds=trainer_cfg.distributed_timeout_s))
         ],
     )
+
+
+def optimizer_factory(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
+    """The ``optimizer`` config's partial, with plain Python settings (``betas`` a list, not an
+    OmegaConf ListConfig): torch.distributed's optimizer state dict, which accelerate saves FSDP
+    checkpoints with, refuses any other container in ``param_groups`` (found on the emulated
+    MUSA device, where FSDP runs)."""
+    return instantiate(cfg, "optimizer", _convert_="all")
 
 
 def optimizer_where_it_steps(

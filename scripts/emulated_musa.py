@@ -7,7 +7,7 @@
 
 The command runs with a ``torch_musa`` stand-in of the chosen release on its import path. Its
 ``musa`` device holds tensors in host memory and runs every operator through its CPU kernel on
-the same memory (``tests/emulated_musa``, compiled once per torch build with g++ and ninja,
+the same memory (``tests/musa_emulator``, compiled once per torch build with g++ and ninja,
 about a minute); like real hardware it refuses an operator that mixes a ``musa`` tensor with a
 CPU one. ``torch.musa`` has what that torch_musa tag has; ``mccl`` runs gloo over the same
 memory (S4000; S80 and S3000 builds have no MCCL). ``--cards`` is the number of cards in the
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
-from emulated_musa import CARDS, build_dir, cache_root, extension  # noqa: E402
+from musa_emulator import CARDS, build_dir, cache_root, extension  # noqa: E402
 from fake_torch_musa import RELEASES, write_release  # noqa: E402
 
 DEFAULT_RELEASE = "v2.7.1"

@@ -123,7 +123,7 @@ def start_train(
     )
 
 
-# The emulated MUSA device (tests/emulated_musa): ``scripts/emulated_musa.py`` runs a command with
+# The emulated MUSA device (tests/musa_emulator): ``scripts/emulated_musa.py`` runs a command with
 # a torch_musa stand-in of a release, on cards that hold tensors in host memory.
 EMULATED_MUSA = ROOT / "scripts" / "emulated_musa.py"
 

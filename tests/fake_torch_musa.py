@@ -28,7 +28,7 @@ github.com/MooreThreads/torch_musa:
 The devices are simulated (cards of the given name and capability; the indices whose
 capability or properties are read are kept in ``torch.musa.queried``); tensors cannot be moved
 to them, which is what a broken build looks like to the doctor's SDPA check. With
-``emulated=True`` the same release runs on the emulated device instead (``tests/emulated_musa``):
+``emulated=True`` the same release runs on the emulated device instead (``tests/musa_emulator``):
 cards that hold tensors and run every operator, as ``scripts/emulated_musa.py`` uses it.
 """
 
@@ -186,7 +186,7 @@ import sys
 if {tests!r} not in sys.path:
     sys.path.append({tests!r})
 
-from emulated_musa import install as _install
+from musa_emulator import install as _install
 from fake_torch_musa import RELEASES as _RELEASES
 
 __version__ = {version!r}
@@ -264,7 +264,7 @@ def write_release(
     """Write ``torch_musa`` of release ``tag`` under ``root`` (put ``root`` on PYTHONPATH); a
     build for ``devices`` cards, with MCCL or (as S80 / S3000 builds) without.
 
-    ``emulated``: a card of ``emulated_musa.CARDS`` (``"S4000"``, ``"S80"``): the release runs on
+    ``emulated``: a card of ``musa_emulator.CARDS`` (``"S4000"``, ``"S80"``): the release runs on
     ``devices`` emulated cards of that kind, which set the name, capability and MCCL."""
     release = RELEASES[tag]
     autocast = ("is_autocast", "get_autocast_dtype")

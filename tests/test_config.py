@@ -290,3 +290,21 @@ def test_doc_stride_must_be_below_max_seq_length():
     cfg = _compose("recipe=bert_squad", "task.doc_stride=384")
     with pytest.raises(ConfigError, match=r"task\.doc_stride=384"):
         instantiate(cfg, "task")
+
+
+def test_the_optimizer_is_built_from_plain_settings():
+    """betas reach the optimizer as a list, not an OmegaConf ListConfig: torch.distributed's
+    optimizer state dict (how accelerate saves FSDP checkpoints) refuses other containers, and
+    torch_musa's FusedAdamW keeps betas as given (found on the emulated MUSA device)."""
+    import torch
+    from torch.distributed._state_dict_utils import _offload_state_dict_to_cpu
+
+    from recipes.loop import optimizer_factory
+
+    make = optimizer_factory(_compose("recipe=gpt2_clm"))
+    assert type(make.keywords["betas"]) is list
+    model = torch.nn.Linear(2, 2)
+    optimizer = make(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    _offload_state_dict_to_cpu(optimizer.state_dict())

@@ -1,4 +1,4 @@
-"""The emulated MUSA device itself (``tests/emulated_musa``): what it must do as hardware does,
+"""The emulated MUSA device itself (``tests/musa_emulator``): what it must do as hardware does,
 checked in fresh processes under ``scripts/emulated_musa.py`` (the device is installed once per
 process and cannot be undone).
 
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 from conftest import ROOT, free_port, on_musa
-from emulated_musa import visible_cards
+from musa_emulator import visible_cards
 
 _SEMANTICS = r"""
 import io, json

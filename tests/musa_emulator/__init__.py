@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "emulator.cpp"
-NAME = "musa_emulator"
+NAME = "musa_emulator_ext"
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ def build_dir() -> Path:
     (a changed source or another torch builds anew, never loads a stale library)."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
+    key.update(NAME.encode())
     key.update(torch.__version__.encode())
     key.update(sys.version.encode())
     key.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
@@ -357,6 +358,39 @@ def _patch_sharded_grad_scaler() -> None:
     sharded_grad_scaler.ShardedGradScaler = ShardedGradScaler
 
 
+def _patch_fsdp2_placement() -> None:
+    """FSDP2 moves a module's parameters to the device with ``tensor.data = tensor.to(device)``
+    (``_fsdp_init._move_states_to_device``): fine on torch_musa's torch, whose TensorImpl counts
+    PrivateUse1 as dense, refused on stock torch ("incompatible tensor type"). Swapping each
+    tensor for its moved copy first keeps the parameters, as the vendor's torch does."""
+    import itertools
+
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without FSDP2
+        return
+    original = _fsdp_init._move_states_to_device
+
+    def move_states_to_device(params, buffers, device):
+        params, buffers = list(params), list(buffers)
+        for tensor in itertools.chain(params, buffers):
+            if (
+                device.type == "musa"
+                and tensor.device != device
+                and tensor.device.type != "meta"
+                and not isinstance(tensor, DTensor)
+            ):
+                with torch.no_grad():
+                    moved = tensor.to(device)
+                if isinstance(tensor, torch.nn.Parameter):
+                    moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+                torch.utils.swap_tensors(tensor, moved)
+        return original(params, buffers, device)
+
+    _fsdp_init._move_states_to_device = move_states_to_device
+
+
 def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleType | None = None):
     """Make ``musa`` a device of this process: ``cards`` emulated cards of kind ``card``
     (``CARDS``), of which ``MUSA_VISIBLE_DEVICES`` shows some, and ``torch.musa`` as torch_musa
@@ -404,5 +438,6 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
 
         dist.Backend.register_backend("mccl", _create_mccl, devices=["musa"])
     _patch_sharded_grad_scaler()
+    _patch_fsdp2_placement()
     musa._emulator = ext
     return musa

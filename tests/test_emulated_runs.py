@@ -1,0 +1,332 @@
+"""What a user does with a run, on the emulated MUSA device (``scripts/emulated_musa.py``): score
+it (``mode=eval`` on one card and two), answer with it (``mode=predict``, ``recipes.answer``),
+chat with it (``recipes.chat``), kill it and resume it; LoRA with gradient checkpointing and
+packing, and DPO with a frozen reference model, each equal to the CPU run; the environment
+doctor and the GPU check's dry run on the device.
+
+The device refuses a musa tensor mixed with a CPU one, so a model, a reference model or a batch
+left on the CPU fails these runs instead of passing quietly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    ROOT,
+    free_port,
+    kill_at_checkpoint,
+    musa_launch,
+    on_musa,
+    read_metrics,
+    run_train,
+    start_train,
+)
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+QUIET = ("logger=none", "trainer.progress_bar=false")
+SQUAD_V2 = ("recipe=bert_squad_v2", "debug=smoke", *QUIET)
+DEV = ROOT / "recipes" / "assets" / "squad" / "v2" / "dev.json"
+SCORES = ("eval/exact_match", "eval/f1", "eval/HasAns_f1", "eval/NoAns_f1")
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _scores(run: Path) -> dict[str, float]:
+    metrics = json.loads((run / "results.json").read_text())["metrics"]
+    return {k: metrics[k] for k in SCORES}
+
+
+def _losses(run: Path) -> list[float]:
+    return [m["train/loss"] for m in read_metrics(run) if "train/loss" in m]
+
+
+def _python_on_musa(*args: str, cards: int = 1, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, *on_musa(sys.executable, *args, cards=cards)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kwargs,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_eval_predict_and_answer_on_the_device(tmp_path, cache_dir):
+    """A QA model trained on a card scores, predicts and answers there as its run did: mode=eval
+    from final/ on one card and on two (mccl gathers the features), mode=predict on the dev
+    questions without answers, and recipes.answer on the dev file."""
+    run = tmp_path / "run"
+    cache = f"data.cache_dir={cache_dir}"
+    run_train(
+        *SQUAD_V2,
+        cache,
+        f"output_dir={run}",
+        "trainer.max_steps=10",
+        "trainer.eval_at_start=false",
+        script=on_musa(),
+    )
+    trained = _scores(run)
+    assert trained["eval/f1"] > 0
+
+    one = tmp_path / "eval-one"
+    done = run_train(
+        *SQUAD_V2,
+        cache,
+        "mode=eval",
+        f"model.name_or_path={run}/final",
+        f"output_dir={one}",
+        script=on_musa(),
+    )
+    assert "device musa" in done.stderr
+    assert _scores(one) == trained
+    two = tmp_path / "eval-two"
+    done = run_train(
+        *SQUAD_V2,
+        cache,
+        "mode=eval",
+        f"model.name_or_path={run}/final",
+        f"output_dir={two}",
+        script=musa_launch(2),
+        env=ONE_THREAD,
+    )
+    assert "MULTI_MUSA" in done.stderr
+    assert _scores(two) == pytest.approx(trained, abs=1e-9)
+
+    questions = tmp_path / "questions.jsonl"
+    rows = [
+        {"question": qa["question"], "context": paragraph["context"]}
+        for article in json.loads(DEV.read_text())["data"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+    ]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    predicted = tmp_path / "predicted"
+    run_train(
+        *SQUAD_V2,
+        cache,
+        "mode=predict",
+        f"model.name_or_path={run}/final",
+        f"data.predict_file={questions}",
+        f"output_dir={predicted}",
+        script=on_musa(),
+    )
+    expected = json.loads((run / "predictions.json").read_text())
+    answers = json.loads((predicted / "predictions.json").read_text())
+    assert list(answers.values()) == list(expected.values())
+
+    out = tmp_path / "answers.json"
+    done = _python_on_musa(
+        "-m", "recipes.answer", str(run / "final"), "--file", str(DEV), "--out", str(out)
+    )
+    assert json.loads(out.read_text()) == expected
+
+
+def test_chat_on_the_device_answers_as_on_the_cpu(tmp_path, cache_dir):
+    """recipes.chat on a card gives the CPU's greedy replies, turn after turn, for a chat model
+    trained on the card."""
+    run = tmp_path / "run"
+    run_train(
+        "recipe=llama_sft",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+        "trainer.max_steps=5",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        script=on_musa(),
+    )
+    lines = "When was the university founded?\nAnd who founded it?\n"
+    command = ["-m", "recipes.chat", str(run / "final"), "--max-new-tokens", "8"]
+    musa = _python_on_musa(*command, input=lines)
+    cpu = subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+    )
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    assert musa.stdout == cpu.stdout and musa.stdout.count("\n") >= 2
+
+
+def test_killed_and_resumed_on_the_device_equals_the_uninterrupted_run(tmp_path, cache_dir):
+    """kill -9 after a checkpoint, then resume=auto: every logged number equals the run that was
+    not interrupted. The tiny GPT-2 keeps its dropout, so the card's RNG state goes through the
+    checkpoint (torch.musa.get_rng_state_all / set_rng_state_all) too."""
+    common = (
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=1",
+        "trainer.save_every_n_steps=4",
+        "trainer.eval_every_n_steps=6",
+        "trainer.eval_at_start=false",
+        "task.sample_prompt=null",
+    )
+    reference = tmp_path / "reference"
+    run_train(*common, f"output_dir={reference}", script=on_musa())
+    run = tmp_path / "run"
+    proc = start_train(*common, f"output_dir={run}", script=on_musa())
+    kill_at_checkpoint(proc, run, 8)
+    assert proc.returncode == -signal.SIGKILL and not (run / "final").exists()
+    run_train(*common, f"output_dir={run}", "resume=auto", script=on_musa())
+    keys = ("train/loss", "train/lr", "eval/loss")
+    numbers = [(m["step"], k, m[k]) for m in read_metrics(run) for k in keys if k in m]
+    expected = [(m["step"], k, m[k]) for m in read_metrics(reference) for k in keys if k in m]
+    assert sorted(set(numbers)) == sorted(set(expected))
+    assert (run / "final" / "model.safetensors").read_bytes() == (
+        reference / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def _cpu_and_musa(tmp_path: Path, *overrides: str) -> tuple[list[float], list[float]]:
+    exact = (
+        *QUIET,
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+        *overrides,
+    )
+    run_train(*exact, f"output_dir={tmp_path / 'cpu'}")
+    done = run_train(*exact, f"output_dir={tmp_path / 'musa'}", script=on_musa())
+    assert "device musa" in done.stderr
+    return _losses(tmp_path / "cpu"), _losses(tmp_path / "musa")
+
+
+def test_lora_with_gradient_checkpointing_and_packing_equals_the_cpu(tmp_path, cache_dir):
+    cpu, musa = _cpu_and_musa(
+        tmp_path,
+        "recipe=llama_sft",
+        "debug=smoke",
+        "peft=lora",
+        "trainer.gradient_checkpointing=true",
+        "task.packing=true",
+        f"data.cache_dir={cache_dir}",
+    )
+    assert len(musa) == 3 and musa == pytest.approx(cpu, abs=1e-5)
+
+
+@pytest.mark.parametrize("reference", ["frozen_copy", "precomputed"])
+def test_dpo_reference_model_on_the_device_equals_the_cpu(reference, tmp_path, cache_dir):
+    """Full fine-tuning: the reference is a frozen copy of the starting model, or its
+    log-probabilities computed once before training; either lives on the card (a copy left on
+    the CPU is refused there)."""
+    cpu, musa = _cpu_and_musa(
+        tmp_path,
+        "recipe=llama_dpo",
+        "debug=smoke",
+        "peft=none",
+        "optimizer.lr=1e-4",
+        f"task.precompute_reference={reference == 'precomputed'}",
+        f"data.cache_dir={cache_dir}",
+    )
+    assert len(musa) == 3 and musa == pytest.approx(cpu, abs=1e-5)
+    assert musa[-1] < musa[0]
+
+
+def test_doctor_reports_the_emulated_cards():
+    done = _python_on_musa("-m", "recipes.env", "--json", cards=2)
+    report = json.loads(done.stdout)
+    assert report["backend"] == "musa" and report["device_count"] == 2
+    assert [d["name"] for d in report["devices"]] == ["MTT S4000", "MTT S4000"]
+    assert all(d["capability"] == "2.2" and d["bf16"] for d in report["devices"])
+    assert report["devices"][0]["peak_flops"]["bf16"] == 100e12  # the S4000's, for MFU
+    assert report["torch_musa"]["imported"] is True
+    assert report["distributed_backend"] == "mccl"
+    assert report["default_mixed_precision"] == "bf16"
+    assert report["sdpa_probe"]  # the attention check ran on the card
+
+
+def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
+    """accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on two cards, which accelerate refuses on
+    a CPU: LoRA trains as on one card with the same global batch, the checkpoints are sharded,
+    and final/ is the same merged model. (The LoRA dropout is off: two processes would draw
+    other masks than one.)"""
+    common = (
+        "recipe=llama_sft",
+        "debug=smoke",
+        "peft=lora",
+        "peft.dropout=0.0",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=4",
+        "trainer.save_every_n_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+    )
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(
+        *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
+    )
+    fsdp2 = on_musa(
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "conf/accelerate/fsdp2.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "train.py"),
+        cards=2,
+    )
+    done = run_train(
+        *common,
+        "trainer.per_device_train_batch_size=8",
+        f"output_dir={two}",
+        script=fsdp2,
+        env=ONE_THREAD,
+    )
+    assert "DistributedType.FSDP" in done.stderr
+    assert _losses(two) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(two)) == 4
+    assert (two / "checkpoints" / "step-00000004" / "pytorch_model_fsdp_0").is_dir()
+    merged = load_file(two / "final" / "model.safetensors")
+    expected = load_file(one / "final" / "model.safetensors")
+    assert merged.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gpu_check_dry_run_on_the_device(tmp_path, cache_dir):
+    """The GPU check's rows on the emulated card (shrunk): each runs and reports the S4000's
+    MFU and the card's peak memory. Not torch.compile: the stand-in has no inductor backend
+    for musa (torch_musa/_inductor)."""
+    out = tmp_path / "out"
+    rows = ("micro/*", "smoke/*", "llama135m/*", "compare/lora_memory", "fsdp/*")
+    only = [arg for row in rows for arg in ("--only", row)]
+    _python_on_musa(
+        str(ROOT / "scripts" / "gpu_check.py"),
+        "--dry-run",
+        *only,
+        "--override",
+        f"data.cache_dir={cache_dir}",
+        "--out",
+        str(out),
+        env={**os.environ, **ONE_THREAD},
+    )
+    found = {r["row"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+    assert {"micro/sdpa_probe", "smoke/llama_dpo", "fsdp/llama_sft_lora"} <= set(found)
+    for row in found.values():
+        assert row["status"] == "ok", row
+        if row.get("kind") in ("train", "launch"):
+            assert row["mfu"] is not None and row["peak_memory_gib"] is not None, row
+    assert "MTT S4000 (musa)" in (out / "table.md").read_text()
