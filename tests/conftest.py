@@ -176,6 +176,19 @@ def kill_at_checkpoint(proc: subprocess.Popen, run: Path, step: int, timeout: fl
     assert proc.returncode == -signal.SIGKILL
 
 
+def squad_questions(squad_file: Path, out: Path) -> int:
+    """The questions of a SQuAD file as JSON lines of ``question`` and ``context`` (no answers,
+    no ids), as ``mode=predict`` reads rows; returns how many."""
+    rows = [
+        {"question": qa["question"], "context": paragraph["context"]}
+        for article in json.loads(squad_file.read_text())["data"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+    ]
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
 def read_metrics(run: Path) -> list[dict]:
     """The records of ``<run>/metrics.jsonl``."""
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import musa_launch, on_musa, read_metrics, run_train
+from conftest import GOLDEN_RUN, musa_launch, on_musa, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +39,11 @@ RECIPES = (
 )
 GLOBAL_BATCH = 8
 EXACT = (
+    *GOLDEN_RUN,  # plain order, whole micro-batches, fp32, no evaluation
+    "trainer.max_steps=3",
     "debug=smoke",
     "logger=none",
     "trainer.progress_bar=false",
-    "trainer.group_by_length=false",
-    "trainer.sub_batches=1",
-    "trainer.max_steps=3",
-    "trainer.log_every_n_steps=1",
-    "trainer.mixed_precision=no",
-    "optimizer.lr=1e-3",
-    "scheduler.warmup_ratio=0",
-    "trainer.eval_at_start=false",
-    "trainer.eval_at_end=false",
-    "trainer.save_final_model=false",
 )
 BERT_NO_DROPOUT = (
     "model.attention_dropout=0.0",

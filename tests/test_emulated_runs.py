@@ -27,6 +27,7 @@ from conftest import (
     on_musa,
     read_metrics,
     run_train,
+    squad_questions,
     start_train,
 )
 from safetensors.torch import load_file
@@ -104,13 +105,7 @@ def test_eval_predict_and_answer_on_the_device(tmp_path, cache_dir):
     assert _scores(two) == pytest.approx(trained, abs=1e-9)
 
     questions = tmp_path / "questions.jsonl"
-    rows = [
-        {"question": qa["question"], "context": paragraph["context"]}
-        for article in json.loads(DEV.read_text())["data"]
-        for paragraph in article["paragraphs"]
-        for qa in paragraph["qas"]
-    ]
-    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    squad_questions(DEV, questions)
     predicted = tmp_path / "predicted"
     run_train(
         *SQUAD_V2,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_torchrun, run_train
+from conftest import ROOT, run_torchrun, run_train, squad_questions
 
 pytestmark = pytest.mark.slow
 
@@ -103,13 +103,7 @@ def _check_predictions(run: Path, tmp_path: Path, cache: str) -> None:
     run's last evaluation did; on the SQuAD file itself, with the null answer ruled out by the
     threshold, each answer is the best-scoring non-null candidate of the run's n-best list."""
     questions = tmp_path / "questions.jsonl"
-    rows = [
-        {"question": qa["question"], "context": paragraph["context"]}
-        for article in json.loads(DEV.read_text())["data"]
-        for paragraph in article["paragraphs"]
-        for qa in paragraph["qas"]
-    ]
-    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows = squad_questions(DEV, questions)
     predicted = tmp_path / "predicted"
     done = run_train(
         *SMOKE,
@@ -122,8 +116,8 @@ def _check_predictions(run: Path, tmp_path: Path, cache: str) -> None:
     expected = json.loads((run / "predictions.json").read_text())
     answers = json.loads((predicted / "predictions.json").read_text())
     assert list(answers.values()) == list(expected.values())
-    assert list(answers) == [str(i) for i in range(len(rows))]  # numbered, in file order
-    assert json.loads((predicted / "results.json").read_text())["rows"] == len(rows)
+    assert list(answers) == [str(i) for i in range(rows)]  # numbered, in file order
+    assert json.loads((predicted / "results.json").read_text())["rows"] == rows
     assert "LOAD REPORT" not in done.stderr and "Some weights" not in done.stderr
     assert not (predicted / "checkpoints").exists() and not (predicted / "metrics.jsonl").exists()
 
