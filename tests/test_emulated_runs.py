@@ -190,7 +190,11 @@ def test_killed_and_resumed_on_the_device_equals_the_uninterrupted_run(tmp_path,
     ).read_bytes()
 
 
-def _cpu_and_musa(tmp_path: Path, *overrides: str) -> tuple[list[float], list[float]]:
+def _cpu_and_musa(
+    tmp_path: Path, *overrides: str, cache: Path | None = None
+) -> tuple[list[float], list[float]]:
+    """The same short run on the CPU and on a card; ``cache``: the feature cache both share,
+    else one of each run's own (so the card computes what it could read from the CPU's)."""
     exact = (
         *QUIET,
         "trainer.max_steps=3",
@@ -200,8 +204,14 @@ def _cpu_and_musa(tmp_path: Path, *overrides: str) -> tuple[list[float], list[fl
         "trainer.save_final_model=false",
         *overrides,
     )
-    run_train(*exact, f"output_dir={tmp_path / 'cpu'}")
-    done = run_train(*exact, f"output_dir={tmp_path / 'musa'}", script=on_musa())
+    caches = {where: cache or tmp_path / f"cache-{where}" for where in ("cpu", "musa")}
+    run_train(*exact, f"output_dir={tmp_path / 'cpu'}", f"data.cache_dir={caches['cpu']}")
+    done = run_train(
+        *exact,
+        f"output_dir={tmp_path / 'musa'}",
+        f"data.cache_dir={caches['musa']}",
+        script=on_musa(),
+    )
     assert "device musa" in done.stderr
     return _losses(tmp_path / "cpu"), _losses(tmp_path / "musa")
 
@@ -214,16 +224,18 @@ def test_lora_with_gradient_checkpointing_and_packing_equals_the_cpu(tmp_path, c
         "peft=lora",
         "trainer.gradient_checkpointing=true",
         "task.packing=true",
-        f"data.cache_dir={cache_dir}",
+        cache=cache_dir,
     )
     assert len(musa) == 3 and musa == pytest.approx(cpu, abs=1e-5)
 
 
 @pytest.mark.parametrize("reference", ["frozen_copy", "precomputed"])
-def test_dpo_reference_model_on_the_device_equals_the_cpu(reference, tmp_path, cache_dir):
+def test_dpo_reference_model_on_the_device_equals_the_cpu(reference, tmp_path):
     """Full fine-tuning: the reference is a frozen copy of the starting model, or its
     log-probabilities computed once before training; either lives on the card (a copy left on
-    the CPU is refused there)."""
+    the CPU is refused there). Each run has a feature cache of its own: the card computes the
+    reference's log-probabilities rather than reading the CPU's (and the session's cache stays
+    without them, for tests/test_dpo.py)."""
     cpu, musa = _cpu_and_musa(
         tmp_path,
         "recipe=llama_dpo",
@@ -231,7 +243,6 @@ def test_dpo_reference_model_on_the_device_equals_the_cpu(reference, tmp_path, c
         "peft=none",
         "optimizer.lr=1e-4",
         f"task.precompute_reference={reference == 'precomputed'}",
-        f"data.cache_dir={cache_dir}",
     )
     assert len(musa) == 3 and musa == pytest.approx(cpu, abs=1e-5)
     assert musa[-1] < musa[0]
