@@ -26,7 +26,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ASSETS, ModelConfig
-from recipes.model import load_tokenizer
+from recipes.model import backend_kwargs, load_tokenizer
 from recipes.tasks import chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -82,7 +82,9 @@ def main() -> None:
         f"packed ({row_length}-token rows)": batches(packed, packed_batch, packed_order),
     }
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attn)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, attn_implementation=args.attn, **backend_kwargs()
+    )
     model.to(args.device).train()
     # Positions restart in each conversation, so rows longer than the model's positions are fine.
     task = make_task("sft", max_seq_length=args.max_seq_length, packing=True)

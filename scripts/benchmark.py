@@ -96,6 +96,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # qa_reference, and task_yaml: tasks fr
 from task_yaml import make_task  # noqa: E402
 
 from recipes.config import ASSETS  # noqa: E402
+from recipes.model import backend_kwargs  # noqa: E402  (no hub kernels where they cannot run)
 
 
 def _peak_memory_mb(device) -> float:
@@ -273,7 +274,7 @@ def _no_trainer_peer(args: argparse.Namespace) -> dict:
     set_seed(42)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     _, data = _qa_data(args, tokenizer)
-    model = AutoModelForQuestionAnswering.from_pretrained(args.model)
+    model = AutoModelForQuestionAnswering.from_pretrained(args.model, **backend_kwargs())
     collate = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=None if precision == "no" else 8
     )
@@ -339,12 +340,12 @@ def _trainer_peer(args: argparse.Namespace, out: Path) -> dict:
     if args.task == "clm":
         data_cfg = DataConfig(path=str(args.data), sample_by="paragraph", cache_dir=str(args.cache))
         data = make_task("clm", block_size=args.block_size).build_data(data_cfg, tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, **backend_kwargs())
         collate = _with_labels(default_data_collator)
         weight_decay = 0.01  # recipe=gpt2_clm's
     else:
         _, data = _qa_data(args, tokenizer)
-        model = AutoModelForQuestionAnswering.from_pretrained(args.model)
+        model = AutoModelForQuestionAnswering.from_pretrained(args.model, **backend_kwargs())
         # run_qa.py's default (pad_to_max_length=True): every window padded to max_seq_length
         collate = _padded_to(tokenizer, args.block_size)
         weight_decay = 0.0  # TrainingArguments' default, which run_qa.py keeps
@@ -516,7 +517,7 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
         tokenizer, pad_to_multiple_of=None if precision == "no" else 8
     )
     loader = DataLoader(windows, collate_fn=collate, batch_size=args.eval_batch_size)
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir, **backend_kwargs())
     model, loader = accelerator.prepare(model, loader)
     model.eval()
     device_lib.synchronize(accelerator.device)
@@ -674,7 +675,7 @@ def _model_logits(model_dir: Path, features, lengths: list[int], batch_size: int
     import torch
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir).eval()
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir, **backend_kwargs()).eval()
     collate = DataCollatorWithPadding(AutoTokenizer.from_pretrained(model_dir))
     # The evaluation features run longest first; each carries its window's feature_index.
     starts: list = [None] * len(lengths)

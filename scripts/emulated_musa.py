@@ -8,7 +8,7 @@
 The command runs with a ``torch_musa`` stand-in of the chosen release on its import path. Its
 ``musa`` device holds tensors in host memory and runs every operator through its CPU kernel on
 the same memory (``tests/musa_emulator``, compiled once per torch build with g++ and ninja,
-about a minute); like real hardware it refuses an operator that mixes a ``musa`` tensor with a
+about 40 s on 2 cores); like real hardware it refuses an operator that mixes a ``musa`` tensor with a
 CPU one. ``torch.musa`` has what that torch_musa tag has; ``mccl`` runs gloo over the same
 memory (S4000; S80 and S3000 builds have no MCCL). ``--cards`` is the number of cards in the
 machine; ``MUSA_VISIBLE_DEVICES`` (which accelerate sets from ``gpu_ids``) chooses among them.
@@ -20,6 +20,7 @@ driver. Those need a card (``scripts/gpu_check.py`` on a lent device).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -70,7 +71,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def site(release: str, card: str, cards: int) -> Path:
     """The stand-in's folder for this release, card and count (written once, atomically; the
     command then runs in this process's place, so signals and exit codes are its own)."""
-    folder = cache_root() / "site" / f"{release}-{card}-{cards}-{build_dir().name}"
+    # Keyed on what the stand-in is written from, and where from: another checkout or an edit
+    # of the stand-in never runs a stale copy.
+    key = hashlib.sha256(str(TESTS).encode())
+    for source in (TESTS / "fake_torch_musa.py", TESTS / "musa_emulator" / "__init__.py"):
+        key.update(source.read_bytes())
+    folder = (
+        cache_root()
+        / "site"
+        / f"{release}-{card}-{cards}-{build_dir().name}-{key.hexdigest()[:12]}"
+    )
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

@@ -51,8 +51,8 @@ out["cpu_indices"] = x[torch.tensor([0, 2])].sum().item()
 view = x.view(12)
 view[0] = 100.0
 out["view_shares_memory"] = [x[0, 0].item(), str(view.device)]
-same = x.add_(1)
-out["in_place_is_self"] = same is x
+torch.add(torch.ones(4, device="musa"), 1, out=x[1])  # out= into a view of x
+out["out_into_view"] = x[1].tolist()
 result = torch.empty(0, device="musa")
 torch.add(torch.ones(5, device="musa"), 1, out=result)
 out["out_resized"] = [list(result.shape), result.sum().item(), str(result.device)]
@@ -75,7 +75,9 @@ state = torch.musa.get_rng_state(0)
 c = torch.nn.functional.dropout(torch.ones(64, device="musa:0"), 0.5)
 torch.musa.set_rng_state(state, 0)
 d = torch.nn.functional.dropout(torch.ones(64, device="musa:0"), 0.5)
+rates = torch.full((64,), 3.0, device="musa")
 out["rng"] = {
+    "draws_advance": not torch.equal(torch.poisson(rates).cpu(), torch.poisson(rates).cpu()),
     "cards_alike_from_one_seed": torch.equal(a.cpu(), b.cpu()),
     "restored_state_repeats": torch.equal(c.cpu(), d.cpu()),
     "cpu_untouched": torch.equal(cpu_state, torch.get_rng_state()),
@@ -83,6 +85,7 @@ out["rng"] = {
 }
 
 # Autocast and the grad scaler.
+torch.manual_seed(0)
 weight = torch.randn(4, 4, device="musa", requires_grad=True)
 with torch.autocast("musa", dtype=torch.bfloat16):
     product = x @ weight
@@ -92,9 +95,15 @@ optimizer = torch.optim.SGD([weight], lr=0.1)
 with torch.autocast("musa", dtype=torch.float16):
     loss = (x @ weight).float().pow(2).mean()
 scaler.scale(loss).backward()
+before = weight.detach().clone()
 scaler.step(optimizer)
 scaler.update()
-out["scaler"] = [str(weight.grad.device), scaler.get_scale() > 0]
+out["scaler"] = [
+    str(weight.grad.device),
+    scaler.get_scale(),
+    str(scaler._scale.device),
+    torch.equal(before.cpu(), weight.detach().cpu()),
+]
 
 # Checkpoints: saved from one card, loaded onto another, or onto the CPU.
 buffer = io.BytesIO()
@@ -161,7 +170,7 @@ def test_mixed_devices_are_refused_as_on_hardware(s4000) -> None:
 @pytest.mark.slow
 def test_views_in_place_and_out_results_are_the_device_tensors(s4000) -> None:
     assert s4000["view_shares_memory"] == [100.0, "musa:0"]
-    assert s4000["in_place_is_self"] is True
+    assert s4000["out_into_view"] == [2.0, 2.0, 2.0, 2.0]
     assert s4000["out_resized"] == [[5], 10.0, "musa:0"]
     assert s4000["tied_after_to"] is True
 
@@ -170,13 +179,16 @@ def test_views_in_place_and_out_results_are_the_device_tensors(s4000) -> None:
 def test_memory_rng_autocast_scaler_and_checkpoints(s4000) -> None:
     assert s4000["memory"] == [4096, 0, 4096]
     assert s4000["rng"] == {
+        "draws_advance": True,  # a random op with a generator argument draws anew each call
         "cards_alike_from_one_seed": True,
         "restored_state_repeats": True,
         "cpu_untouched": True,
         "all": 2,
     }
     assert s4000["autocast_bf16"] == "torch.bfloat16"
-    assert s4000["scaler"] == ["musa:0", True]
+    # x holds 100s: the scaled fp16 gradients overflow, the scaler finds the inf on the card,
+    # skips the step (the weight is unchanged) and halves its scale.
+    assert s4000["scaler"] == ["musa:0", 32768.0, "musa:0", True]
     assert s4000["load_musa1"] == "musa:1" and s4000["load_cpu"] == "cpu"
     assert s4000["pinned"] is True
     assert s4000["device_name"] == "MTT S4000" and s4000["capability"] == [2, 2]

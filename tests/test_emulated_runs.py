@@ -258,7 +258,8 @@ def test_doctor_reports_the_emulated_cards():
     assert report["torch_musa"]["imported"] is True
     assert report["distributed_backend"] == "mccl"
     assert report["default_mixed_precision"] == "bf16"
-    assert report["sdpa_probe"]  # the attention check ran on the card
+    probe = report["sdpa_probe"]  # the attention check ran on the card, and passed
+    assert probe["device"] == "musa:0" and probe["ok"] is True
 
 
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):

@@ -504,10 +504,9 @@ std::unordered_map<std::string, int64_t> g_op_counts;
 bool g_count_ops = false;
 
 // Random operators without a generator argument that draw from the default generator inside
-// their CPU kernel: the card's generator stands in for the CPU's while they run.
-const std::unordered_set<std::string> kDefaultGeneratorOps = {
-    "aten::native_dropout", "aten::_fused_dropout", "aten::rrelu",
-    "aten::_standard_gamma", "aten::_sample_dirichlet", "aten::poisson"};
+// their CPU kernel: the card's generator stands in for the CPU's while they run. (Those with a
+// generator argument get the card's generator in it instead.)
+const std::unordered_set<std::string> kDefaultGeneratorOps = {"aten::native_dropout"};
 
 bool is_generator(const c10::Argument& argument) {
   auto type = argument.type();
@@ -623,12 +622,16 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // Random operators draw from the card's generator.
   std::optional<at::Generator> swapped;
   at::Tensor cpu_state;
+  bool takes_generator = false;
   for (size_t i = 0; i < n; ++i) {
-    if (is_generator(arguments[i]) && (*stack)[first + i].isNone()) {
-      (*stack)[first + i] = c10::IValue(card(device).generator);
+    if (is_generator(arguments[i])) {
+      takes_generator = true;
+      if ((*stack)[first + i].isNone()) {
+        (*stack)[first + i] = c10::IValue(card(device).generator);
+      }
     }
   }
-  if (kDefaultGeneratorOps.count(schema.name())) {
+  if (!takes_generator && kDefaultGeneratorOps.count(schema.name())) {
     auto cpu = at::detail::getDefaultCPUGenerator();
     cpu_state = cpu.get_state();
     cpu.set_state(card(device).generator.get_state());
