@@ -145,6 +145,10 @@ def _properties(ext: types.ModuleType, card: Card, index: int) -> types.SimpleNa
     )
 
 
+def _capability(props: types.SimpleNamespace) -> tuple[int, int]:
+    return props.major, props.minor
+
+
 def _tag(tag: str) -> tuple[int, ...]:
     return tuple(int(part) for part in tag.lstrip("v").split("."))
 
@@ -284,9 +288,7 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
         "device": device,
         "synchronize": lambda device=None: None,
         "get_device_name": lambda device=None: _properties(ext, card, index(device)).name,
-        "get_device_capability": lambda device=None: (
-            (properties(device).major, properties(device).minor)
-        ),
+        "get_device_capability": lambda device=None: _capability(properties(device)),
         "get_device_properties": properties,
         "is_bf16_supported": lambda: card.capability >= (2, 2),
         "is_tf32_supported": lambda: card.capability >= (2, 2),
@@ -430,7 +432,7 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
     kind = CARDS[card]
     ext = extension()
     visible = visible_cards(cards, os.environ.get("MUSA_VISIBLE_DEVICES"))
-    ext.configure(visible, kind.name, *kind.capability, kind.memory_gib << 30)
+    ext.configure(visible)  # the card's name and figures are the stand-in's (_properties)
     torch.utils.rename_privateuse1_backend("musa")
     musa = module if module is not None else types.ModuleType("torch_musa")
     _populate(musa, ext, kind, release)

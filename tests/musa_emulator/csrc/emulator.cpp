@@ -61,8 +61,6 @@ struct Card {
 };
 
 std::vector<std::unique_ptr<Card>> g_cards;  // the visible cards, by ordinal
-std::string g_name = "MTT S4000";
-int64_t g_major = 2, g_minor = 2, g_total_memory = 48LL << 30;
 thread_local c10::DeviceIndex t_current = 0;
 
 c10::DeviceIndex count() {
@@ -500,8 +498,6 @@ void record_stream(at::Tensor&, c10::Stream) {}
 
 std::mutex g_ops_mutex;
 std::unordered_set<std::string> g_missing_ops;  // operators this release has no kernel for
-std::unordered_map<std::string, int64_t> g_op_counts;
-bool g_count_ops = false;
 
 // Random operators without a generator argument that draw from the default generator inside
 // their CPU kernel: the card's generator stands in for the CPU's while they run. (Those with a
@@ -536,9 +532,6 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - n;
   {
     std::lock_guard<std::mutex> lock(g_ops_mutex);
-    if (g_count_ops) {
-      ++g_op_counts[name];
-    }
     TORCH_CHECK_NOT_IMPLEMENTED(
         g_missing_ops.count(schema.name()) == 0 && g_missing_ops.count(name) == 0,
         "Could not run '", name,
@@ -546,7 +539,6 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 
   std::optional<c10::DeviceIndex> index;  // the card every musa argument is on
-  std::string first_device;
   bool index_op = schema.name() == "aten::index" || schema.name() == "aten::index_put" ||
       schema.name() == "aten::index_put_" || schema.name() == "aten::_index_put_impl_" ||
       schema.name() == "aten::_unsafe_index" || schema.name() == "aten::_unsafe_index_put";
@@ -1042,18 +1034,13 @@ struct Collectives final : c10d::Backend {
 // Python
 // ---------------------------------------------------------------------------------------------
 
-void configure(int64_t visible, const std::string& name, int64_t major, int64_t minor,
-               int64_t total_memory) {
+void configure(int64_t visible) {
   TORCH_CHECK(g_cards.empty(), "the emulated MUSA device is configured once per process");
   for (int64_t i = 0; i < visible; ++i) {
     auto c = std::make_unique<Card>();
     c->generator = at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
     g_cards.push_back(std::move(c));
   }
-  g_name = name;
-  g_major = major;
-  g_minor = minor;
-  g_total_memory = total_memory;
   static Hooks hooks;
   at::RegisterPrivateUse1HooksInterface(&hooks);
 }
@@ -1095,17 +1082,6 @@ void set_missing_ops(const std::vector<std::string>& names) {
   g_missing_ops = {names.begin(), names.end()};
 }
 
-void count_ops(bool enabled) {
-  std::lock_guard<std::mutex> lock(g_ops_mutex);
-  g_count_ops = enabled;
-  g_op_counts.clear();
-}
-
-std::unordered_map<std::string, int64_t> op_counts() {
-  std::lock_guard<std::mutex> lock(g_ops_mutex);
-  return g_op_counts;
-}
-
 // Kernels this release registers for musa by name (torch_musa's musa_functions.yaml), run through
 // the fallback: torch asks _dispatch_has_kernel_for_dispatch_key before it trusts one.
 std::unique_ptr<torch::Library> g_named_kernels;
@@ -1133,9 +1109,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     emu::check_index(index);
     emu::t_current = static_cast<c10::DeviceIndex>(index);
   });
-  m.def("device_name", []() { return emu::g_name; });
-  m.def("capability", []() { return std::make_pair(emu::g_major, emu::g_minor); });
-  m.def("total_memory", []() { return emu::g_total_memory; });
   m.def("memory_allocated", [](int64_t i) { return emu::card(i).allocated.load(); });
   m.def("max_memory_allocated", [](int64_t i) { return emu::card(i).peak.load(); });
   m.def("reset_peak_memory_stats", [](int64_t i) {
@@ -1148,9 +1121,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seed", &emu::seed);
   m.def("initial_seed", &emu::initial_seed);
   m.def("set_missing_ops", &emu::set_missing_ops);
-  m.def("count_ops", &emu::count_ops);
-  m.def("op_counts", &emu::op_counts);
   m.def("register_kernels", &emu::register_kernels);
-  m.def("cpu_view", &emu::cpu_view);
   m.def("collectives", &emu::collectives);
 }
