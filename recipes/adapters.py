@@ -392,6 +392,7 @@ def save_final(
     tokenizer: Any,
     base: str | None,
     revision: str | None = None,
+    published: Path | None = None,
 ) -> None:
     """``folder/adapter/`` (``peft.PeftModel.from_pretrained`` loads it onto the base model, and
     ``AutoPeftModelFor*`` onto the base its config names) and a merged model in ``folder`` that
@@ -400,14 +401,15 @@ def save_final(
     ``base`` is what the adapter's config names as its base (:func:`base_reference`); None
     writes the base itself to ``folder/base`` and names that. ``model`` is the unwrapped peft
     model; call on the main process only. The merge happens on a copy (the trained model is
-    left as it was), which costs one model's memory for a moment.
+    left as it was), which costs one model's memory for a moment. ``published``: the folder's
+    name once complete (it is written under a temporary one), which the adapter's config names.
     """
     folder = Path(folder)
     # The base written below has the resized embeddings; the adapter keeps only the new rows.
     model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
     tokenizer.save_pretrained(folder / ADAPTER_DIR)
     if base is None:
-        base = str((folder / BASE_DIR).resolve())
+        base = str((Path(published or folder) / BASE_DIR).resolve())
         copy.deepcopy(model).unload().save_pretrained(base)
         tokenizer.save_pretrained(base)
         log.info("the adapter's base model (not loadable from model.name_or_path): %s", base)
@@ -424,9 +426,7 @@ def save_final(
     _check_heads_merged(model, state)
     merged.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    log.info(
-        "saved the LoRA adapter to %s and the merged model to %s", folder / ADAPTER_DIR, folder
-    )
+    log.info("saved the LoRA adapter (%s/) and the merged model", ADAPTER_DIR)
 
 
 def gathered_copy(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Any:

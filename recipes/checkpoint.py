@@ -9,8 +9,11 @@
   evaluation so far and the settings a resumed run must share.
 
 A checkpoint is written into a hidden ``.tmp-step-…`` folder and renamed once every process has
-finished: only complete checkpoints carry a ``step-`` name, whatever moment a kill strikes. The
-run folder must be on a file system every node sees (as for any multi-node checkpoint).
+finished: only complete checkpoints carry a ``step-`` name, whatever moment a kill strikes.
+``final/`` is written the same way (``.tmp-final``), so a run folder with a ``final/`` holds a
+finished run. A write that fails (a full disk, say) is removed on every process and said in one
+line, with the space it needs; every earlier checkpoint stays. The run folder must be on a file
+system every node sees (as for any multi-node checkpoint).
 
 Exact continuation also needs randomness that follows the run's position: see
 :mod:`recipes.seeding`.
@@ -18,17 +21,21 @@ Exact continuation also needs randomness that follows the run's position: see
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
 from recipes.config import ConfigError
+from recipes.faults import TrainingError
 from recipes.log import get_logger
 
 log = get_logger(__name__)
@@ -36,6 +43,9 @@ log = get_logger(__name__)
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
 BEST_FILE = "best.json"
+FINAL = "final"
+# What interrupted writes leave: in a run folder and in its checkpoints/ folder.
+LEFTOVERS = (".tmp-*", ".del-*")
 
 
 @dataclass
@@ -113,6 +123,7 @@ def save(
     state: TrainerState,
     model: torch.nn.Module,
     tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Path:
     """Write the checkpoint of ``state.step`` atomically; every process must call this."""
     folder = checkpoints_dir(output_dir)
@@ -122,18 +133,207 @@ def save(
         folder.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    found = finished_checkpoints(folder) if accelerator.is_main_process else []
+    # Its size is known from the last checkpoint; the first one needs at least the trained
+    # weights and the optimizer's state.
+    need = tree_size(found[-1]) if found else _state_bytes(accelerator, model, optimizer)
+    check_space(accelerator, folder, need, f"checkpoint {final.name}")
+
+    def publish() -> None:
         _write_loadable_files(tmp, accelerator.unwrap_model(model), tokenizer, state)
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (an evaluation's best after a save)
             _delete(final)
         os.replace(tmp, final)
         _fsync(folder)
-    accelerator.wait_for_everyone()
+
+    write_together(
+        accelerator,
+        tmp,
+        lambda: accelerator.save_state(str(tmp)),
+        publish,
+        f"checkpoint {final.name}",
+        need,
+    )
     return final
+
+
+def save_final(
+    accelerator: Accelerator, output_dir: Path, write: Callable[[Path], None], need: int
+) -> Path:
+    """``final/``, written by ``write(folder)`` (every process calls both) into ``.tmp-final``
+    and renamed when complete: a ``final/`` is always whole."""
+    final, tmp = output_dir / FINAL, output_dir / f".tmp-{FINAL}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    check_space(accelerator, output_dir, need, "the final model")
+
+    def publish() -> None:
+        _fsync_tree(tmp)
+        os.replace(tmp, final)
+        _fsync(output_dir)
+
+    write_together(accelerator, tmp, lambda: write(tmp), publish, "the final model", need)
+    return final
+
+
+def write_together(
+    accelerator: Accelerator,
+    tmp: Path,
+    write_all: Callable[[], None],
+    publish: Callable[[], None],
+    what: str,
+    need: int,
+) -> None:
+    """Every process runs ``write_all`` (into ``tmp``), then the main process ``publish``es it.
+    If any process fails, all of them learn it, ``tmp`` is removed and the same one-line
+    :class:`TrainingError` is raised everywhere (a full disk says so, with the space needed)."""
+    error = _agreed_failure(accelerator, _attempt(write_all))
+    if error is None:
+        error = _agreed_failure(
+            accelerator, _attempt(publish) if accelerator.is_main_process else None
+        )
+    if error is None:
+        return
+    written = tree_size(tmp) if accelerator.is_main_process and tmp.exists() else 0
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    kind, detail = error
+    if kind == "disk full":
+        raise TrainingError(
+            _no_space(
+                tmp.parent, what, max(need, written), f"the partial write was removed ({detail})"
+            )
+        )
+    raise TrainingError(
+        f"could not write {what} to {tmp.parent} ({detail}); the partial write was removed and "
+        "every earlier checkpoint is kept."
+    )
+
+
+def _attempt(write: Callable[[], None]) -> tuple[str, str] | None:
+    """None, or what went wrong: ("disk full" | "error", the first line of the error)."""
+    try:
+        write()
+    except Exception as err:  # reported on every process by write_together
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        return ("disk full" if _disk_full(err) else "error", f"{type(err).__name__}: {first}")
+    return None
+
+
+def _agreed_failure(
+    accelerator: Accelerator, own: tuple[str, str] | None
+) -> tuple[str, str] | None:
+    """The first process's failure, known to every process (None when all succeeded)."""
+    if accelerator.num_processes == 1:
+        return own
+    found = [failure for failure in gather_object([own]) if failure is not None]
+    return found[0] if found else None
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a full disk or quota: an OSError's errno, or the
+    words torch's zip writer ("unexpected pos"), safetensors and the OS use."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(seen)
+        if any(m in text for m in ("No space left", "StorageFull", "quota", "unexpected pos")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def check_space(accelerator: Accelerator, folder: Path, need: int, what: str) -> None:
+    """Refuse to start a write of about ``need`` bytes (the main process's estimate) into
+    ``folder`` when its file system has less free space; every process learns the verdict."""
+    verdict = None
+    if accelerator.is_main_process and need > 0:
+        free = shutil.disk_usage(_existing(folder)).free
+        if free < need:
+            verdict = _no_space(folder, what, need, "nothing was written")
+    if accelerator.num_processes > 1:
+        verdict = broadcast_object_list([verdict])[0]
+    if verdict:
+        raise TrainingError(verdict)
+
+
+def _no_space(folder: Path, what: str, need: int, done: str) -> str:
+    free = shutil.disk_usage(_existing(folder)).free
+    kept = finished_checkpoints(folder if folder.name == "checkpoints" else folder / "checkpoints")
+    latest = f"latest: {kept[-1].name}" if kept else "none was saved yet"
+    return (
+        f"no space left on device: {what} needs about {_size(need)} in {folder} and "
+        f"{_size(free)} is free; {done}, and every earlier checkpoint is kept ({latest}). "
+        "Free space (or lower trainer.keep_last_n_checkpoints, or move output_dir), then "
+        "continue with the same command plus resume=auto."
+    )
+
+
+def _size(size: int) -> str:
+    return f"{size / 1024**3:.1f} GiB" if size >= 1024**3 else f"{size / 1024**2:.1f} MiB"
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def tree_size(folder: Path) -> int:
+    """Bytes of the files under ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _state_bytes(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> int:
+    """At least what a first checkpoint writes: the trained weights and the optimizer's state
+    (this process's shards times the processes under FSDP)."""
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    moments = 0
+    if optimizer is not None:
+        for values in optimizer.state.values():
+            moments += sum(
+                v.numel() * v.element_size()
+                for v in values.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            )
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    return (trained + moments) * (accelerator.num_processes if sharded else 1)
+
+
+def weights_bytes(accelerator: Accelerator, model: torch.nn.Module) -> int:
+    """About what ``final/`` writes: the model's weights (gathered whole under FSDP)."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    return size * (accelerator.num_processes if sharded else 1)
+
+
+def final_complete(output_dir: Path) -> bool:
+    """Whether ``output_dir/final`` is a whole model folder: always so when written by this
+    release (renamed when complete); one of an earlier release may lack its weights."""
+    final = output_dir / FINAL
+    if not (final / "config.json").is_file():
+        return False
+    return any(final.glob("*.safetensors")) or any(final.glob("*.bin"))
+
+
+def remove_leftovers(output_dir: Path) -> list[str]:
+    """Remove what interrupted writes left (``.tmp-*`` / ``.del-*`` in the run folder and its
+    checkpoints); call only while holding the run folder (nothing else writes there)."""
+    removed = []
+    for folder in (output_dir, checkpoints_dir(output_dir)):
+        if not folder.is_dir():
+            continue
+        for pattern in LEFTOVERS:
+            for stale in folder.glob(pattern):
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                    removed.append(str(stale.relative_to(output_dir)))
+    return removed
 
 
 def _write_loadable_files(
@@ -186,6 +386,11 @@ def rotate(output_dir: Path, keep: int | None, best_step: int | None) -> None:
             _delete(old)
 
 
+def discard(folder: Path) -> None:
+    """Remove a checkpoint or model folder without any moment in which it looks complete."""
+    _delete(folder)
+
+
 def _delete(checkpoint: Path) -> None:
     """Remove a checkpoint so that no moment of it looks complete: first away from its name
     (one atomic rename), then file by file."""
@@ -205,7 +410,7 @@ def check_compatible(saved: TrainerState, guarded: dict[str, Any], config: dict)
             "would continue on different batches. Restore those settings, or start a new run "
             "(drop resume=..., choose a new output_dir)."
         )
-    old, new = _flatten(saved.config), _flatten(config)
+    old, new = flatten(saved.config), flatten(config)
     ignore = ("output_dir", "resume")
     return sorted(
         k
@@ -214,12 +419,12 @@ def check_compatible(saved: TrainerState, guarded: dict[str, Any], config: dict)
     )
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}
     flat: dict[str, Any] = {}
     for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
+        flat.update(flatten(value, f"{prefix}{key}."))
     return {k.rstrip("."): v for k, v in flat.items()}
 
 

@@ -3,7 +3,9 @@
 * SIGTERM (a scheduler's preemption, ``torchrun`` shutting down) or SIGINT (Ctrl-C) is noted by
   :class:`StopRequest`; the loop finishes the step in flight, saves a checkpoint and raises
   :class:`Interrupted`, which ``train.py`` turns into a message saying how to resume. A second
-  Ctrl-C stops at once.
+  Ctrl-C stops at once. During an evaluation or the task's last words (minutes of generation or
+  answer search, longer than a launcher's grace period) the request stops them at once
+  (:meth:`StopRequest.at_once`): the checkpoint is saved at the last trained step instead.
 * A non-finite loss or gradient raises :class:`TrainingError` (``trainer.on_nonfinite=stop``)
   before the optimizer touches the weights, or drops that update (``skip``).
 * A rank that dies makes the others fail in their next collective (gloo notices the closed
@@ -47,6 +49,12 @@ class Interrupted(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # what a shell reports for a process ended by that signal
+
+
+class StopNow(BaseException):
+    """A stop request that ends an evaluation in its middle (raised by the signal handler within
+    :meth:`StopRequest.at_once`, or by :func:`stop_polled` between batches). A BaseException, as
+    KeyboardInterrupt is, so that no task's ``except Exception`` swallows it."""
 
 
 class PeerFailed(Exception):
@@ -93,12 +101,31 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._at_once = False
+
+    @contextmanager
+    def at_once(self, enabled: bool = True) -> Iterator[None]:
+        """Within this block a stop request raises :class:`StopNow` where the code is (one
+        process: nothing to agree with), and one that came before raises on entry."""
+        if enabled and self.signum is not None:
+            raise StopNow()
+        before, self._at_once = self._at_once, enabled
+        try:
+            yield
+        finally:
+            self._at_once = before
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only; nothing to catch here
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+
+    @property
+    def installed(self) -> bool:
+        """Whether signals are caught (training; not mode=eval / predict, nor off the main
+        thread)."""
+        return bool(self._previous)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -110,8 +137,13 @@ class StopRequest:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
         if self.signum is None:
             log.warning(
-                "%s received: saving a checkpoint after this step, then stopping "
-                "(Ctrl-C again stops at once, without one)",
+                "%s received: %s, then stopping (Ctrl-C again stops at once, without one)",
                 signal.Signals(signum).name,
+                "stopping the evaluation and saving a checkpoint"
+                if self._at_once
+                else "saving a checkpoint after this step",
             )
         self.signum = signum
+        if self._at_once:
+            self._at_once = False  # raised once: the checkpoint that follows is not interrupted
+            raise StopNow()

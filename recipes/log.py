@@ -73,6 +73,19 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
+def note_in_log_file(message: str, output_dir: Path) -> None:
+    """Write ``message`` (an error the terminal already shows as ``error: ...``) to the
+    ``train.log`` of ``output_dir`` only (when this process writes one), so that the file says
+    how the run ended."""
+    for handler in logging.getLogger("recipes").handlers:
+        if (
+            isinstance(handler, logging.FileHandler)
+            and Path(handler.baseFilename).parent == Path(output_dir).resolve()
+        ):
+            record = logging.LogRecord("recipes", logging.ERROR, "", 0, message, None, None)
+            handler.handle(record)
+
+
 def quiet_libraries() -> None:
     """No progress bars or notices from datasets and transformers: for the command-line tools
     (``recipes.answer``, ``recipes.chat``), whose output is their answers."""

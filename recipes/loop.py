@@ -41,9 +41,15 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from recipes import adapters, checkpoint, device, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
-from recipes.faults import Interrupted, StopRequest, TrainingError, peer_failures_reported
+from recipes.faults import (
+    Interrupted,
+    StopNow,
+    StopRequest,
+    TrainingError,
+    peer_failures_reported,
+)
 from recipes.flops import FlopCounter, precision_for_peak
-from recipes.log import get_logger, setup_logging
+from recipes.log import get_logger, note_in_log_file, setup_logging
 from recipes.model import (
     config_overrides,
     fit_to_tokenizer,
@@ -76,8 +82,12 @@ def train(cfg: DictConfig, settings: Settings) -> RunResult:
     try:
         with peer_failures_reported(cfg.output_dir):  # said before `stop` lets SIGTERM kill
             return Trainer(cfg, settings, task, accelerator, stop).run()
+    except (ConfigError, data_lib.DataError, TrainingError) as err:
+        note_in_log_file(f"error: {err}", cfg.output_dir)  # train.py says it on the terminal
+        raise
     finally:
         stop.restore()
+        runs.release_all()
         # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
         accelerator.end_training()
         if tracking.hydra_context().get("sweep_dir"):
@@ -163,8 +173,15 @@ class Trainer:
         overrides = config_overrides(model_cfg)  # checked before the data is read
         with self.accelerator.main_process_first():
             self.data: TaskData = self.task.build_data(self.settings.data, self.tokenizer)
+        # mode=eval scores model.name_or_path's weights as they are (with resume=..., the
+        # checkpoint's replace them).
+        as_is = "eval" if self.settings.mode == "eval" and self.resume_from is None else None
         self.model = load_model(
-            model_cfg, self.task.auto_model_class, overrides, **self.task.model_kwargs(self.data)
+            model_cfg,
+            self.task.auto_model_class,
+            overrides,
+            trained_for=as_is,
+            **self.task.model_kwargs(self.data),
         )
         self.task.check_model(self.model)
         fit_to_tokenizer(self.model, self.tokenizer, self.data.new_tokens, self.data.stop_tokens)
@@ -629,9 +646,14 @@ class Trainer:
     def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
         """Scores of the model at ``step`` (logged), and whether they are the best so far."""
         started = time.perf_counter()
-        scores = self.task.evaluate(
-            self.model, self.eval_loader, self.data, self.accelerator, self.output_dir
-        )
+        with self._stoppable():
+            scores = self.task.evaluate(
+                self.model,
+                self._polled(self.eval_loader),
+                self.data,
+                self.accelerator,
+                self.output_dir,
+            )
         scores = {f"eval/{k}": v for k, v in scores.items()}
         scores["eval/runtime_s"] = time.perf_counter() - started
         # samples seen: the charts' other x axis
@@ -697,7 +719,9 @@ class Trainer:
         accelerator, state = self.accelerator, self.state
         self.last_saved_step = state.step
         state.window = gather_object([self.window.as_list()])
-        path = checkpoint.save(accelerator, self.output_dir, state, self.model, self.tokenizer)
+        path = checkpoint.save(
+            accelerator, self.output_dir, state, self.model, self.tokenizer, self.optimizer
+        )
         if accelerator.is_main_process:
             if state.best is not None and state.best["step"] == state.step:
                 checkpoint.mark_best(self.output_dir, state)
@@ -706,8 +730,35 @@ class Trainer:
         log.info("checkpoint (%s): %s", reason, path)
         return path
 
+    @contextmanager
+    def _stoppable(self) -> Iterator[None]:
+        """An evaluation or the task's last words, which a stop request (SIGTERM, Ctrl-C) ends
+        in their middle: they can take longer than a launcher's grace period. One process stops
+        at once; several agree before each evaluation batch (:meth:`_polled`). Then a checkpoint
+        of the last trained step is saved (unless there is one) and the run stops, resumable."""
+        if not self.stop.installed:  # mode=eval / predict: a signal ends them, nothing to save
+            yield
+            return
+        try:
+            with self.stop.at_once(self.accelerator.num_processes == 1):
+                yield
+        except StopNow:
+            self.model.train()
+            self._save_and_stop()
+
+    def _polled(self, loader: DataLoader) -> Iterable[Any]:
+        """``loader``, asking all processes before each batch whether one of them was asked to
+        stop (several processes; one stops at once without asking)."""
+        if not self.stop.installed or self.accelerator.num_processes == 1:
+            return loader
+        return _StopPolled(loader, self.accelerator, self.stop)
+
     def _save_and_stop(self) -> None:
-        path = self._save("stop requested")
+        state = self.state
+        if self.last_saved_step == state.step:  # saved at this step already
+            path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(state.step)
+        else:
+            path = self._save("stop requested")
         raise Interrupted(
             self.stop.signum or 15, self.state.step, str(path), self.accelerator.is_main_process
         )
@@ -765,7 +816,9 @@ class Trainer:
         overrides = config_overrides(settings.model)
         with accelerator.main_process_first():
             data = self.task.build_predict_data(settings.data, self.tokenizer)
-        model = load_model(settings.model, self.task.auto_model_class, overrides)
+        model = load_model(
+            settings.model, self.task.auto_model_class, overrides, trained_for="predict"
+        )
         self.task.check_model(model)
         fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
         pad_task_batches(data, self.trainer_cfg.pad_to_multiple_of)
@@ -807,14 +860,15 @@ class Trainer:
     def finish(self, final: dict[str, float]) -> RunResult:
         """The task's last words, the final model, the results file and the curves."""
         accelerator, state = self.accelerator, self.state
-        extra = self.task.after_training(
-            self.model, self.tokenizer, self.data, accelerator, self.output_dir
-        )
+        with self._stoppable():
+            extra = self.task.after_training(
+                self.model, self.tokenizer, self.data, accelerator, self.output_dir
+            )
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
-            _save_final(accelerator, self.model, self.tokenizer, self.output_dir / "final", *base)
+            _save_final(accelerator, self.model, self.tokenizer, self.output_dir, *base)
         self.metrics.close()
         result = RunResult(
             output_dir=self.output_dir,
@@ -912,6 +966,30 @@ class _Window:
         loss, tokens, terms = self.loss_and_tokens.tolist()
         stats = [float(value) for value in self.stats.values()]
         return [loss, tokens, self.micro_batches, self.samples, terms, *stats]
+
+
+class _StopPolled:
+    """An evaluation loader that raises :class:`StopNow` on every process before the next batch
+    once any process was asked to stop (one small all-reduce per batch; every process takes the
+    same number of evaluation batches). Anything else is the loader's own."""
+
+    def __init__(self, loader: DataLoader, accelerator: Accelerator, stop: StopRequest) -> None:
+        self.loader, self.accelerator, self.stop = loader, accelerator, stop
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            asked = torch.tensor(
+                float(self.stop.signum is not None), device=self.accelerator.device
+            )
+            if self.accelerator.reduce(asked, reduction="sum").item() > 0:
+                raise StopNow()
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
@@ -1118,38 +1196,43 @@ def _save_final(
     accelerator: Accelerator,
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    folder: Path,
+    output_dir: Path,
     base: str | None,
     revision: str | None,
-) -> None:
-    """Save a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads; with
-    LoRA, the merged model and the adapter (``final/adapter``) on ``base``
-    (:func:`recipes.adapters.base_reference`)."""
+) -> Path:
+    """Save ``final/``, a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads;
+    with LoRA, the merged model and the adapter (``final/adapter``) on ``base``
+    (:func:`recipes.adapters.base_reference`). Written whole or not at all
+    (:func:`recipes.checkpoint.save_final`)."""
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    if adapters.is_peft_model(unwrapped):
-        if accelerator.distributed_type == DistributedType.FSDP:
-            # Sharded: gathered whole to the main process (as a full fine-tuning's final/ is),
-            # which merges and saves an unsharded copy of it.
-            state_dict = accelerator.get_state_dict(model)
+
+    def write(folder: Path) -> None:
+        unwrapped = accelerator.unwrap_model(model)
+        if adapters.is_peft_model(unwrapped):
+            if accelerator.distributed_type == DistributedType.FSDP:
+                # Sharded: gathered whole to the main process (as a full fine-tuning's final/
+                # is), which merges and saves an unsharded copy of it.
+                state_dict = accelerator.get_state_dict(model)
+                if accelerator.is_main_process:
+                    unwrapped = adapters.gathered_copy(unwrapped, state_dict)
             if accelerator.is_main_process:
-                unwrapped = adapters.gathered_copy(unwrapped, state_dict)
+                published = output_dir / checkpoint.FINAL
+                adapters.save_final(unwrapped, folder, tokenizer, base, revision, published)
+            return
+        state_dict = accelerator.get_state_dict(model)
+        unwrapped.save_pretrained(
+            folder,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=state_dict,
+        )
         if accelerator.is_main_process:
-            adapters.save_final(unwrapped, folder, tokenizer, base, revision)
-        accelerator.wait_for_everyone()
-        return
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(
-        folder,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=state_dict,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(folder)
-        log.info("saved model and tokenizer to %s", folder)
-    accelerator.wait_for_everyone()
+            tokenizer.save_pretrained(folder)
+
+    need = checkpoint.weights_bytes(accelerator, model)
+    final = checkpoint.save_final(accelerator, output_dir, write, need)
+    log.info("saved model and tokenizer to %s", final)
+    return final
 
 
 def _format_metrics(metrics: dict[str, float]) -> str:

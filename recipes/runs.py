@@ -1,10 +1,16 @@
 """Where a run lives and how it continues: the run folder (a new one, or the one a checkpoint is
-resumed in), the settings a resumed run must share with the checkpoint, and putting the run back
-at the checkpoint's position."""
+resumed in), held by one run at a time, the settings a resumed run must share with the
+checkpoint, and putting the run back at the checkpoint's position."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +25,33 @@ from recipes.log import get_logger
 log = get_logger(__name__)
 
 
+LOCK_FILE = ".lock"
+_held: dict[Path, int] = {}  # run folders this process holds: their lock file's descriptor
+
+
 def open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Path | None]:
     """The run folder all ranks share and the checkpoint to continue from (if any).
 
-    Rank 0 looks and every rank learns the verdict, so that all of them stop together.
+    Rank 0 takes the folder's lock (:func:`hold`), looks, and every rank learns the verdict, so
+    that all of them stop together; a refused run changes nothing in the folder.
     """
     output_dir = _agree_on_output_dir(str(cfg.output_dir))
     verdict: tuple[str, str | None] | None = None
     if accelerator.is_main_process:
         try:
+            hold(output_dir)
             found = check_run_folder(output_dir, cfg.get("resume"))
             verdict = ("ok", str(found) if found else None)
         except ConfigError as err:
+            release(output_dir)
             verdict = ("error", str(err))
     kind, value = broadcast_object_list([verdict])[0]
     if kind == "error":
         raise ConfigError(value)
     resume_from = Path(value) if value else None
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        for stale in checkpoint.remove_leftovers(output_dir):
+            log.info("removed %s (left by an interrupted write)", stale)
         config_file = output_dir / "config.yaml"
         if resume_from is None or not config_file.exists():
             config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -45,14 +59,76 @@ def open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Pa
     return output_dir, resume_from
 
 
+def hold(output_dir: Path) -> None:
+    """Take ``output_dir``'s lock (``.lock``, an fcntl lock: on NFS it holds across nodes where
+    the server has locking) until :func:`release` or the process ends; the kernel drops the lock
+    of a process that died, so a lock whose owner is gone is taken over. A second run gets a
+    ConfigError naming the owner. Where the file system has no locks, a warning says that two
+    runs in one folder are not prevented."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EAGAIN):
+            os.close(fd)
+            log.warning(
+                "output_dir=%s: this file system takes no locks (%s); nothing stops a second "
+                "run from writing to the same folder",
+                output_dir,
+                err.strerror,
+            )
+            return
+        owner = _owner(fd)
+        os.close(fd)
+        raise ConfigError(
+            f"output_dir={output_dir} is in use by another run ({owner}); nothing was changed. "
+            "Wait for it to end, or pick another folder with output_dir=..."
+        ) from None
+    os.ftruncate(fd, 0)
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%F %T")}
+    os.write(fd, json.dumps(owner).encode())
+    _held[output_dir] = fd
+
+
+def release(output_dir: Path) -> None:
+    """Give up the lock :func:`hold` took (no-op when this process holds none)."""
+    fd = _held.pop(output_dir, None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops the lock; the file stays, harmless
+
+
+def release_all() -> None:
+    for output_dir in list(_held):
+        release(output_dir)
+
+
+def _owner(fd: int) -> str:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {owner['pid']} on {owner['host']}, since {owner['since']}"
+    except (OSError, ValueError, KeyError):
+        return "its owner did not say who it is"
+
+
 def check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
     """Refuse a folder whose results would be overwritten; find the checkpoint to resume."""
     found = checkpoint.resolve(resume, output_dir)
-    if (output_dir / "final").exists():
+    if checkpoint.final_complete(output_dir):
         raise ConfigError(
             f"output_dir={output_dir} already holds a finished run (final/); nothing was changed. "
             "Pick a new folder with output_dir=... (or remove that one)."
         )
+    if (output_dir / checkpoint.FINAL).exists():  # an earlier release's interrupted final/
+        if resume != "auto":
+            raise ConfigError(
+                f"output_dir={output_dir} holds an unfinished run: its final/ is incomplete (no "
+                "weights; the save was interrupted). Continue it with resume=auto (the "
+                "incomplete final/ is removed), or pick a new folder with output_dir=..."
+            )
+        checkpoint.discard(output_dir / checkpoint.FINAL)
+        log.warning("removed the incomplete final/ of an interrupted save in %s", output_dir)
     marker = next(
         (m for m in ("metrics.jsonl", "checkpoints", "results.json") if (output_dir / m).exists()),
         None,
@@ -133,9 +209,26 @@ def resume(
 ) -> checkpoint.TrainerState:
     saved = checkpoint.read_state(path)
     changed = checkpoint.check_compatible(saved, fresh.guarded, fresh.config)
-    if changed:
-        log.warning("resuming with changed settings: %s", ", ".join(changed))
+    inner = getattr(scheduler, "scheduler", scheduler)
+    hyper = _hyperparameters(inner)  # this run's, which loading the checkpoint replaces
     state = checkpoint.load(accelerator, path)
+    applied = [k for k in changed if k.startswith(("optimizer.", "scheduler.", "trainer.max_st"))]
+    if applied:
+        # The checkpoint's optimizer groups and schedule peak (base_lrs) would silently keep the
+        # old values: put this run's back and move its schedule to the checkpoint's position.
+        _restore_hyperparameters(inner, hyper)
+        _set_schedule_position(scheduler, inner.last_epoch)
+        old, new = checkpoint.flatten(saved.config), checkpoint.flatten(fresh.config)
+        log.warning(
+            "resuming with changed settings, applied from step %d on: %s (lr now %.4g)",
+            state.step,
+            ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in applied),
+            inner.get_last_lr()[0],
+        )
+    if set(changed) - set(applied):
+        log.warning(
+            "resuming with changed settings: %s", ", ".join(sorted(set(changed) - set(applied)))
+        )
     if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
         # accelerate ticks the schedule once per process and step (see build_scheduler).
         ticks = getattr(scheduler, "scheduler", scheduler).last_epoch
@@ -157,6 +250,24 @@ def resume(
         state.steps_in_epoch,
     )
     return state
+
+
+def _hyperparameters(scheduler: Any) -> tuple[list[float], list[dict[str, Any]]]:
+    """The schedule's peak learning rates and the optimizer groups' other settings."""
+    groups = [
+        {k: v for k, v in group.items() if k not in ("params", "lr", "fused", "foreach")}
+        for group in scheduler.optimizer.param_groups
+    ]
+    return list(scheduler.base_lrs), groups
+
+
+def _restore_hyperparameters(
+    scheduler: Any, hyper: tuple[list[float], list[dict[str, Any]]]
+) -> None:
+    base_lrs, groups = hyper
+    scheduler.base_lrs = list(base_lrs)
+    for group, own in zip(scheduler.optimizer.param_groups, groups, strict=True):
+        group.update(own)
 
 
 def _set_schedule_position(scheduler: Any, ticks: int) -> None:
