@@ -6,17 +6,19 @@
     accelerate launch --config_file conf/accelerate/multi_musa.yaml train.py recipe=bert_squad
 
 Any key can be overridden (``data.path=./squad model.name_or_path=./checkpoint``); ``--cfg job``
-prints the composed config without running it.
+prints the composed config without running it. A bad setting, including a misspelt key or config
+group option, stops the run with one ``error: ...`` line and exit code 2.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from recipes.config import ConfigError, DataError, register_resolvers, validate
+from recipes.config import ConfigError, DataError, compose_error, register_resolvers, validate
 
 register_resolvers()
 
@@ -80,5 +82,24 @@ def _resume_advice(cfg: DictConfig, stopped) -> str:
     )
 
 
+def cli() -> None:
+    """:func:`main`, with what Hydra cannot compose (a misspelt key or config group option, a
+    wrong type, an override it cannot parse) reported as one line and exit code 2, as the
+    settings that :func:`validate` refuses. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    # Hydra's one public switch that makes it raise these errors instead of printing them over
+    # several lines and exiting 1. Any other error then shows its whole traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (ConfigCompositionException, OverrideParseException) as err:
+        sys.stderr.write(f"error: {compose_error(err)}\n")
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,7 +11,11 @@ before any download, data loading or model build.
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
+import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,7 +24,12 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -152,7 +161,7 @@ class TrainerConfig:
     """Knobs of the training loop (``trainer.*``)."""
 
     num_epochs: float = 2.0
-    max_steps: int = -1  # > 0 wins over num_epochs
+    max_steps: int = -1  # > 0 wins over num_epochs; -1: not set
     per_device_train_batch_size: int = 24  # global batch = this x processes x accumulation steps
     per_device_eval_batch_size: int = 64
     gradient_accumulation_steps: int = 1
@@ -330,6 +339,12 @@ def _null_or_at_least(low: int) -> Callable[[Any], bool]:
 
 # What the types cannot say: (key, test, what a good value is).
 _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    (
+        "trainer.max_steps",
+        _at_least(-1),
+        "must be > 0 (optimizer steps; wins over trainer.num_epochs), or -1 (the default: "
+        "trainer.num_epochs decides)",
+    ),
     ("trainer.per_device_train_batch_size", _at_least(1), "must be at least 1"),
     ("trainer.per_device_eval_batch_size", _at_least(1), "must be at least 1"),
     ("trainer.gradient_accumulation_steps", _at_least(1), "must be at least 1"),
@@ -402,6 +417,8 @@ def validate(cfg: DictConfig) -> Settings:
             "e.g. trainer.num_epochs=2 or trainer.max_steps=1000."
         )
     _check_early_stopping(settings.trainer)
+    _check_optimizer(cfg.get("optimizer"))
+    _check_mixed_precision(settings.trainer)
     _check_paths(settings.model, settings.data)
     _check_predict(settings, cfg.get("resume"))
     mix_sources(settings.data)
@@ -462,6 +479,69 @@ def _check_early_stopping(trainer: TrainerConfig) -> None:
         )
 
 
+# The optimizer group is free-form (its keys are its _target_'s arguments): the usual ones are
+# checked here when present, so that a bad value is refused before the model is built, not by
+# torch after it. (key, test, what a good value is)
+_OPTIMIZER_RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("lr", lambda v: v >= 0, "must be a number >= 0 (the learning rate, e.g. optimizer.lr=3e-5)"),
+    (
+        "weight_decay",
+        lambda v: v >= 0,
+        "must be a number >= 0 (e.g. optimizer.weight_decay=0.01; 0 disables it)",
+    ),
+    ("eps", lambda v: v > 0, "must be a number > 0 (e.g. optimizer.eps=1e-8)"),
+)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, DictConfig):
+        return
+    try:
+        values = OmegaConf.to_container(optimizer, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"optimizer: {first_line(err)}") from None
+    for key, ok, rule in _OPTIMIZER_RANGES:
+        value = values.get(key)
+        if key in values and not (_is_number(value) and ok(value)):
+            raise ConfigError(f"optimizer.{key}={value}: {rule}.")
+    betas = values.get("betas")
+    if "betas" in values and not (
+        isinstance(betas, list)
+        and len(betas) == 2
+        and all(_is_number(b) for b in betas)
+        and all(0 <= b < 1 for b in betas)
+    ):
+        raise ConfigError(
+            f"optimizer.betas={betas}: must be two numbers in [0, 1), e.g. "
+            "optimizer.betas=[0.9,0.999]."
+        )
+
+
+def _check_mixed_precision(trainer: TrainerConfig) -> None:
+    """fp16 on a CPU: accelerate sets up neither autocast nor a grad scaler there (only bf16 has
+    CPU autocast), so the run would train in plain fp32 while its logs and checkpoints say fp16."""
+    if trainer.mixed_precision != MixedPrecision.fp16 or not _runs_on_cpu():
+        return
+    raise ConfigError(
+        "trainer.mixed_precision=fp16 on a CPU: accelerate runs no fp16 autocast there, so the "
+        "run would be plain fp32. Set trainer.mixed_precision=no for fp32, bf16 for CPU "
+        "autocast in bfloat16, or auto (bf16 where the CPU has bf16 instructions)."
+    )
+
+
+def _runs_on_cpu() -> bool:
+    """Whether accelerate will place this process on the CPU (asked only for fp16: it loads torch)."""
+    from accelerate.utils import parse_flag_from_env
+
+    from recipes import device
+
+    return parse_flag_from_env("ACCELERATE_USE_CPU") or device.backend() == device.CPU
+
+
 def _typed(cfg: DictConfig, key: str, schema: type) -> Any:
     """``cfg[key]`` as an instance of ``schema``; also for a config that was not composed on
     :class:`TrainSchema` (built by hand), where unknown keys and wrong types surface only here."""
@@ -489,6 +569,124 @@ def _own_error(err: BaseException) -> ConfigError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def compose_error(err: Exception) -> str:
+    """One line for an error Hydra raised while composing the config (``train.py`` prints it as
+    ``error: ...``): the override, what is wrong with it and the nearest valid key, option or
+    value, instead of Hydra's several lines."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    # OmegaConf's error: the cause of an override's, the context of a config file's (Hydra then
+    # says which file, "In 'recipe/bert_squad': ...").
+    cause = err.__cause__ or err.__context__
+    in_file = re.match(r"In '([^']+)': \w+ raised while composing", str(err))
+    origin = f" (in {in_file.group(1)})" if in_file else ""
+    if isinstance(err, MissingConfigException) and err.options:
+        return _missing_option(err)
+    if isinstance(err, OverrideParseException):
+        return f"{err.override}: cannot parse this override: {_one_line(err)}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        return _unknown_key(err, cause, origin)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return _bad_value(cause, origin)
+    return _one_line(err) + (f": {first_line(cause)}" if cause is not None else "")
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(line if line[-1] in ".:;?!" else f"{line}." for line in lines)
+
+
+def _nearest(word: str, choices: list[str]) -> list[str]:
+    """The choice ``word`` starts (when just one does), else the close matches, best first."""
+    started = [c for c in choices if c.startswith(word)]
+    return started if len(started) == 1 else difflib.get_close_matches(word, choices, n=1)
+
+
+def _missing_option(err: Any) -> str:
+    """``recipe=bert_sqad``: a config group option that has no file."""
+    group, _, name = str(err.missing_cfg_file).rpartition("/")
+    options = list(err.options)
+    near = _nearest(name, options)
+    where = re.match(r"In '([^']+)'", str(err))
+    found_in = f" (asked for in {where.group(1)})" if where and where.group(1) != "train" else ""
+    hint = f"; did you mean {group}={near[0]}?" if near else "."
+    return f"{group}={name}{found_in}: must be one of {', '.join(options)} (conf/{group}/){hint}"
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return []
+    keys = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        keys += [path, *_dotted_keys(value, f"{path}.")]
+    return keys
+
+
+def _unknown_key(err: Exception, cause: OmegaConfBaseException, origin: str) -> str:
+    """``trainer.max_stepz=5`` (a misspelt key) or ``mixed_precision=fp8`` (a key of a section
+    given without its section)."""
+    full_key, key = str(cause.full_key), str(cause.key)
+    typed = re.search(r"use \+(\S.*)$", str(err), re.M)  # Hydra's hint repeats the override
+    override = typed.group(1).strip() if typed else full_key
+    section = full_key.rpartition(".")[0]
+    parent = cause.parent_node
+    siblings = [str(k) for k in parent] if isinstance(parent, DictConfig) else []
+    if section or not isinstance(parent, DictConfig):
+        near = [f"{section}.{k}" for k in _nearest(key, siblings)]
+    else:  # a top-level key: the parent is the whole config
+        tree = OmegaConf.to_container(parent, resolve=False)
+        paths = _dotted_keys({k: v for k, v in tree.items() if k != "hydra"})
+        near = [p for p in paths if p.rpartition(".")[2] == key] or _nearest(key, paths)
+    where, label = section or "the config", override + origin
+    if near:
+        tail = override[len(full_key) :] if override.startswith(full_key) else ""
+        fixes = " or ".join(n + tail for n in near)
+        return f"{label}: {where} has no key {key}; did you mean {fixes}?"
+    # A section without a schema (task, optimizer, peft) takes a new key with Hydra's '+' prefix.
+    add = f"; to add one, +{override}" if getattr(cause, "object_type", None) is dict else ""
+    return f"{label}: {where} has no key {key}; its keys: {', '.join(siblings)}{add}."
+
+
+def _bad_value(cause: OmegaConfBaseException, origin: str) -> str:
+    """``trainer.max_steps=abc`` (a wrong type) or ``trainer.padding=max`` (outside an Enum)."""
+    full_key, value = str(cause.full_key), cause.value
+    label = f"{full_key}={value}{origin}"
+    expected, optional = _field_type(cause.object_type, str(cause.key))
+    if isinstance(expected, type) and issubclass(expected, Enum):
+        choices = [member.name for member in expected]
+        near = _nearest(str(value), choices)
+        hint = f"; did you mean {full_key}={near[0]}?" if near else "."
+        return f"{label}: must be one of {', '.join(choices)}{hint}"
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if expected not in kinds:
+        return f"{label}: {first_line(cause)}."
+    parent = cause.parent_node
+    now = (
+        OmegaConf.to_container(parent, resolve=False).get(cause.key)
+        if isinstance(parent, DictConfig)
+        else None
+    )
+    example = f", e.g. {full_key}={str(now).lower() if expected is bool else now}"
+    example = example if type(now) is expected else ""
+    null = " or null" if optional else ""
+    return f"{label}: must be {kinds[expected]}{null}{example}."
+
+
+def _field_type(owner: Any, key: str) -> tuple[Any, bool]:
+    """The declared type of a dataclass field without its ``| None``, and whether it had one;
+    (None, False) when unknown."""
+    try:
+        declared = typing.get_type_hints(owner)[key]
+    except Exception:  # not a dataclass, or hints that do not evaluate (another library's)
+        return None, False
+    args = typing.get_args(declared)
+    rest = [a for a in args if a is not type(None)]
+    if len(rest) == 1 and len(args) == 2:
+        return rest[0], True
+    return declared, False
 
 
 def _is_local(path: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import re
 import shutil
 from dataclasses import fields
 from pathlib import Path
@@ -12,7 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from hydra.utils import get_class, get_method
 from omegaconf import OmegaConf
 
@@ -23,6 +28,7 @@ from recipes.config import (
     LoggerConfig,
     ModelConfig,
     SchedulerConfig,
+    compose_error,
     instantiate,
     register_resolvers,
     validate,
@@ -153,11 +159,20 @@ def test_command_line_overrides_reach_the_run():
             "generation.temperature=0.0",
         ),
         ("mode=predict data.predict_file=README.md generation.max_new_tokens=0", "must be >= 1"),
+        ("trainer.max_steps=-5", "trainer.max_steps=-5: must be > 0 (optimizer steps"),
+        ("trainer.max_steps=-2", "trainer.max_steps=-2: must be > 0"),
+        ("optimizer.lr=-1e-3", "optimizer.lr=-0.001: must be a number >= 0"),
+        ("optimizer.lr=abc", "optimizer.lr=abc: must be a number >= 0"),
+        ("optimizer.lr=inf", "optimizer.lr=inf: must be a number >= 0"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1: must be a number >= 0"),
+        ("optimizer.eps=0", "optimizer.eps=0: must be a number > 0"),
+        ("optimizer.betas=[0.9,1.5]", "optimizer.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
+        ("optimizer.betas=0.9", "optimizer.betas=0.9: must be two numbers"),
     ],
 )
 def test_bad_settings_name_the_key(override, message):
     cfg = _compose("recipe=gpt2_clm", "debug=smoke", *override.split())
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg)
 
 
@@ -181,6 +196,102 @@ def test_value_outside_its_choices_fails_at_compose_time(override, choices):
     message = str(err.value.__cause__)
     assert f"full_key: {key}" in message
     assert f"Invalid value '{value.strip('[]')}', expected one of [{choices}" in message
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_steps=7", "optimizer.lr=0"],
+)
+def test_unset_max_steps_and_a_zero_learning_rate_stay_valid(override):
+    """-1 is max_steps' "not set" (0 too: only > 0 wins over num_epochs); lr=0 scores the model
+    as shipped (docs/results.md)."""
+    validate(_compose("recipe=gpt2_clm", "debug=smoke", override))
+
+
+def test_fp16_is_refused_where_accelerate_would_run_it_in_fp32(monkeypatch):
+    """accelerate sets up no fp16 autocast and no grad scaler on a CPU (Accelerator.__init__
+    skips both for device type cpu), so fp16 there would silently be fp32."""
+    from recipes import device
+
+    cfg = _compose("recipe=gpt2_clm", "debug=smoke", "trainer.mixed_precision=fp16")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setattr(device, "backend", lambda: device.CPU)
+    with pytest.raises(ConfigError, match=r"^trainer\.mixed_precision=fp16 on a CPU: .* bf16"):
+        validate(cfg)
+    monkeypatch.setattr(device, "backend", lambda: device.MUSA)
+    assert validate(cfg).trainer.mixed_precision == "fp16"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # accelerate launch --cpu
+    with pytest.raises(ConfigError, match="fp16 on a CPU"):
+        validate(cfg)
+    validate(_compose("recipe=gpt2_clm", "debug=smoke", "trainer.mixed_precision=bf16"))
+
+
+def _compose_error(*overrides: str, conf: Path = CONF) -> str:
+    with pytest.raises((ConfigCompositionException, OverrideParseException)) as err:
+        _compose(*overrides, conf=conf)
+    return compose_error(err.value)
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("trainer.max_stepz=5", "trainer.max_stepz=5: trainer has no key max_stepz; did you mean trainer.max_steps=5?"),
+        ("trainer.max_steps=abc", "trainer.max_steps=abc: must be an integer, e.g. trainer.max_steps=-1."),
+        ("trainer.tf32=maybe", "trainer.tf32=maybe: must be true or false, e.g. trainer.tf32=true."),
+        ("trainer.max_grad_norm=x", "trainer.max_grad_norm=x: must be a number or null."),
+        ("trainer.padding=max", "trainer.padding=max: must be one of longest, max_length; did you mean trainer.padding=max_length?"),
+        ("trainer.mixed_precision=fp8", "trainer.mixed_precision=fp8: must be one of auto, no, fp16, bf16."),
+        ("mixed_precision=fp8", "mixed_precision=fp8: the config has no key mixed_precision; did you mean trainer.mixed_precision=fp8?"),
+        ("lr=1e-3", "lr=1e-3: the config has no key lr; did you mean optimizer.lr=1e-3?"),
+        ("task.max_seq_lenght=64", "task.max_seq_lenght=64: task has no key max_seq_lenght; did you mean task.max_seq_length=64?"),
+        ("logger.wandb.projct=x", "logger.wandb.projct=x: logger.wandb has no key projct; did you mean logger.wandb.project=x?"),
+        ("optimizer.foreach=true", "optimizer.foreach=true: optimizer has no key foreach; its keys: _target_, _partial_, lr, weight_decay, betas, eps, fused; to add one, +optimizer.foreach=true."),
+        ("peft=lorra", "peft=lorra: must be one of lora, none (conf/peft/); did you mean peft=lora?"),
+        ("recipe=bert_sqad", f"recipe=bert_sqad: must be one of {', '.join(RECIPES)} (conf/recipe/); did you mean recipe=bert_squad?"),
+        ("trainer.max_steps=[", "trainer.max_steps=[: cannot parse this override: no viable alternative at input '['."),
+    ],
+)  # fmt: skip
+def test_compose_errors_become_one_line_with_the_nearest_name(override, line):
+    message = _compose_error("recipe=bert_squad", override)
+    assert message.startswith(line)
+    assert "\n" not in message
+
+
+def test_a_misspelt_key_in_a_yaml_file_names_the_file(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    recipe = conf / "recipe" / "bert_squad.yaml"
+    recipe.write_text(recipe.read_text() + "  eval_every_n_step: 100\n")  # under trainer:
+    assert _compose_error("recipe=bert_squad", conf=conf) == (
+        "trainer.eval_every_n_step (in recipe/bert_squad): trainer has no key eval_every_n_step; "
+        "did you mean trainer.eval_every_n_steps?"
+    )
+
+
+def test_a_model_on_the_command_line_wins_over_the_smoke_model():
+    """debug=smoke swaps its bundled model in for the recipe's own model only."""
+    smoke = _compose("recipe=bert_squad", "debug=smoke")
+    assert smoke.model.name_or_path == str(ASSETS / "minilm-squad")
+    assert smoke.model.config_overrides == {"hidden_dropout_prob": 0.0}  # MiniLM's, in the run
+    cfg = _compose("recipe=bert_squad", "debug=smoke", "model=bert_base_uncased")
+    assert cfg.model.name_or_path == "bert-base-uncased"
+    assert cfg.model.config_overrides == {}
+    assert cfg.model.attention_dropout == 0.0  # the recipe's, for any model
+    assert (cfg.task.max_seq_length, cfg.trainer.max_steps) == (256, 50)  # the smoke run's
+    assert cfg.data.path == cfg.data.sample
+    cfg = _compose("recipe=llama_sft", "debug=smoke", "model=tiny_bert")
+    assert cfg.model.name_or_path == str(ASSETS / "tiny-bert")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_has_its_smoke_model_for_its_own_model(recipe):
+    """conf/debug_model/ files are named after the recipe's model: renaming one without the other
+    would leave debug=smoke on the full model."""
+    cfg = _compose(f"recipe={recipe}", "debug=smoke")
+    own = yaml.safe_load((CONF / "recipe" / f"{recipe}.yaml").read_text())["defaults"]
+    model = next(d["override /model"] for d in own if "override /model" in d)
+    assert (CONF / "debug_model" / f"smoke_{recipe}_{model}.yaml").is_file()
+    assert Path(cfg.model.name_or_path) == ASSETS / SMOKE_MODELS[recipe]
 
 
 def test_misspelt_key_inside_a_yaml_file_is_refused(tmp_path):
