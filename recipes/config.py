@@ -703,10 +703,22 @@ def _check_paths(model: ModelConfig, data: DataConfig) -> None:
         )
     gguf = model.gguf_file
     if gguf is not None and model_dir.is_dir() and not (model_dir / gguf).is_file():
+        run_output = (model_dir / "trainer_state.json").is_file() or (
+            model_dir.name == "final" and (model_dir.parent / "config.yaml").is_file()
+        )
+        if run_output and (model_dir / "config.json").is_file():
+            # A run's final/ or checkpoint, trained from the recipe's GGUF model: a plain
+            # Hugging Face folder, read as it is (no model.gguf_file=null to add).
+            model.gguf_file = None
+            return _check_data_paths(data)
         raise ConfigError(
             f"model.gguf_file={gguf}: not in {model.name_or_path}. Name a .gguf file of that "
             "folder, or set model.gguf_file=null for a normal Hugging Face folder."
         )
+    _check_data_paths(data)
+
+
+def _check_data_paths(data: DataConfig) -> None:
     for name in ("train_file", "eval_file", "predict_file"):
         value = getattr(data, name)
         if value is not None and not Path(value).expanduser().exists():

@@ -112,12 +112,15 @@ def load_model(
     cfg: ModelConfig,
     auto_class: Any,
     overrides: dict[str, Any] | None = None,
+    trained_for: str | None = None,
     **task_kwargs: Any,
 ) -> torch.nn.Module:
     """The pretrained model with the task's head (new heads are initialised by transformers).
 
     ``overrides`` are config fields to set (:func:`config_overrides`); ``task_kwargs`` are what
-    the task learnt from its data (``num_labels``, say). A GGUF file
+    the task learnt from its data (``num_labels``, say). ``trained_for``: the mode (``eval``,
+    ``predict``) that uses the weights as they are, and refuses a checkpoint without the task's
+    head (another task's model), whose random head would give scores that look valid. A GGUF file
     (``model.gguf_file``) is dequantised on load and rebuilt as a plain model, so training and
     the saved folder are those of an ordinary Hugging Face model.
     """
@@ -152,6 +155,13 @@ def load_model(
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load the model ({first_line(err)})."
         ) from None
+    if trained_for and (info.get("missing_keys") or info.get("mismatched_keys")):
+        raise ConfigError(
+            f"mode={trained_for}: model.name_or_path={cfg.name_or_path} lacks weights this task "
+            f"needs ({weights_report(info)}): it was trained for another task "
+            f"({_architectures(cfg)}), and a random head gives meaningless results. Give a "
+            "final/ (or checkpoint) of this recipe, or train one first."
+        )
     if line := weights_report(info):
         log.info("%s: %s", cfg.name_or_path, line)
     if cfg.gguf_file:
@@ -160,6 +170,15 @@ def load_model(
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
+
+
+def _architectures(cfg: ModelConfig) -> str:
+    """What the checkpoint's config says it is (``BertForQuestionAnswering``, say)."""
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, **_source(cfg))
+    except (OSError, ValueError, ImportError):
+        return "unknown architecture"
+    return ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
 
 
 # transformers' own report of the weights a load left new, unused or resized: the 5.x LOAD

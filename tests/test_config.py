@@ -419,3 +419,17 @@ def test_the_optimizer_is_built_from_plain_settings():
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     _offload_state_dict_to_cpu(optimizer.state_dict())
+
+
+def test_a_runs_final_folder_is_read_as_it_is_whatever_the_recipes_gguf_file(tmp_path):
+    """``mode=predict model.name_or_path=<run>/final`` on a recipe whose model is a GGUF file
+    (the Llama recipes): final/ is a plain Hugging Face folder, so ``model.gguf_file`` is not
+    applied to it; a folder that is not a run's output still refuses a missing GGUF file."""
+    final = tmp_path / "run" / "final"
+    shutil.copytree(ASSETS / "tiny-gpt2", final)
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    overrides = ("recipe=gpt2_clm", "debug=smoke", "model.gguf_file=model.gguf")
+    settings = validate(_compose(*overrides, f"model.name_or_path={final}"))
+    assert settings.model.gguf_file is None
+    with pytest.raises(ConfigError, match=re.escape("model.gguf_file=model.gguf: not in")):
+        validate(_compose(*overrides, f"model.name_or_path={ASSETS / 'tiny-gpt2'}"))

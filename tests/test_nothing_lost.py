@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_metrics, run_train, start_train
+from conftest import ROOT, kill_at_checkpoint, read_metrics, run_train, start_train
 
 pytestmark = pytest.mark.slow
 
@@ -174,9 +174,7 @@ def test_two_runs_in_one_folder_one_is_refused_and_a_stale_lock_is_taken_over(tm
     # A run killed with its lock: the kernel dropped the lock, the next run takes the folder.
     second = tmp_path / "second"
     proc = start_train(*_gpt2(cache_dir), f"output_dir={second}")
-    _wait_for(proc, _trained(second, 2), "step 2")
-    proc.kill()
-    proc.communicate()
+    kill_at_checkpoint(proc, second, 2)
     assert (second / ".lock").is_file()
     done = run_train(*_gpt2(cache_dir), f"output_dir={second}", "resume=auto")
     assert "resumed from" in done.stderr
@@ -242,3 +240,45 @@ def test_a_full_disk_says_so_and_keeps_every_earlier_checkpoint(tmp_path, cache_
     assert "step-00000004" not in listing and ".tmp-" not in listing
     assert ("filler" in listing) == (fault == "filled while writing")
     assert line in log  # train.log says how the run ended
+
+
+@pytest.mark.parametrize(
+    "recipe,mode",
+    [("bert_mlm", "eval"), ("gpt2_clm", "eval"), ("bert_glue", "predict")],
+)
+def test_eval_and_predict_refuse_a_model_without_the_tasks_head(tmp_path, recipe, mode):
+    """The bundled MiniLM is a QA model, without a masked-LM, causal-LM or classification head:
+    scores from a random head would look valid (perplexity 22,486, accuracy 0.50): refused."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "Who came?", "sentence": "A dog came."}\n')  # QNLI rows
+    proc = run_train(
+        f"recipe={recipe}",
+        "debug=smoke",
+        "logger=none",
+        f"mode={mode}",
+        f"model.name_or_path={ROOT / 'recipes/assets/minilm-squad'}",
+        f"data.predict_file={rows}" if mode == "predict" else "trainer.progress_bar=false",
+        f"output_dir={tmp_path / 'scored'}",
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
+    assert f"error: mode={mode}: model.name_or_path=" in line
+    assert "lacks weights this task needs (new weights, initialised at random:" in line
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "scored" / "results.json").exists()
+
+
+def test_a_changed_learning_rate_on_resume_is_applied(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    constant = ("scheduler=constant", "scheduler.warmup_ratio=0", "trainer.save_final_model=false")
+    run_train(
+        *_gpt2(cache_dir, *constant, "trainer.max_steps=2", "optimizer.lr=1e-3"),
+        f"output_dir={run}",
+    )
+    done = run_train(
+        *_gpt2(cache_dir, *constant, "optimizer.lr=2.5e-4"), f"output_dir={run}", "resume=auto"
+    )
+    assert "applied from step 2 on: optimizer.lr 0.001 -> 0.00025" in done.stderr
+    lrs = {m["step"]: m["train/lr"] for m in read_metrics(run) if "train/lr" in m}
+    assert lrs == {1: 1e-3, 2: 1e-3, 3: 2.5e-4, 4: 2.5e-4}
