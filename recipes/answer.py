@@ -16,7 +16,9 @@ evaluations were, so the answers are the run's.
 ``--file``: JSON lines of ``{"question", "context"}`` (``id`` optional), or a SQuAD JSON file
 (answers, when present, are ignored). Prints one answer per line (``id<TAB>answer`` for a file),
 and with ``--out`` writes ``{id: answer}`` (the official SQuAD predictions format) and, with
-``--n-best``, the candidates with their probabilities beside it.
+``--n-best``, the candidates with their probabilities beside it. Work that takes more than a few
+seconds (a long context's windows, a large file) draws a progress bar on stderr
+(``--no-progress``: none).
 """
 
 from __future__ import annotations
@@ -137,6 +139,15 @@ def read_questions(path: Path) -> Dataset:
     return questions.select_columns(["id", "question", "context"])
 
 
+def _empty_flags(question: str, context: str) -> list[str]:
+    """The flags of the single-question form that hold no text (whitespace is none)."""
+    return [
+        flag
+        for flag, text in (("--question", question), ("--context", context))
+        if not text.strip()
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.answer", description=__doc__)
     parser.add_argument("model", type=Path, help="a QA run's final/ (or any QA model folder)")
@@ -152,14 +163,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=["auto", "no", "bf16", "fp16"],
         help="autocast (default: the run's trainer.mixed_precision; fp32 without a run config)",
     )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (one shows when the model works for a few seconds)",
+    )
     args = parser.parse_args(argv)
     if (args.file is None) == (args.question is None or args.context is None):
         parser.error("give --question and --context, or --file")
+    if args.file is None and (empty := _empty_flags(args.question, args.context)):
+        # As --file refuses such a row: a model always "answers" (a placeholder, a word).
+        parser.exit(
+            2,
+            f"{parser.prog}: error: {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} "
+            "empty; give the question to answer with --question and the text that holds its "
+            "answer with --context.\n",
+        )
     if not (args.model / "config.json").is_file():
         parser.error(f"{args.model}: no model here (config.json); give a run's final/ folder")
+    from recipes.data import show_progress
     from recipes.log import quiet_libraries
 
     quiet_libraries()
+    show_progress(not args.no_progress)
     from datasets import Dataset
 
     questions = (

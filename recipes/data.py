@@ -21,7 +21,8 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
 from torch.utils.data import Sampler
+from tqdm.auto import tqdm
 
 from recipes.config import DataConfig, DataError, MixSource, first_line, mix_sources
 from recipes.log import get_logger
@@ -448,10 +450,18 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
     """Load ``folder`` if a previous run saved it there, else build, save atomically and load.
 
     Loading what was just saved (rather than returning the in-memory result) gives every process
-    the same memory-mapped files, so the features are not held in RAM once per process.
+    the same memory-mapped files, so the features are not held in RAM once per process. A build
+    with an empty split is refused (:class:`DataError`), not saved: ``datasets`` cannot load an
+    empty saved split back (an IndexError from deep inside ``load_from_disk``).
     """
+    if (folder / ".complete").exists() and _saved_empty(folder):
+        log.warning(
+            "%s holds an empty split (saved by an older release): building it again", folder
+        )
+        shutil.rmtree(folder, ignore_errors=True)
     if not (folder / ".complete").exists():
         data = build()
+        _refuse_empty(data, folder)
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         data.save_to_disk(str(tmp))
         (tmp / ".complete").touch()
@@ -470,6 +480,91 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
     else:
         log.info("reusing cached features from %s", folder)
     return datasets.load_from_disk(str(folder))
+
+
+def _refuse_empty(data: Dataset | DatasetDict, folder: Path) -> None:
+    """Raise DataError if ``data`` (or a split of it) has no rows: a task that drops rows says
+    why before this (SFT's "every conversation was dropped"); this is the backstop."""
+    parts = data.items() if isinstance(data, DatasetDict) else [("", data)]
+    empty = [name for name, part in parts if len(part) == 0]
+    if empty:
+        split = f" (split {', '.join(empty)})" if empty != [""] else ""
+        raise DataError(
+            f"features {folder.name}{split}: the task built no rows from the data, and an empty "
+            "split cannot be cached; check that the data has rows the task keeps (its length "
+            "settings, task.max_seq_length and task.truncation, drop rows that do not fit)."
+        )
+
+
+def _saved_empty(folder: Path) -> bool:
+    """Whether a saved dataset (or a split of a saved dict) in ``folder`` has no data files."""
+    for state in (folder / "state.json", *folder.glob("*/state.json")):
+        try:
+            if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
+                return True
+        except (OSError, ValueError):
+            return True  # unreadable: build it again
+    return False
+
+
+# Progress bars for data preparation and the QA answer search, on the local main process only
+# (other processes stay silent); trainer.progress_bar=false turns them off (show_progress).
+_progress = True
+PROGRESS_DELAY_S = 2.0  # a bar of ours shows only once its step has run this long
+MAP_PROGRESS_ROWS = 1000  # a datasets .map over fewer rows draws no bar (it has no delay)
+
+
+def show_progress(enabled: bool) -> None:
+    """Whether data preparation and the QA answer search draw progress bars
+    (``trainer.progress_bar``); they are only ever drawn on the local main process."""
+    global _progress
+    _progress = enabled
+
+
+def progress_wanted() -> bool:
+    """Bars are on (:func:`show_progress`) and this is the local main process."""
+    return _progress and _is_local_main_process()
+
+
+def _is_local_main_process() -> bool:
+    from accelerate import PartialState
+
+    if PartialState._shared_state:  # the run's Accelerator is set up: ask it
+        return PartialState().is_local_main_process
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0  # as a launcher sets it
+
+
+def progress(iterable: Any = None, **kwargs: Any) -> tqdm:
+    """A tqdm bar for a step of ours (``desc``, ``total``, ``unit``), drawn on stderr once the
+    step has run for :data:`PROGRESS_DELAY_S` seconds, and only where :func:`progress_wanted`;
+    it disappears when done."""
+    return tqdm(
+        iterable,
+        disable=not progress_wanted(),
+        delay=PROGRESS_DELAY_S,
+        leave=False,
+        dynamic_ncols=True,
+        **kwargs,
+    )
+
+
+@contextmanager
+def map_progress(rows: int) -> Iterator[None]:
+    """``datasets``' progress bars (each ``.map``'s ``desc``) for the block's work on ``rows``
+    rows: on where :func:`progress_wanted` and the rows are many (:data:`MAP_PROGRESS_ROWS`; a
+    smaller map takes about a second), off otherwise, and as they were after the block
+    (:func:`recipes.log.setup_logging` keeps them off: saving and loading draw bars too).
+    ``HF_DATASETS_DISABLE_PROGRESS_BARS``, when set, decides instead."""
+    if getattr(datasets.config, "HF_DATASETS_DISABLE_PROGRESS_BARS", None) is not None:
+        yield
+        return
+    was_disabled = datasets.are_progress_bars_disabled()
+    show = rows >= MAP_PROGRESS_ROWS and progress_wanted()
+    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.disable_progress_bars if was_disabled else datasets.enable_progress_bars)()
 
 
 def feature_lengths(features: Any) -> np.ndarray:

@@ -73,3 +73,24 @@ def test_a_folder_without_a_model_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--question", "Who?", "--context", "Ann did."])
     assert f"{tmp_path}: no model here (config.json)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "question,context,named",
+    [
+        ("Who did it?", "", "--context is empty"),
+        ("Who did it?", " \n\t", "--context is empty"),
+        ("", "Ann did.", "--question is empty"),
+        ("   ", "", "--question and --context are empty"),
+    ],
+)
+def test_an_empty_question_or_context_is_refused_as_a_file_row_is(capsys, question, context, named):
+    """A model always answers something (the placeholder ``empty`` from an empty context), so
+    the single question is refused as ``--file`` refuses such a row: one line, exit code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(ASSETS / "tiny-bert"), "--question", question, "--context", context])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert named in line and "give the question to answer with --question" in line

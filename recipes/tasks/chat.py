@@ -338,7 +338,7 @@ def rows_dataset(
     then ``fix``."""
     out: dict[str, list] = {name: [] for name in columns}
     problems = []
-    for place, row in rows:
+    for place, row in data_lib.progress(rows, desc="read rows", unit=" rows"):
         try:
             if not isinstance(row, Mapping):
                 raise ValueError(f"is {kind_of(row)}, not an object")

@@ -171,22 +171,24 @@ class SequenceClassification(Task[ClassificationData]):
             length=self.max_seq_length,
             version=FEATURES_VERSION,
         )
-        return data_lib.cached(
-            data_lib.cache_root(cfg) / f"cls-{role}-{key}",
-            lambda: split.examples.map(
-                self._features,
-                batched=True,
-                remove_columns=split.examples.column_names,
-                fn_kwargs={
-                    "tokenizer": tokenizer,
-                    "columns": columns,
-                    "label_names": label_names,
-                    "source": f"{role} data {split.source}",
-                },
-                num_proc=cfg.preprocessing_num_workers,
-                desc=f"{role} features",
-            ),
-        )
+
+        def build() -> Dataset:
+            with data_lib.map_progress(len(split.examples)):
+                return split.examples.map(
+                    self._features,
+                    batched=True,
+                    remove_columns=split.examples.column_names,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "columns": columns,
+                        "label_names": label_names,
+                        "source": f"{role} data {split.source}",
+                    },
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc=f"{role} features",
+                )
+
+        return data_lib.cached(data_lib.cache_root(cfg) / f"cls-{role}-{key}", build)
 
     def _features(
         self,
@@ -224,18 +226,19 @@ class SequenceClassification(Task[ClassificationData]):
         text, pair, _ = _columns(cfg, glue_task(cfg.name), split, with_label=False)
         examples = split.examples
         ids = next((c for c in ID_COLUMNS if c in examples.column_names), None)
-        features = examples.map(
-            self._features,
-            batched=True,
-            remove_columns=examples.column_names,
-            fn_kwargs={
-                "tokenizer": tokenizer,
-                "columns": (text, pair, None),
-                "label_names": None,
-                "source": f"predict data {split.source}",
-            },
-            desc="predict features",
-        )
+        with data_lib.map_progress(len(examples)):
+            features = examples.map(
+                self._features,
+                batched=True,
+                remove_columns=examples.column_names,
+                fn_kwargs={
+                    "tokenizer": tokenizer,
+                    "columns": (text, pair, None),
+                    "label_names": None,
+                    "source": f"predict data {split.source}",
+                },
+                desc="predict features",
+            )
         return ClassificationData(
             train=features.select([]),
             eval=features,

@@ -42,7 +42,6 @@ from transformers import PreTrainedTokenizerBase
 from recipes import adapters
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
-from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks import chat, preference
 from recipes.tasks.base import SummedLoss
@@ -101,6 +100,7 @@ class DirectPreference(SupervisedFineTuning):
     terms_per_example = 1  # one term per pair
     main_metric = "loss"
     greater_is_better = False
+    _row_words = ("pair", "both its replies")
 
     def __init__(
         self,
@@ -207,11 +207,6 @@ class DirectPreference(SupervisedFineTuning):
             self.max_seq_length,
             "cut at its end" if self.truncation == "truncate" else "dropped with its pair",
         )
-        if len(built) == 0:
-            raise DataError(
-                f"{role} data: every pair was dropped as longer than task.max_seq_length="
-                f"{self.max_seq_length}; raise it or use task.truncation=truncate."
-            )
         # Positions in the split (for precomputed reference log-probabilities).
         return key, built.add_column("index", list(range(len(built))))
 

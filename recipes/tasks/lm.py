@@ -135,26 +135,27 @@ class LanguageModeling(Task[TaskData]):
         keep_offsets: bool,
     ) -> Dataset:
         """Drop empty texts, tokenize, and pack the tokens into blocks."""
-        texts = split.examples.select_columns([column]).filter(
-            lambda batch: [bool(t) for t in batch[column]],
-            batched=True,
-            desc="drop empty texts",
-        )
-        tokens = texts.map(
-            self._tokenize,
-            batched=True,
-            remove_columns=[column],
-            fn_kwargs={"tokenizer": tokenizer, "column": column, "offsets": keep_offsets},
-            num_proc=cfg.preprocessing_num_workers,
-            desc="tokenize",
-        )
-        packed = tokens.map(
-            self._pack,
-            batched=True,
-            batch_size=1000,
-            num_proc=cfg.preprocessing_num_workers,
-            desc=f"pack into {self.block_size}-token blocks",
-        )
+        with data_lib.map_progress(len(split.examples)):
+            texts = split.examples.select_columns([column]).filter(
+                lambda batch: [bool(t) for t in batch[column]],
+                batched=True,
+                desc=f"{role}: drop empty texts",
+            )
+            tokens = texts.map(
+                self._tokenize,
+                batched=True,
+                remove_columns=[column],
+                fn_kwargs={"tokenizer": tokenizer, "column": column, "offsets": keep_offsets},
+                num_proc=cfg.preprocessing_num_workers,
+                desc=f"{role}: tokenize",
+            )
+            packed = tokens.map(
+                self._pack,
+                batched=True,
+                batch_size=1000,
+                num_proc=cfg.preprocessing_num_workers,
+                desc=f"{role}: pack into {self.block_size}-token blocks",
+            )
         if len(packed) == 0:
             raise DataError(
                 f"{role} data {split.source}: {len(split.examples)} texts make no full "
@@ -406,7 +407,8 @@ class MaskedLanguageModeling(LanguageModeling):
             tokenizer, self.mlm_probability, self.whole_word_mask
         )
         blocks = self._blocks(cfg, tokenizer, keep_offsets=needs_offsets)
-        with torch.random.fork_rng(devices=[]):
+        rows = len(blocks["eval"])
+        with torch.random.fork_rng(devices=[]), data_lib.map_progress(rows):
             torch.manual_seed(self.eval_mask_seed)
             masked_eval = blocks["eval"].map(
                 lambda batch: _mask_batch(collator, batch),

@@ -185,13 +185,15 @@ class QuestionAnswering(Task[QAData]):
     def question_windows(self, examples: Dataset, tokenizer: PreTrainedTokenizerBase) -> QAData:
         """Questions (``id``, ``question``, ``context``) as evaluation windows, with no training
         features: what mode=predict and ``python -m recipes.answer`` run the model on."""
-        windows = examples.map(
-            self._eval_features,
-            batched=True,
-            with_indices=True,
-            remove_columns=examples.column_names,
-            fn_kwargs={"tokenizer": tokenizer},
-        )
+        with data_lib.map_progress(len(examples)):
+            windows = examples.map(
+                self._eval_features,
+                batched=True,
+                with_indices=True,
+                remove_columns=examples.column_names,
+                fn_kwargs={"tokenizer": tokenizer},
+                desc="question windows",
+            )
         return QAData(
             train=windows.select([]),
             eval=_longest_first(windows, tokenizer),
@@ -217,18 +219,20 @@ class QuestionAnswering(Task[QAData]):
             version=FEATURES_VERSION,
         )
         examples = split.examples
-        return data_lib.cached(
-            data_lib.cache_root(cfg) / f"qa-{role}-{key}",
-            lambda: examples.map(
-                featurize,
-                batched=True,
-                with_indices=role == "eval",
-                remove_columns=examples.column_names,
-                fn_kwargs={"tokenizer": tokenizer},
-                num_proc=cfg.preprocessing_num_workers,
-                desc=f"{role} features",
-            ),
-        )
+
+        def build() -> Dataset:
+            with data_lib.map_progress(len(examples)):
+                return examples.map(
+                    featurize,
+                    batched=True,
+                    with_indices=role == "eval",
+                    remove_columns=examples.column_names,
+                    fn_kwargs={"tokenizer": tokenizer},
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc=f"{role} features",
+                )
+
+        return data_lib.cached(data_lib.cache_root(cfg) / f"qa-{role}-{key}", build)
 
     def _tokenize(self, examples: Mapping[str, list], tokenizer: PreTrainedTokenizerBase):
         questions = [q.lstrip() for q in examples["question"]]
@@ -375,21 +379,26 @@ class QuestionAnswering(Task[QAData]):
         if accelerator.is_main_process:
             collector = AnswerCollector(data.eval_windows, self.n_best_size, self.max_answer_length)
         model.eval()
-        for batch in loader:
-            feature_index = batch.pop("feature_index")
-            outputs = model(**batch)
-            candidates = top_candidates(
-                outputs.start_logits,
-                outputs.end_logits,
-                batch["attention_mask"],
-                self.n_best_size,
-                data.left_padded,
-            )
-            candidates["feature_index"] = feature_index
-            candidates = accelerator.gather_for_metrics(candidates)
-            if collector is not None:
-                arrays = {k: v.cpu().numpy() for k, v in candidates.items()}
-                collector.add(arrays, arrays.pop("feature_index"))
+        # A long context is many windows: a bar (after a few seconds, main process) says so.
+        windows, processes = len(data.eval_windows), accelerator.num_processes
+        with data_lib.progress(total=windows, desc="answer: windows", unit=" windows") as bar:
+            for batch in loader:
+                feature_index = batch.pop("feature_index")
+                done = min(len(feature_index) * processes, bar.total - bar.n)
+                outputs = model(**batch)
+                candidates = top_candidates(
+                    outputs.start_logits,
+                    outputs.end_logits,
+                    batch["attention_mask"],
+                    self.n_best_size,
+                    data.left_padded,
+                )
+                candidates["feature_index"] = feature_index
+                candidates = accelerator.gather_for_metrics(candidates)
+                if collector is not None:
+                    arrays = {k: v.cpu().numpy() for k, v in candidates.items()}
+                    collector.add(arrays, arrays.pop("feature_index"))
+                bar.update(done)
         model.train()
         return collector
 

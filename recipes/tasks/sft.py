@@ -69,6 +69,7 @@ class SupervisedFineTuning(Task[ChatData]):
     sums_loss_terms = True
     main_metric = "loss"
     greater_is_better = False
+    _row_words = ("conversation", "its assistant turns")  # in _none_kept's message
 
     def __init__(
         self,
@@ -238,14 +239,22 @@ class SupervisedFineTuning(Task[ChatData]):
         )
 
         def build() -> Dataset:
-            return rows.map(
-                self._tokenize,
-                batched=True,
-                remove_columns=rows.column_names,
-                fn_kwargs={"tokenizer": tokenizer, "template": template, "source": split.source},
-                num_proc=cfg.preprocessing_num_workers,
-                desc=f"render and tokenize ({kind})",
-            )
+            with data_lib.map_progress(len(rows)):
+                built = rows.map(
+                    self._tokenize,
+                    batched=True,
+                    remove_columns=rows.column_names,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "template": template,
+                        "source": split.source,
+                    },
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc=f"{role}: render and tokenize ({kind})",
+                )
+            if len(built) == 0:  # refused here: an empty split cannot be cached
+                raise DataError(self._none_kept(role, split.source, len(rows)))
+            return built
 
         return key, data_lib.cached(data_lib.cache_root(cfg) / f"{kind}-{role}-{key}", build)
 
@@ -287,11 +296,21 @@ class SupervisedFineTuning(Task[ChatData]):
             dropped,
             self.truncation,
         )
-        if len(built) == 0:
-            raise DataError(
-                f"{role} data: every conversation was dropped as longer than "
-                f"task.max_seq_length={self.max_seq_length}; raise it or use task.truncation=truncate."
+
+    def _none_kept(self, role: str, source: str, rows: int) -> str:
+        """Why no row of a split was kept, and the fix (``rows``: how many there were)."""
+        what, reply = self._row_words
+        if self.truncation == "drop":
+            why = (
+                f"as longer than task.max_seq_length={self.max_seq_length} (task.truncation="
+                "drop); raise task.max_seq_length, or set task.truncation=truncate to cut them"
             )
+        else:
+            why = (
+                f"after a cut to task.max_seq_length={self.max_seq_length} tokens (task.truncation="
+                f"truncate), none kept a token of {reply}; raise task.max_seq_length"
+            )
+        return f"{role} data {source}: every {what} ({rows}) was dropped {why}."
 
     def _pack(self, train: Dataset) -> Dataset:
         packed = Dataset.from_dict(chat.packed_rows(train, self.max_seq_length))
