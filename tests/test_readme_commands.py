@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# <...> placeholders the prose explains, and the shell variables docs/results.md and
-# docs/runs.md define from folders a reader has (values only need to compose).
+# <...> placeholders the prose explains, and the shell variables the docs set by running a
+# command (values only need to compose).
 PLACEHOLDERS = {
     "<run>": "2026-01-01_00-00-00",  # a run folder, or its name under outputs/<recipe>/
     "<final/>": "outputs/bert_squad/2026-01-01_00-00-00/final",
@@ -75,9 +75,11 @@ def _to_shell(block: list[str]) -> str:
         stripped = line.strip()
         if LAUNCH.search(stripped):
             kept.append(_call(stripped))
-        elif re.match(r"^[A-Za-z_]\w*=", stripped) or re.match(r"^(for|do|done)\b", stripped):
+        elif re.match(r"^(for|do|done)\b", stripped):
             kept.append(stripped)
-    return "\n".join(kept)
+        elif re.match(r"^[A-Za-z_]\w*=", stripped) and not re.search(r"\$\(|`", stripped):
+            kept.append(stripped)  # no command substitution runs here: SHELL_VARIABLES has those
+    return "\n".join(kept) if any("_train" in line for line in kept) else ""
 
 
 def _call(line: str) -> str:
