@@ -143,6 +143,7 @@ class Trainer:
     def _setup_run_folder(self) -> None:
         self.output_dir, self.resume_from = runs.open_run_folder(self.cfg, self.accelerator)
         setup_logging(self.accelerator.is_main_process, self.output_dir / "train.log")
+        data_lib.show_progress(self.trainer_cfg.progress_bar)  # preprocessing, answer search
         log.info("run folder: %s", self.output_dir)
 
     def _setup_device(self) -> None:
