@@ -409,9 +409,9 @@ def save_final(
     model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
     tokenizer.save_pretrained(folder / ADAPTER_DIR)
     if base is None:
-        base = str((Path(published or folder) / BASE_DIR).resolve())
-        copy.deepcopy(model).unload().save_pretrained(base)
-        tokenizer.save_pretrained(base)
+        copy.deepcopy(model).unload().save_pretrained(folder / BASE_DIR)
+        tokenizer.save_pretrained(folder / BASE_DIR)
+        base = str((Path(published or folder) / BASE_DIR).resolve())  # where it will be
         log.info("the adapter's base model (not loadable from model.name_or_path): %s", base)
     config_file = folder / ADAPTER_DIR / "adapter_config.json"
     adapter_config = json.loads(config_file.read_text())

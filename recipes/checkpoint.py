@@ -61,6 +61,7 @@ class TrainerState:
     train_samples: float = 0.0
     skipped_steps: int = 0  # updates dropped for a non-finite loss (trainer.on_nonfinite=skip)
     best: dict[str, Any] | None = None  # {"metric", "value", "step"}
+    last_scores: dict[str, float] = field(default_factory=dict)  # at last_eval_step (> 0)
     evals_since_best: int = 0  # evaluations since the last new best (early stopping)
     # Per process: [loss sum, tokens, micro-batches, samples] since the last log step.
     window: list[list[float]] = field(default_factory=list)
@@ -142,10 +143,14 @@ def save(
     def publish() -> None:
         _write_loadable_files(tmp, accelerator.unwrap_model(model), tokenizer, state)
         _fsync_tree(tmp)
+        old = None
         if final.exists():  # the same step saved again (an evaluation's best after a save)
-            _delete(final)
+            old = final.with_name(f".del-{final.name}")
+            os.replace(final, old)  # deleted once the new one has the name
         os.replace(tmp, final)
         _fsync(folder)
+        if old is not None:
+            shutil.rmtree(old)
 
     write_together(
         accelerator,
@@ -218,7 +223,7 @@ def _attempt(write: Callable[[], None]) -> tuple[str, str] | None:
         write()
     except Exception as err:  # reported on every process by write_together
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        return ("disk full" if _disk_full(err) else "error", f"{type(err).__name__}: {first}")
+        return ("disk full" if disk_full(err) else "error", f"{type(err).__name__}: {first}")
     return None
 
 
@@ -232,7 +237,7 @@ def _agreed_failure(
     return found[0] if found else None
 
 
-def _disk_full(err: BaseException) -> bool:
+def disk_full(err: BaseException) -> bool:
     """Whether ``err`` (or what caused it) is a full disk or quota: an OSError's errno, or the
     words torch's zip writer ("unexpected pos"), safetensors and the OS use."""
     seen: BaseException | None = err
@@ -322,9 +327,18 @@ def final_complete(output_dir: Path) -> bool:
 
 
 def remove_leftovers(output_dir: Path) -> list[str]:
-    """Remove what interrupted writes left (``.tmp-*`` / ``.del-*`` in the run folder and its
-    checkpoints); call only while holding the run folder (nothing else writes there)."""
+    """Tidy what interrupted writes left in a run folder and its checkpoints: a complete
+    checkpoint killed before its rename gets its name, and other ``.tmp-*`` / ``.del-*`` folders
+    are removed. Call only while holding the run folder (nothing else writes there); returns
+    what was done, for the log."""
     removed = []
+    for written in checkpoints_dir(output_dir).glob(f".tmp-{PREFIX}*"):
+        complete = written.with_name(written.name.removeprefix(".tmp-"))
+        if (written / STATE_FILE).is_file() and not complete.exists():
+            # Complete (the state file is written last) and killed before its rename: it
+            # replaced a checkpoint of the same step, or was about to get its name.
+            os.replace(written, complete)
+            removed.append(f"restored {complete.name} (complete, stopped before its rename)")
     for folder in (output_dir, checkpoints_dir(output_dir)):
         if not folder.is_dir():
             continue
@@ -332,7 +346,9 @@ def remove_leftovers(output_dir: Path) -> list[str]:
             for stale in folder.glob(pattern):
                 if stale.is_dir():
                     shutil.rmtree(stale, ignore_errors=True)
-                    removed.append(str(stale.relative_to(output_dir)))
+                    removed.append(
+                        f"removed {stale.relative_to(output_dir)} (an interrupted write)"
+                    )
     return removed
 
 

@@ -342,8 +342,8 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     (
         "trainer.max_steps",
         _at_least(-1),
-        "must be > 0 (optimizer steps; wins over trainer.num_epochs), or -1 (the default: "
-        "trainer.num_epochs decides)",
+        "must be > 0 (optimizer steps; wins over trainer.num_epochs), or -1 (the default) or 0: "
+        "trainer.num_epochs decides",
     ),
     ("trainer.per_device_train_batch_size", _at_least(1), "must be at least 1"),
     ("trainer.per_device_eval_batch_size", _at_least(1), "must be at least 1"),

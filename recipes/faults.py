@@ -53,8 +53,8 @@ class Interrupted(Exception):
 
 class StopNow(BaseException):
     """A stop request that ends an evaluation in its middle (raised by the signal handler within
-    :meth:`StopRequest.at_once`, or by :func:`stop_polled` between batches). A BaseException, as
-    KeyboardInterrupt is, so that no task's ``except Exception`` swallows it."""
+    :meth:`StopRequest.at_once`, or between evaluation batches when several processes agree). A
+    BaseException, as KeyboardInterrupt is, so that no task's ``except Exception`` swallows it."""
 
 
 class PeerFailed(Exception):

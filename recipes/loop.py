@@ -336,6 +336,10 @@ class Trainer:
         if self.resume_from is not None:
             self.state = runs.resume(self.accelerator, self.resume_from, self.state, self.scheduler)
             keep_until_step = self.state.step
+            if self.state.step and self.state.last_eval_step == self.state.step:
+                self.final_scores = dict(self.state.last_scores)  # not evaluated again
+            if self.resume_from.parent == checkpoint.checkpoints_dir(self.output_dir):
+                self.last_saved_step = self.state.step  # a stop here needs no new checkpoint
         elif self.cfg.get("resume") == "auto":
             log.info("resume=auto: no checkpoint in %s yet; starting at step 0", self.output_dir)
             keep_until_step = -1  # what an earlier attempt logged is logged again
@@ -662,6 +666,8 @@ class Trainer:
         log.info("eval at step %d: %s", step, _format_metrics(scores))
         self.model.train()
         self.state.last_eval_step = step
+        if step > 0:  # what results.json reports if the run stops after it (and resumes)
+            self.state.last_scores = scores
         new_best = self._record_if_best(scores.get(self.main_metric), step)
         if new_best:
             self.best_scores = scores
@@ -735,17 +741,24 @@ class Trainer:
     def _stoppable(self) -> Iterator[None]:
         """An evaluation or the task's last words, which a stop request (SIGTERM, Ctrl-C) ends
         in their middle: they can take longer than a launcher's grace period. One process stops
-        at once; several agree before each evaluation batch (:meth:`_polled`). Then a checkpoint
-        of the last trained step is saved (unless there is one) and the run stops, resumable."""
+        at once; several agree on entry and before each evaluation batch (:meth:`_polled`). Then
+        a checkpoint of the last trained step is saved (unless there is one) and the run stops,
+        resumable."""
         if not self.stop.installed:  # mode=eval / predict: a signal ends them, nothing to save
             yield
             return
         try:
+            self._stop_if_asked()
             with self.stop.at_once(self.accelerator.num_processes == 1):
                 yield
         except StopNow:
             self.model.train()
             self._save_and_stop()
+
+    def _stop_if_asked(self) -> None:
+        """Raise :class:`StopNow` on every process if any was asked to stop (one all-reduce)."""
+        if self.stop.installed and _stop_asked_anywhere(self.accelerator, self.stop):
+            raise StopNow()
 
     def _polled(self, loader: DataLoader) -> Iterable[Any]:
         """``loader``, asking all processes before each batch whether one of them was asked to
@@ -865,6 +878,9 @@ class Trainer:
             extra = self.task.after_training(
                 self.model, self.tokenizer, self.data, accelerator, self.output_dir
             )
+            # Several processes do not poll in the last words: a stop asked for there is acted
+            # on here, before final/.
+            self._stop_if_asked()
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
@@ -979,10 +995,7 @@ class _StopPolled:
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
-            asked = torch.tensor(
-                float(self.stop.signum is not None), device=self.accelerator.device
-            )
-            if self.accelerator.reduce(asked, reduction="sum").item() > 0:
+            if _stop_asked_anywhere(self.accelerator, self.stop):
                 raise StopNow()
             yield batch
 
@@ -991,6 +1004,15 @@ class _StopPolled:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
+
+
+def _stop_asked_anywhere(accelerator: Accelerator, stop: StopRequest) -> bool:
+    """Whether any process was asked to stop (all of them must call this together)."""
+    asked = stop.signum is not None
+    if accelerator.num_processes == 1:
+        return asked
+    flag = torch.tensor(float(asked), device=accelerator.device)
+    return accelerator.reduce(flag, reduction="sum").item() > 0
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
@@ -1230,7 +1252,9 @@ def _save_final(
         if accelerator.is_main_process:
             tokenizer.save_pretrained(folder)
 
-    need = checkpoint.weights_bytes(accelerator, model)
+    # A LoRA run whose base cannot be named writes that base beside the merged model.
+    copies = 2 if adapters.is_peft_model(accelerator.unwrap_model(model)) and base is None else 1
+    need = copies * checkpoint.weights_bytes(accelerator, model)
     final = checkpoint.save_final(accelerator, output_dir, write, need)
     log.info("saved model and tokenizer to %s", final)
     return final

@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,11 +157,19 @@ def load_model(
             f"model.name_or_path={cfg.name_or_path}: cannot load the model ({first_line(err)})."
         ) from None
     if trained_for and (info.get("missing_keys") or info.get("mismatched_keys")):
+        if (Path(cfg.name_or_path).expanduser() / "trainer_state.json").is_file():
+            why = (
+                "it is a checkpoint, which holds what trains (a LoRA run's adapter) in "
+                "accelerate's files: give it as resume=<that folder> instead"
+            )
+        else:
+            why = (
+                f"it was trained for another task ({_architectures(cfg)}), and a random head "
+                "gives meaningless results. Give a final/ of this recipe, or train one first"
+            )
         raise ConfigError(
             f"mode={trained_for}: model.name_or_path={cfg.name_or_path} lacks weights this task "
-            f"needs ({weights_report(info)}): it was trained for another task "
-            f"({_architectures(cfg)}), and a random head gives meaningless results. Give a "
-            "final/ (or checkpoint) of this recipe, or train one first."
+            f"needs ({weights_report(info)}): {why}."
         )
     if line := weights_report(info):
         log.info("%s: %s", cfg.name_or_path, line)

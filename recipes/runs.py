@@ -40,39 +40,49 @@ def open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Pa
     if accelerator.is_main_process:
         try:
             hold(output_dir)
+            if cfg.get("resume") == "auto":  # the run continues in place: tidy it first
+                for done in checkpoint.remove_leftovers(output_dir):
+                    log.info("%s: %s", output_dir, done)
             found = check_run_folder(output_dir, cfg.get("resume"))
+            config_file = output_dir / "config.yaml"
+            if found is None or not config_file.exists():
+                config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
             verdict = ("ok", str(found) if found else None)
         except ConfigError as err:
             release(output_dir)
             verdict = ("error", str(err))
+        except OSError as err:  # a full disk, a read-only or foreign folder: said, not raised
+            release(output_dir)
+            full = (
+                "no space left on device" if checkpoint.disk_full(err) else err.strerror or "error"
+            )
+            verdict = ("error", f"output_dir={output_dir}: {full} ({err}).")
     kind, value = broadcast_object_list([verdict])[0]
     if kind == "error":
         raise ConfigError(value)
-    resume_from = Path(value) if value else None
-    if accelerator.is_main_process:
-        for stale in checkpoint.remove_leftovers(output_dir):
-            log.info("removed %s (left by an interrupted write)", stale)
-        config_file = output_dir / "config.yaml"
-        if resume_from is None or not config_file.exists():
-            config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    accelerator.wait_for_everyone()
-    return output_dir, resume_from
+    return output_dir, Path(value) if value else None
 
 
 def hold(output_dir: Path) -> None:
     """Take ``output_dir``'s lock (``.lock``, an fcntl lock: on NFS it holds across nodes where
-    the server has locking) until :func:`release` or the process ends; the kernel drops the lock
-    of a process that died, so a lock whose owner is gone is taken over. A second run gets a
-    ConfigError naming the owner. Where the file system has no locks, a warning says that two
-    runs in one folder are not prevented."""
+    the server has locking) until :func:`release`, which removes the file, or the process ends;
+    the kernel drops the lock of a process that died, so a lock whose owner is gone is taken
+    over. A second run gets a ConfigError naming the owner. Where the file system has no locks,
+    a warning says that two runs in one folder are not prevented."""
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EACCES, errno.EAGAIN):
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
             os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                raise ConfigError(
+                    f"output_dir={output_dir} is in use by another run ({_owner(path)}); nothing "
+                    "was changed. Wait for it to end, or pick another folder with output_dir=..."
+                ) from None
+            path.unlink(missing_ok=True)
             log.warning(
                 "output_dir=%s: this file system takes no locks (%s); nothing stops a second "
                 "run from writing to the same folder",
@@ -80,23 +90,29 @@ def hold(output_dir: Path) -> None:
                 err.strerror,
             )
             return
-        owner = _owner(fd)
-        os.close(fd)
-        raise ConfigError(
-            f"output_dir={output_dir} is in use by another run ({owner}); nothing was changed. "
-            "Wait for it to end, or pick another folder with output_dir=..."
-        ) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its owner released and removed it as we opened it: take the new one
     os.ftruncate(fd, 0)
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%F %T")}
     os.write(fd, json.dumps(owner).encode())
     _held[output_dir] = fd
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def release(output_dir: Path) -> None:
-    """Give up the lock :func:`hold` took (no-op when this process holds none)."""
+    """Give up the lock :func:`hold` took and remove its file, still holding it (so that no
+    other run locks the removed file); a no-op when this process holds none."""
     fd = _held.pop(output_dir, None)
     if fd is not None:
-        os.close(fd)  # closing the descriptor drops the lock; the file stays, harmless
+        (output_dir / LOCK_FILE).unlink(missing_ok=True)
+        os.close(fd)
 
 
 def release_all() -> None:
@@ -104,9 +120,9 @@ def release_all() -> None:
         release(output_dir)
 
 
-def _owner(fd: int) -> str:
+def _owner(path: Path) -> str:
     try:
-        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        owner = json.loads(path.read_text() or "{}")
         return f"pid {owner['pid']} on {owner['host']}, since {owner['since']}"
     except (OSError, ValueError, KeyError):
         return "its owner did not say who it is"
@@ -115,19 +131,26 @@ def _owner(fd: int) -> str:
 def check_run_folder(output_dir: Path, resume: str | None) -> Path | None:
     """Refuse a folder whose results would be overwritten; find the checkpoint to resume."""
     found = checkpoint.resolve(resume, output_dir)
-    if checkpoint.final_complete(output_dir):
+    final = output_dir / checkpoint.FINAL
+    # An earlier release wrote final/ in place: a kill during that save left it without weights,
+    # beside the checkpoints the run continues from. Without them it counts as finished.
+    interrupted = final.is_dir() and not checkpoint.final_complete(output_dir)
+    interrupted = interrupted and bool(
+        checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(output_dir))
+    )
+    if final.exists() and not interrupted:
         raise ConfigError(
             f"output_dir={output_dir} already holds a finished run (final/); nothing was changed. "
             "Pick a new folder with output_dir=... (or remove that one)."
         )
-    if (output_dir / checkpoint.FINAL).exists():  # an earlier release's interrupted final/
+    if interrupted:
         if resume != "auto":
             raise ConfigError(
                 f"output_dir={output_dir} holds an unfinished run: its final/ is incomplete (no "
                 "weights; the save was interrupted). Continue it with resume=auto (the "
                 "incomplete final/ is removed), or pick a new folder with output_dir=..."
             )
-        checkpoint.discard(output_dir / checkpoint.FINAL)
+        checkpoint.discard(final)
         log.warning("removed the incomplete final/ of an interrupted save in %s", output_dir)
     marker = next(
         (m for m in ("metrics.jsonl", "checkpoints", "results.json") if (output_dir / m).exists()),
@@ -212,6 +235,18 @@ def resume(
     inner = getattr(scheduler, "scheduler", scheduler)
     hyper = _hyperparameters(inner)  # this run's, which loading the checkpoint replaces
     state = checkpoint.load(accelerator, path)
+    if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
+        # accelerate ticks the schedule once per process and step (see build_scheduler).
+        ticks = getattr(scheduler, "scheduler", scheduler).last_epoch
+        _set_schedule_position(
+            scheduler, ticks // max(len(state.window), 1) * accelerator.num_processes
+        )
+        totals = (
+            [sum(column) for column in zip(*state.window, strict=True)] if state.window else None
+        )
+        state.window = [totals or [0.0, 0.0, 0, 0]] + [[0.0, 0.0, 0, 0]] * (
+            accelerator.num_processes - 1
+        )
     applied = [k for k in changed if k.startswith(("optimizer.", "scheduler.", "trainer.max_st"))]
     if applied:
         # The checkpoint's optimizer groups and schedule peak (base_lrs) would silently keep the
@@ -228,18 +263,6 @@ def resume(
     if set(changed) - set(applied):
         log.warning(
             "resuming with changed settings: %s", ", ".join(sorted(set(changed) - set(applied)))
-        )
-    if len(state.window) != accelerator.num_processes:  # a new process count, same global batch
-        # accelerate ticks the schedule once per process and step (see build_scheduler).
-        ticks = getattr(scheduler, "scheduler", scheduler).last_epoch
-        _set_schedule_position(
-            scheduler, ticks // max(len(state.window), 1) * accelerator.num_processes
-        )
-        totals = (
-            [sum(column) for column in zip(*state.window, strict=True)] if state.window else None
-        )
-        state.window = [totals or [0.0, 0.0, 0, 0]] + [[0.0, 0.0, 0, 0]] * (
-            accelerator.num_processes - 1
         )
     state.guarded, state.config = fresh.guarded, fresh.config
     log.info(

@@ -4,7 +4,9 @@ machine, not the code, brings, struck at a chosen moment:
 * ``kill-in-final``: SIGKILL once ``final/``'s files are written, before they are published as
   ``final/`` (a node dying, or a launcher's SIGKILL after its grace period, mid-save);
 * ``fill-disk``: another process fills the run folder's file system right after the free-space
-  check of the second checkpoint, leaving 1 MiB (the write itself then fails).
+  check of the second checkpoint, leaving 1 MiB (the write itself then fails);
+* ``term-in-last-words``: SIGTERM while a causal LM's task writes its samples after training
+  (after the final evaluation, before ``final/``).
 
 The faults come from here, by patching the checkpoint module, so that the production code carries
 no test hook.
@@ -54,6 +56,16 @@ def main() -> None:
                     out.write(b"\0" * max(free - 2**20, 0))
 
         checkpoint.check_space = check_then_fill
+    elif fault == "term-in-last-words":
+        from recipes.tasks.lm import CausalLanguageModeling
+
+        last_words = CausalLanguageModeling.after_training
+
+        def signalled_then_last_words(self: Any, *args: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return last_words(self, *args)
+
+        CausalLanguageModeling.after_training = signalled_then_last_words
     else:
         raise SystemExit(f"unknown fault {fault}")
     sys.argv[0] = str(ROOT / "train.py")

@@ -68,6 +68,27 @@ def test_a_kill_while_final_is_written_leaves_a_run_that_resumes(tmp_path, cache
     assert again.returncode == 2 and "already holds a finished run" in again.stderr
 
 
+def test_sigterm_in_the_last_words_resumes_with_the_final_evaluation(tmp_path, cache_dir):
+    """Stopped after its final evaluation (in the samples a causal LM writes after training),
+    the resumed run does not evaluate again and still reports that evaluation."""
+    run = tmp_path / "run"
+    stopped = run_train(
+        *_gpt2(cache_dir),
+        f"output_dir={run}",
+        script=(FAULTS, "term-in-last-words"),
+        check=False,
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert not (run / "final").exists() and not (run / "results.json").exists()
+    evaluated = [m for m in read_metrics(run) if "eval/perplexity" in m]
+    assert [m["step"] for m in evaluated] == [4]
+    run_train(*_gpt2(cache_dir), f"output_dir={run}", "resume=auto")
+    assert [m["step"] for m in read_metrics(run) if "eval/perplexity" in m] == [4]
+    results = json.loads((run / "results.json").read_text())
+    assert results["main_value"] == evaluated[0]["eval/perplexity"]
+    assert (run / "final" / "model.safetensors").is_file()
+
+
 def _wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not done():
