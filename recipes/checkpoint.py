@@ -134,10 +134,16 @@ def save(
         folder.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
-    found = finished_checkpoints(folder) if accelerator.is_main_process else []
-    # Its size is known from the last checkpoint; the first one needs at least the trained
-    # weights and the optimizer's state.
-    need = tree_size(found[-1]) if found else _state_bytes(accelerator, model, optimizer)
+    # The main process's estimate: the last checkpoint's size, or for the first one at least the
+    # trained weights and the optimizer's state.
+    need = 0
+    if accelerator.is_main_process:
+        found = finished_checkpoints(folder)
+        need = (
+            tree_size(found[-1])
+            if found
+            else _all_shards(accelerator, _state_bytes(model, optimizer))
+        )
     check_space(accelerator, folder, need, f"checkpoint {final.name}")
 
     def publish() -> None:
@@ -292,11 +298,9 @@ def tree_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _state_bytes(
-    accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> int:
-    """At least what a first checkpoint writes: the trained weights and the optimizer's state
-    (this process's shards times the processes under FSDP)."""
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """At least what a first checkpoint writes from this process: the trained weights and the
+    optimizer's state."""
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     moments = 0
     if optimizer is not None:
@@ -306,13 +310,17 @@ def _state_bytes(
                 for v in values.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             )
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    return (trained + moments) * (accelerator.num_processes if sharded else 1)
+    return trained + moments
 
 
 def weights_bytes(accelerator: Accelerator, model: torch.nn.Module) -> int:
     """About what ``final/`` writes: the model's weights (gathered whole under FSDP)."""
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return _all_shards(accelerator, sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def _all_shards(accelerator: Accelerator, size: int) -> int:
+    """``size``, this process's bytes, over all processes' shards under FSDP (elsewhere each
+    process holds the whole)."""
     sharded = accelerator.distributed_type == DistributedType.FSDP
     return size * (accelerator.num_processes if sharded else 1)
 
@@ -399,19 +407,14 @@ def rotate(output_dir: Path, keep: int | None, best_step: int | None) -> None:
     found = finished_checkpoints(folder)
     for old in found[: max(len(found) - keep, 0)]:
         if best_step is None or old.name != name_of(best_step):
-            _delete(old)
+            discard(old)
 
 
 def discard(folder: Path) -> None:
-    """Remove a checkpoint or model folder without any moment in which it looks complete."""
-    _delete(folder)
-
-
-def _delete(checkpoint: Path) -> None:
-    """Remove a checkpoint so that no moment of it looks complete: first away from its name
-    (one atomic rename), then file by file."""
-    doomed = checkpoint.with_name(f".del-{checkpoint.name}")
-    os.replace(checkpoint, doomed)
+    """Remove a checkpoint (or ``final/``) so that no moment of it looks complete: first away
+    from its name (one atomic rename), then file by file."""
+    doomed = folder.with_name(f".del-{folder.name}")
+    os.replace(folder, doomed)
     shutil.rmtree(doomed)
 
 

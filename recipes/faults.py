@@ -139,7 +139,7 @@ class StopRequest:
             log.warning(
                 "%s received: %s, then stopping (Ctrl-C again stops at once, without one)",
                 signal.Signals(signum).name,
-                "stopping the evaluation and saving a checkpoint"
+                "stopping what runs now (an evaluation, the last words) and saving a checkpoint"
                 if self._at_once
                 else "saving a checkpoint after this step",
             )

@@ -163,9 +163,11 @@ def load_model(
                 "accelerate's files: give it as resume=<that folder> instead"
             )
         else:
+            # What its config.json says it is (``BertForQuestionAnswering``, say).
+            saved_as = ", ".join(model.config.architectures or [type(model.config).__name__])
             why = (
-                f"it was trained for another task ({_architectures(cfg)}), and a random head "
-                "gives meaningless results. Give a final/ of this recipe, or train one first"
+                f"it was trained for another task ({saved_as}), and a random head gives "
+                "meaningless results. Give a final/ of this recipe, or train one first"
             )
         raise ConfigError(
             f"mode={trained_for}: model.name_or_path={cfg.name_or_path} lacks weights this task "
@@ -179,15 +181,6 @@ def load_model(
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
-
-
-def _architectures(cfg: ModelConfig) -> str:
-    """What the checkpoint's config says it is (``BertForQuestionAnswering``, say)."""
-    try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, **_source(cfg))
-    except (OSError, ValueError, ImportError):
-        return "unknown architecture"
-    return ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
 
 
 # transformers' own report of the weights a load left new, unused or resized: the 5.x LOAD
