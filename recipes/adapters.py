@@ -102,7 +102,8 @@ def _check(s: PeftSettings) -> None:
 
 
 def task_type(model: torch.nn.Module) -> Any:
-    """peft's task type for the model's head (None for heads peft has no type for: masked LM)."""
+    """peft's task type for the model's head (None for heads peft has no type for: masked LM,
+    multiple choice)."""
     from peft import TaskType
 
     kinds = {
@@ -110,6 +111,8 @@ def task_type(model: torch.nn.Module) -> Any:
         "ForQuestionAnswering": TaskType.QUESTION_ANS,
         "ForSequenceClassification": TaskType.SEQ_CLS,
         "ForTokenClassification": TaskType.TOKEN_CLS,
+        "ForConditionalGeneration": TaskType.SEQ_2_SEQ_LM,  # T5, BART, mT5
+        "EncoderDecoderModel": TaskType.SEQ_2_SEQ_LM,  # an encoder-decoder built from two BERTs
     }
     name = type(model).__name__
     return next((kind for suffix, kind in kinds.items() if name.endswith(suffix)), None)

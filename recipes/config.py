@@ -248,6 +248,15 @@ class DataConfig:
     text_column: str | None = None
     text_pair_column: str | None = None
     label_column: str | None = None
+    # Multiple choice: the column holding each row's list of choices (task=multiple_choice);
+    # null: SWAG's ending0..N columns, else ``choices``.
+    choices_column: str | None = None
+    # Sequence to sequence (task=seq2seq): the input and target text columns (a dotted name
+    # reads a field of a dict column: translation.en), and a prefix put before every input
+    # ("summarize: ", "translate English to German: ") as T5 was trained with.
+    source_column: str | None = None
+    target_column: str | None = None
+    source_prefix: str = ""
     sample: str | None = None  # the bundled sample that debug=smoke trains on
     cache_dir: str | None = None  # feature cache; null: $RECIPES_CACHE or ~/.cache/musa-recipes
     preprocessing_num_workers: int | None = None
@@ -272,13 +281,16 @@ class LoggerConfig:
 
 @dataclass
 class GenerationConfig:
-    """How mode=predict completes prompts (``generation.*``; transformers' names): greedy by
-    default, sampled with ``do_sample=true``."""
+    """How generation runs (``generation.*``; transformers' names): mode=predict's completions,
+    and a sequence-to-sequence task's evaluation; greedy by default, sampled with
+    ``do_sample=true``."""
 
     max_new_tokens: int | None = None  # null: the task's own (task.generation_max_new_tokens)
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    num_beams: int | None = None  # beam search; null: the model's generation_config (greedy)
+    length_penalty: float | None = None  # beam search's length exponent; null: the model's own
 
 
 @dataclass
@@ -382,6 +394,12 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda v: v is None or 0 <= v < 1,
         "must be in [0, 1), or null for the model's own",
     ),
+    (
+        "generation.max_new_tokens",
+        _null_or_at_least(1),
+        "must be >= 1, or null for the task's own",
+    ),
+    ("generation.num_beams", _null_or_at_least(1), "must be >= 1, or null for the model's own"),
     ("data.max_train_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     ("data.max_eval_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     (
