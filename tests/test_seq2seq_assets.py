@@ -38,3 +38,14 @@ def test_scitldr_rows(split):
     for row in rows:
         assert set(row) == {"source", "target", "targets"}
         assert row["source"] and row["target"] == row["targets"][0]
+
+
+def test_tatoeba_rows_and_splits_share_no_source():
+    def read(split: str) -> list[dict]:
+        path = ASSETS / "tatoeba-en-de" / f"{split}.jsonl"
+        return [json.loads(line)["translation"] for line in path.read_text("utf-8").splitlines()]
+
+    train, dev = read("train"), read("dev")
+    assert (len(train), len(dev)) == (5000, 500)
+    assert all(set(row) == {"en", "de"} and row["en"] and row["de"] for row in train + dev)
+    assert not {row["en"] for row in train} & {row["en"] for row in dev}
