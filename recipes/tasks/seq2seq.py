@@ -1,0 +1,653 @@
+"""Sequence to sequence: summarization, translation, generative QA (``task=seq2seq``).
+
+What the task adds to the shared loop, as run_summarization / run_translation / run_seq2seq_qa
+do it: a source and a target text per row (``data.source_column`` / ``data.target_column``; a
+dotted name reads a field of a dict column, ``translation.en``; SQuAD data becomes "question: ...
+context: ..." with its first answer as the target), ``data.source_prefix`` before every source,
+separate source and target lengths, labels padded with -100 (the model builds its
+``decoder_input_ids`` from them), and evaluation by batched generation (KV cache, on every
+process, ``generation.*``) scored with ROUGE (summarization), sacreBLEU (translation) or SQuAD
+EM / F1 (QA), plus the eval loss and the mean generated length. The decoding the evaluation used
+is written into the model's generation config, so ``final/`` reproduces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+from datasets import Dataset
+from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerBase
+
+from recipes import data as data_lib
+from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.metrics.seq2seq import bleu_scores, rouge_scores
+from recipes.metrics.squad import squad_v1
+from recipes.tasks.base import SummedLoss, Task, TaskData, write_jsonl
+from recipes.tasks.qa_examples import check_examples, read_squad_json
+
+log = get_logger(__name__)
+
+FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
+IGNORE_INDEX = -100
+METRICS = {"rouge": "rougeL", "bleu": "bleu", "squad": "f1"}
+# A predict file's column that names its rows, kept in predictions.jsonl.
+ID_COLUMNS = ("id", "idx", "index")
+MAX_REPORTED = 5
+_MISSING = object()  # a dotted field a row lacks (already reported)
+
+
+@dataclass
+class Seq2SeqData(TaskData):
+    """Features plus, per evaluation row (its ``row`` feature), the reference texts it is scored
+    against and its id."""
+
+    references: list[list[str]] = field(default_factory=list)
+    row_ids: list[Any] = field(default_factory=list)
+    tokenizer: Any = None  # decodes the generated ids
+
+
+class Seq2SeqCollator:
+    """Pads ``input_ids`` / ``attention_mask`` on the right with the pad id and ``labels`` with
+    -100 (DataCollatorForSeq2Seq's padding; the model shifts labels into decoder inputs);
+    ``row`` (evaluation rows' numbers) passes through."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _width(self, rows: list[list[int]]) -> int:
+        width = max(len(r) for r in rows)
+        multiple = self.pad_to_multiple_of
+        return -(-width // multiple) * multiple if multiple else width
+
+    def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:
+        width = self._width(rows)
+        return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [f["input_ids"] for f in features]
+        batch = {
+            "input_ids": self._pad(ids, self.pad_token_id),
+            "attention_mask": self._pad([[1] * len(r) for r in ids], 0),
+        }
+        if "labels" in features[0]:
+            batch["labels"] = self._pad([f["labels"] for f in features], IGNORE_INDEX)
+        if "row" in features[0]:
+            batch["row"] = torch.tensor([f["row"] for f in features], dtype=torch.long)
+        return batch
+
+
+class SequenceToSequence(Task[Seq2SeqData]):
+    """Encoder-decoder fine-tuning scored by generation (``task=seq2seq``).
+
+    Args:
+        metric: rouge (ROUGE-1/2/L/Lsum; ranks by rougeL), bleu (sacreBLEU and chrF; bleu) or
+            squad (EM / F1 against every answer; f1). squad with no data.source_column reads
+            SQuAD data (question, context, answers).
+        max_source_length: source tokens (prefix included); longer sources are cut.
+        max_target_length: target tokens the model trains on; longer targets are cut.
+        eval_max_target_length: evaluation targets' length (their loss) and, unless
+            generation.max_new_tokens is set, the length of generated answers; null: as
+            max_target_length (run_summarization's val_max_target_length).
+        generation: the run's ``generation.*`` (beams, length penalty, new tokens, sampling).
+    """
+
+    auto_model_class = AutoModelForSeq2SeqLM
+    sums_loss_terms = True
+    greater_is_better = True
+
+    def __init__(
+        self,
+        *,
+        metric: str,
+        max_source_length: int,
+        max_target_length: int,
+        eval_max_target_length: int | None,
+        generation: Mapping[str, Any] | GenerationConfig | None,
+    ) -> None:
+        if metric not in METRICS:
+            raise ConfigError(
+                f"task.metric={metric!r}: choose rouge (summarization), bleu (translation) or "
+                "squad (generative QA, EM / F1)."
+            )
+        for key, value in (
+            ("max_source_length", max_source_length),
+            ("max_target_length", max_target_length),
+            ("eval_max_target_length", eval_max_target_length),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 2):
+                raise ConfigError(
+                    f"task.{key}={value}: must be a whole number of tokens, at least 2 (a token "
+                    "and the end of sequence)."
+                )
+        self.metric = metric
+        self.main_metric = METRICS[metric]
+        self.max_source_length = max_source_length
+        self.max_seq_length = max_source_length  # trainer.padding=max_length's length
+        self.max_target_length = max_target_length
+        self.eval_max_target_length = eval_max_target_length
+        self.generation = _generation_config(generation)
+
+    @property
+    def terms_per_example(self) -> int:
+        return self.max_target_length  # loss terms are target tokens
+
+    def settings(self) -> dict[str, Any]:
+        """What shapes the features; the metric and the decoding do not."""
+        return {
+            "max_source_length": self.max_source_length,
+            "max_target_length": self.max_target_length,
+            "eval_max_target_length": self.eval_max_target_length,
+        }
+
+    @property
+    def _eval_target_length(self) -> int:
+        return self.eval_max_target_length or self.max_target_length
+
+    # ------------------------------------------------------------------------------- data
+
+    def _squad_layout(self, cfg: DataConfig) -> bool:
+        return self.metric == "squad" and cfg.source_column is None
+
+    def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Seq2SeqData:
+        _check_tokenizer(tokenizer)
+        squad = self._squad_layout(cfg)
+        splits = data_lib.load_splits(cfg, reader=read_squad_json if squad else None)
+        texts = {}
+        for role, split in splits.items():
+            if squad:
+                check_examples(split.examples, f"{role} data {split.source}", False)
+                texts[role] = _squad_texts(split.examples, cfg.source_prefix)
+            else:
+                texts[role] = _column_texts(cfg, split, role)
+        log.info(
+            "seq2seq on %s; source prefix %r; %d train / %d eval rows; scored by %s",
+            "SQuAD question + context -> first answer"
+            if squad
+            else f"{cfg.source_column} -> {cfg.target_column}",
+            cfg.source_prefix,
+            len(texts["train"][0]),
+            len(texts["eval"][0]),
+            self.metric,
+        )
+        train = self._features(cfg, tokenizer, "train", splits["train"], texts["train"])
+        eval_ = self._features(cfg, tokenizer, "eval", splits["eval"], texts["eval"])
+        # Longest sources first: each generated batch holds sources of similar lengths.
+        order = sorted(range(len(eval_)), key=lambda i: -len(eval_[i]["input_ids"]))
+        collator = Seq2SeqCollator(tokenizer.pad_token_id)
+        return Seq2SeqData(
+            train=train.remove_columns("row"),
+            eval=eval_.select(order),
+            train_collator=collator,
+            eval_collator=collator,
+            references=texts["eval"][2],
+            row_ids=texts["eval"][3],
+            tokenizer=tokenizer,
+        )
+
+    def _features(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        role: str,
+        split: data_lib.Split,
+        texts: tuple[list[str], list[str] | None, Any, Any],
+    ) -> Dataset:
+        sources, targets = texts[0], texts[1]
+        target_length = self.max_target_length if role == "train" else self._eval_target_length
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            columns=(cfg.source_column, cfg.target_column, cfg.source_prefix, self.metric),
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            task=self.settings(),
+            version=FEATURES_VERSION,
+        )
+
+        def build() -> Dataset:
+            return _tokenized(
+                tokenizer, sources, targets, self.max_source_length, target_length, role
+            )
+
+        built = data_lib.cached(data_lib.cache_root(cfg) / f"s2s-{role}-{key}", build)
+        cut = sum(len(ids) >= self.max_source_length for ids in built["input_ids"])
+        if cut:
+            log.warning(
+                "%s: %d of %d sources reach task.max_source_length=%d tokens (cut there)",
+                role,
+                cut,
+                len(built),
+                self.max_source_length,
+            )
+        return built
+
+    def build_predict_data(
+        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
+    ) -> Seq2SeqData:
+        """The sources of ``data.predict_file`` (the source column, or SQuAD's question and
+        context; no target needed)."""
+        _check_tokenizer(tokenizer)
+        squad = self._squad_layout(cfg)
+        reader = (lambda path: read_squad_json(path, answers_required=False)) if squad else None
+        split = data_lib.load_predict_file(cfg, reader=reader)
+        if squad:
+            sources, _, _, ids = _squad_texts(split.examples, cfg.source_prefix, labelled=False)
+        else:
+            sources, _, _, ids = _column_texts(cfg, split, "predict", labelled=False)
+        features = _tokenized(tokenizer, sources, None, self.max_source_length, 0, "predict")
+        return Seq2SeqData(
+            train=features.select([]),
+            eval=features,
+            eval_collator=Seq2SeqCollator(tokenizer.pad_token_id),
+            row_ids=ids,
+            tokenizer=tokenizer,
+        )
+
+    # ------------------------------------------------------------------------------ model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        config = model.config
+        if not getattr(config, "is_encoder_decoder", False):
+            raise ConfigError(
+                f"model.name_or_path: {type(model).__name__} is not an encoder-decoder model; "
+                "task=seq2seq trains T5 / BART / EncoderDecoderModel-style models."
+            )
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            start = getattr(model.generation_config, "decoder_start_token_id", None)
+        if start is None:
+            raise ConfigError(
+                f"model.name_or_path: {type(model).__name__}'s config has no "
+                "decoder_start_token_id, which builds the decoder inputs from the labels; set "
+                "model.config_overrides.decoder_start_token_id=<id> (a BERT-based "
+                "EncoderDecoderModel: the [CLS] id)."
+            )
+        encoder = getattr(config, "encoder", None)
+        positions = getattr(encoder or config, "max_position_embeddings", None)
+        if positions and self.max_source_length > positions:
+            raise ConfigError(
+                f"task.max_source_length={self.max_source_length} is longer than the model's "
+                f"{positions} positions; set task.max_source_length={positions} or less."
+            )
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
+        """The model's cross-entropy of the target tokens (its mean over the labelled tokens,
+        times their count): the loop normalises by the target tokens of the whole optimizer
+        step on every process, so each token weighs the same however batches split."""
+        count = (batch["labels"] != IGNORE_INDEX).sum()
+        loss = model(**batch).loss
+        return SummedLoss(loss * count, count.float())
+
+    def _set_generation(
+        self, model: torch.nn.Module, gen: GenerationConfig | None = None
+    ) -> dict[str, Any]:
+        """Write the decoding of ``gen`` (the run's ``generation.*``) into the unwrapped
+        model's generation config, so that ``final/`` carries it; returns it, for the log."""
+        base = _base_model(model)
+        config = base.generation_config
+        gen = gen or self.generation
+        updates: dict[str, Any] = {
+            "max_new_tokens": gen.max_new_tokens or self._eval_target_length,
+            "max_length": None,
+            "do_sample": gen.do_sample,
+        }
+        if config.decoder_start_token_id is None:
+            updates["decoder_start_token_id"] = base.config.decoder_start_token_id
+        if config.pad_token_id is None:
+            updates["pad_token_id"] = base.config.pad_token_id
+        if gen.num_beams is not None:
+            updates["num_beams"] = gen.num_beams
+        beams = updates.get("num_beams", config.num_beams or 1)
+        if gen.length_penalty is not None:
+            if beams > 1:
+                updates["length_penalty"] = gen.length_penalty
+            else:
+                log.warning(
+                    "generation.length_penalty=%s has no effect without beam search "
+                    "(generation.num_beams > 1)",
+                    gen.length_penalty,
+                )
+        if gen.do_sample:
+            updates |= {"temperature": gen.temperature, "top_p": gen.top_p}
+        for key, value in updates.items():
+            setattr(config, key, value)
+        return {k: getattr(config, k) for k in ("num_beams", "max_new_tokens", "do_sample")} | {
+            "length_penalty": config.length_penalty
+        }
+
+    def before_training(
+        self, model: torch.nn.Module, data: Seq2SeqData, accelerator: Accelerator, batch_size: int
+    ) -> None:
+        decoding = self._set_generation(accelerator.unwrap_model(model))
+        log.info("evaluation decodes with %s (saved in final/generation_config.json)", decoding)
+
+    # ------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def _generate(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], accelerator: Accelerator
+    ) -> torch.Tensor:
+        """Generated token ids of a batch (decoder start token included), on every process;
+        padded across processes so that they can be gathered."""
+        unwrapped = accelerator.unwrap_model(model)
+        generated = unwrapped.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            use_cache=True,
+            # Every rank steps until all are done: a sharded model's forward is collective.
+            synced_gpus=accelerator.distributed_type == DistributedType.FSDP,
+        )
+        pad = _base_model(unwrapped).generation_config.pad_token_id
+        return accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
+
+    @torch.no_grad()
+    def _generated_texts(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        accelerator: Accelerator,
+        with_loss: bool,
+    ) -> tuple[dict[int, str], dict[str, float]]:
+        """Every row's generated text by its ``row`` number (main process; empty elsewhere),
+        and the evaluation loss, mean generated length and generation time."""
+        model.eval()
+        pad = tokenizer.pad_token_id
+        totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        rows, outputs = [], []
+        generate_s = 0.0
+        for batch in loader:
+            row = batch.pop("row")
+            if with_loss:
+                count = (batch["labels"] != IGNORE_INDEX).sum()
+                loss = model(**batch).loss.double() * count
+                totals[:2] += torch.stack([loss, count.double()])
+            started = time.perf_counter()
+            generated = self._generate(model, batch, accelerator)
+            generate_s += time.perf_counter() - started
+            row, generated = accelerator.gather_for_metrics((row, generated))
+            totals[2] += (generated[:, 1:] != pad).sum()  # the decoder start token left out
+            rows.append(row.cpu())
+            outputs.append(generated.cpu())
+        model.train()
+        stats = {"generate_s": generate_s}
+        nll, count, generated_tokens = totals.tolist()
+        numbers = torch.cat(rows).tolist() if rows else []
+        stats["gen_len"] = generated_tokens / max(len(numbers), 1)
+        if with_loss:
+            stats["loss"] = nll / max(count, 1.0)
+        texts: dict[int, str] = {}
+        if accelerator.is_main_process:
+            width = max((o.shape[1] for o in outputs), default=0)
+            ids = [
+                seq
+                for o in outputs
+                for seq in torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad).tolist()
+            ]
+            decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
+            texts = {n: text.strip() for n, text in zip(numbers, decoded, strict=True)}
+        return texts, stats
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: Seq2SeqData,
+        accelerator: Accelerator,
+        output_dir: Path | None,
+    ) -> dict[str, float]:
+        texts, stats = self._generated_texts(model, data.tokenizer, loader, accelerator, True)
+        metrics: dict[str, float] = {}
+        if accelerator.is_main_process:
+            order = sorted(texts)
+            predictions = [texts[n] for n in order]
+            references = [data.references[n] for n in order]
+            metrics = self.score(predictions, references)
+            metrics |= {"loss": stats["loss"], "gen_len": stats["gen_len"]}
+            metrics["generate_s"] = stats["generate_s"]
+            if output_dir is not None:
+                write_jsonl(
+                    output_dir / "eval_predictions.jsonl",
+                    (
+                        {
+                            "id": data.row_ids[n],
+                            "generated": texts[n],
+                            "references": data.references[n],
+                        }
+                        for n in order
+                    ),
+                )
+        return broadcast_object_list([metrics])[0]
+
+    def score(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict:
+        """The task's metric of ``predictions`` against each row's references."""
+        if self.metric == "rouge":
+            return rouge_scores(predictions, references)
+        if self.metric == "bleu":
+            return bleu_scores(predictions, references)
+        scores = squad_v1(
+            {str(i): p for i, p in enumerate(predictions)},
+            {str(i): list(r) for i, r in enumerate(references)},
+        )
+        return {"exact_match": scores["exact_match"], "f1": scores["f1"]}
+
+    # ------------------------------------------------------------------------- mode=predict
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: Seq2SeqData,
+        accelerator: Accelerator,
+        output_dir: Path,
+        generation: GenerationConfig,
+    ) -> dict[str, Any]:
+        """``predictions.jsonl``: per row (in file order) its id and the generated text, decoded
+        as the evaluation decodes (the model's generation config; ``generation.*`` set on the
+        command line wins)."""
+        self._set_generation(accelerator.unwrap_model(model), _generation_config(generation))
+        texts, _ = self._generated_texts(model, tokenizer, loader, accelerator, False)
+        if accelerator.is_main_process:
+            write_jsonl(
+                output_dir / "predictions.jsonl",
+                ({"id": data.row_ids[n], "generated": texts[n]} for n in sorted(texts)),
+            )
+        return {"rows": len(data.eval), "file": "predictions.jsonl"}
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _generation_config(value: Mapping[str, Any] | GenerationConfig | None) -> GenerationConfig:
+    """The run's ``generation.*`` (task.generation: ${generation}) as its typed view."""
+    if value is None:
+        return GenerationConfig()
+    if isinstance(value, GenerationConfig):
+        return value
+    names = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(
+            f"task.generation: unknown key(s) {', '.join(unknown)} (it takes "
+            f"{', '.join(sorted(names))}, the run's generation.*)."
+        )
+    gen = GenerationConfig(**{k: value[k] for k in value})
+    if gen.num_beams is not None and gen.num_beams < 1:
+        raise ConfigError(f"generation.num_beams={gen.num_beams}: must be >= 1, or null.")
+    if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
+        raise ConfigError(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
+    return gen
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside an unwrapped model (a peft model's base model): the one
+    whose generation config is saved."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    if tokenizer.pad_token_id is None:
+        raise ConfigError(
+            f"model.name_or_path: the tokenizer ({type(tokenizer).__name__}) has no pad token, "
+            "which pads sources and generated answers; use a tokenizer with one."
+        )
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _field(name: str, have: Sequence[str], where: str, key: str) -> tuple[str, str | None]:
+    """(column, field) of ``data.<key>=name``: a column, or ``column.field`` (a field of a dict
+    column); refuses a name the data does not have."""
+    if name in have:
+        return name, None
+    column, dot, inner = name.partition(".")
+    if dot and column in have:
+        return column, inner
+    raise DataError(
+        f"{where}: no column {name!r} (data.{key}={name}); it has {', '.join(have)}. Name the "
+        f"column with data.{key}=..., or a field of a dict column as column.field "
+        "(translation.en)."
+    )
+
+
+def _values(examples: Dataset, name: str, key: str, where: str, problems: list[str]) -> list[Any]:
+    """The values of column ``name`` (or of a dotted field), one per row; a row whose dict
+    lacks the field adds a problem and gives ``_MISSING``."""
+    column, inner = _field(name, examples.column_names, where, key)
+    values = examples[column]
+    if inner is None:
+        return values
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, Mapping) and value.get(inner) is not None:
+            out.append(value[inner])
+            continue
+        if isinstance(value, Mapping):
+            what = f"has no field {inner!r}" + (
+                f" (it has {', '.join(k for k in value if value[k] is not None)})" if value else ""
+            )
+        else:
+            what = f"is {_kind(value)}, not an object with a field {inner!r}"
+        problems.append(f"row {i + 1}: column {column!r} {what}")
+        out.append(_MISSING)
+    return out
+
+
+def _text_problem(value: Any, key: str, name: str) -> str | None:
+    if not isinstance(value, str):
+        return f"data.{key} {name!r} holds {_kind(value)} {value!r:.40}, not text"
+    if not value.strip():
+        return f"data.{key} {name!r} is empty"
+    return None
+
+
+def _refuse(where: str, problems: list[str]) -> None:
+    if problems:
+        shown = "; ".join(problems[:MAX_REPORTED])
+        more = len(problems) - MAX_REPORTED
+        raise DataError(
+            f"{where}: {len(problems)} bad row(s) (counted from 1): {shown}"
+            + (f"; and {more} more" if more > 0 else "")
+            + ". Fix or remove those rows."
+        )
+
+
+def _column_texts(
+    cfg: DataConfig, split: data_lib.Split, role: str, labelled: bool = True
+) -> tuple[list[str], list[str] | None, list[list[str]], list[Any]]:
+    """(sources with the prefix, targets, each row's references, row ids) of a split read from
+    ``data.source_column`` / ``data.target_column``. A target column holding lists of texts
+    trains on the first and scores against all of them."""
+    where = f"{role} data {split.source}"
+    for key in ("source_column",) + (("target_column",) if labelled else ()):
+        if getattr(cfg, key) is None:
+            raise ConfigError(
+                f"data.{key} is not set: name the column of the {key.split('_')[0]} texts in "
+                f"{split.source} (it has {', '.join(split.examples.column_names)}), e.g. "
+                f"data.{key}=..."
+            )
+    examples = split.examples
+    problems: list[str] = []
+    raw_sources = _values(examples, cfg.source_column, "source_column", where, problems)
+    raw_targets = (
+        _values(examples, cfg.target_column, "target_column", where, problems)
+        if labelled
+        else [None] * len(raw_sources)
+    )
+    sources, targets, references = [], [], []
+    for i, (source, target) in enumerate(zip(raw_sources, raw_targets, strict=True)):
+        if source is _MISSING or target is _MISSING:
+            continue
+        problem = _text_problem(source, "source_column", cfg.source_column)
+        if problem:
+            problems.append(f"row {i + 1}: {problem}")
+        sources.append(cfg.source_prefix + (source if isinstance(source, str) else ""))
+        if not labelled:
+            continue
+        refs = list(target) if isinstance(target, (list, tuple)) and target else [target]
+        for ref in refs:
+            problem = _text_problem(ref, "target_column", cfg.target_column)
+            if problem:
+                problems.append(f"row {i + 1}: {problem}")
+                break
+        targets.append(refs[0] if isinstance(refs[0], str) else "")
+        references.append([r.strip() for r in refs if isinstance(r, str)])
+    _refuse(where, problems)
+    id_column = next((c for c in ID_COLUMNS if c in examples.column_names), None)
+    ids = list(examples[id_column]) if id_column else list(range(len(examples)))
+    return sources, targets if labelled else None, references, ids
+
+
+def _squad_texts(
+    examples: Dataset, prefix: str, labelled: bool = True
+) -> tuple[list[str], list[str] | None, list[list[str]], list[Any]]:
+    """run_seq2seq_qa's rows: "question: <q> context: <c>" -> the first answer; scored against
+    every answer."""
+    sources = [
+        f"{prefix}question: {q.lstrip()} context: {c.lstrip()}"
+        for q, c in zip(examples["question"], examples["context"], strict=True)
+    ]
+    references = [list(a["text"]) for a in examples["answers"]] if labelled else []
+    targets = [refs[0] for refs in references] if labelled else None
+    return sources, targets, references, list(examples["id"])
+
+
+def _tokenized(
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[str],
+    targets: list[str] | None,
+    max_source_length: int,
+    max_target_length: int,
+    role: str,
+) -> Dataset:
+    """``input_ids`` (cut at ``max_source_length``), ``labels`` (the targets, cut at
+    ``max_target_length``, end of sequence kept) and each row's number."""
+    columns: dict[str, list] = {"input_ids": [], "row": list(range(len(sources)))}
+    if targets is not None:
+        columns["labels"] = []
+    step = 1000
+    for start in data_lib.progress(range(0, len(sources), step), desc=f"{role} features"):
+        part = slice(start, start + step)
+        columns["input_ids"] += tokenizer(
+            sources[part], max_length=max_source_length, truncation=True
+        )["input_ids"]
+        if targets is not None:
+            columns["labels"] += tokenizer(
+                text_target=targets[part], max_length=max_target_length, truncation=True
+            )["input_ids"]
+    return Dataset.from_dict(columns)
