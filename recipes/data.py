@@ -50,6 +50,7 @@ EXTENSIONS = {
     ".csv": "csv",
     ".tsv": "csv",
     ".txt": "text",
+    ".conll": "conll",  # CoNLL column files (one token a line, tag last): read_conll
 }
 
 # A reader for a task-specific file format: returns None when the file is not in that format.
@@ -134,6 +135,9 @@ def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Da
     suffix = paths[0].suffix
     builder = EXTENSIONS.get(suffix)
     where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} ({len(paths)} files)"
+    if builder == "conll":
+        read = [read_conll(p) for p in paths]
+        return read[0] if len(read) == 1 else datasets.concatenate_datasets(read)
     if builder is None:
         raise DataError(
             f"{where}: unknown file type {suffix!r}; use JSON, JSON lines, parquet, CSV, TSV or "
@@ -156,6 +160,73 @@ def _read_files(paths: list[Path], cfg: DataConfig, reader: Reader | None) -> Da
             for path in paths:
                 read_text(path)  # raises, naming the byte and line
         raise DataError(f"{where}: could not be read as {builder}: {first_line(cause)}") from None
+
+
+CONLL_DOCSTART = "-DOCSTART-"
+
+
+def read_conll(path: Path) -> Dataset:
+    """A CoNLL column file as rows of ``tokens`` and ``ner_tags`` (strings), plus ``line``: the
+    file line of each sentence's first token (token ``i`` is on line ``line + i``).
+
+    One token a line, its tag in the last column, the columns split by tabs when the line has
+    one (a token may then hold spaces), else by whitespace; a blank (or whitespace-only) line
+    ends a sentence, and ``-DOCSTART-`` lines are dropped, as CoNLL-2003 and WNUT-17 have them.
+    A line with a single column (no tag) is refused, naming the line."""
+    tokens: list[list[str]] = []
+    tags: list[list[str]] = []
+    lines: list[int] = []
+    sentence: tuple[list[str], list[str]] = ([], [])
+    for number, raw in enumerate(read_text(path).splitlines(), start=1):
+        if not raw.strip() or raw.split(None, 1)[0] == CONLL_DOCSTART:
+            if sentence[0]:
+                tokens.append(sentence[0])
+                tags.append(sentence[1])
+            sentence = ([], [])
+            continue
+        fields = raw.rstrip("\r\n").split("\t") if "\t" in raw.strip() else raw.split()
+        fields = [f.strip() for f in fields]
+        if len(fields) < 2 or not fields[-1]:
+            raise DataError(
+                f"{path} line {number}: {raw.strip()!r} has no tag column (a CoNLL line is a "
+                "token, then its tag in the last column, split by a tab or spaces); add the "
+                "tag, or a blank line between sentences."
+            )
+        if not sentence[0]:
+            lines.append(number)
+        sentence[0].append(fields[0])
+        sentence[1].append(fields[-1])
+    if sentence[0]:
+        tokens.append(sentence[0])
+        tags.append(sentence[1])
+    return Dataset.from_dict({"tokens": tokens, "ner_tags": tags, "line": lines})
+
+
+def looks_like_conll(path: Path, probe: int = 50) -> bool:
+    """Whether ``path`` (a .txt, .tsv or other text file) is a CoNLL column file: its first
+    ``probe`` non-blank lines are all ``-DOCSTART-`` or hold two columns or more, and a blank
+    line separates sentences before the probe ends (or the file does)."""
+    if path.suffix in (".json", ".jsonl", ".parquet", ".csv"):
+        return False
+    seen, blank = 0, False
+    try:
+        with path.open(encoding="utf-8-sig", errors="replace") as handle:
+            for raw in handle:
+                if not raw.strip():
+                    blank = True
+                    if seen >= probe:
+                        break
+                    continue
+                if raw.split(None, 1)[0] != CONLL_DOCSTART:
+                    fields = raw.strip().split("\t") if "\t" in raw.strip() else raw.split()
+                    if len(fields) < 2:
+                        return False
+                seen += 1
+            else:
+                blank = blank or seen > 0
+    except OSError:
+        return False
+    return seen > 0 and blank
 
 
 def _root_cause(err: BaseException) -> BaseException:
