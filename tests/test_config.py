@@ -59,6 +59,11 @@ SMOKE_MODELS = {
     "llama_clm": "tiny-llama",
     "llama_sft": "tiny-llama",
     "llama_dpo": "tiny-llama",
+    "bert_ner": "tiny-bert",
+    "bert_swag": "tiny-bert",
+    "t5_summarization": "tiny-t5",
+    "t5_translation": "tiny-t5",
+    "t5_squad": "tiny-t5",
 }
 TASKS = {
     "bert_squad": "QuestionAnswering",
@@ -69,6 +74,11 @@ TASKS = {
     "llama_clm": "CausalLanguageModeling",
     "llama_sft": "SupervisedFineTuning",
     "llama_dpo": "DirectPreference",
+    "bert_ner": "TokenClassification",
+    "bert_swag": "MultipleChoice",
+    "t5_summarization": "SequenceToSequence",
+    "t5_translation": "SequenceToSequence",
+    "t5_squad": "SequenceToSequence",
 }
 
 
