@@ -1,0 +1,240 @@
+"""task=seq2seq: columns, prefix, dotted fields, SQuAD rows, label padding, refusals, the
+decoding written into the model's generation config; and (slow) the recipes end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, make_task
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForConditionalGeneration
+
+from recipes.config import ASSETS, ConfigError, DataConfig, instantiate
+from recipes.data import DataError
+from recipes.tasks.seq2seq import IGNORE_INDEX, Seq2SeqCollator
+
+TINY_T5 = ASSETS / "tiny-t5"
+PREFIX = "translate English to German: "
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY_T5)
+
+
+def _task(**overrides):
+    return make_task("seq2seq", **{"generation": {}, **overrides})
+
+
+def _write(folder: Path, name: str, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+PAIRS = [
+    {"translation": {"en": "I like tea.", "de": "Ich mag Tee."}},
+    {"translation": {"en": "Tom is here now.", "de": "Tom ist jetzt hier."}},
+    {"translation": {"en": "Go.", "de": "Geh."}},
+]
+
+
+def _pairs_data(tmp_path: Path, train=PAIRS, dev=PAIRS, **keys) -> DataConfig:
+    _write(tmp_path / "data", "train.jsonl", train)
+    _write(tmp_path / "data", "dev.jsonl", dev)
+    return DataConfig(
+        path=str(tmp_path / "data"),
+        source_column="translation.en",
+        target_column="translation.de",
+        source_prefix=PREFIX,
+        cache_dir=str(tmp_path / "cache"),
+        **keys,
+    )
+
+
+def test_dotted_columns_prefix_and_lengths(tmp_path, tokenizer):
+    task = _task(metric="bleu", max_source_length=12, max_target_length=4)
+    data = task.build_data(_pairs_data(tmp_path), tokenizer)
+    # Train targets are cut at max_target_length with the end of sequence kept.
+    for row, pair in zip(data.train, PAIRS, strict=True):
+        assert len(row["labels"]) <= 4 and row["labels"][-1] == tokenizer.eos_token_id
+        source = tokenizer(PREFIX + pair["translation"]["en"], max_length=12, truncation=True)
+        assert row["input_ids"] == source["input_ids"] and len(row["input_ids"]) <= 12
+        full = tokenizer(text_target=pair["translation"]["de"])["input_ids"]
+        assert row["labels"][:-1] == full[: len(row["labels"]) - 1]
+    # Evaluation rows: longest source first, each with its number, references by number.
+    lengths = [len(ids) for ids in data.eval["input_ids"]]
+    assert lengths == sorted(lengths, reverse=True)
+    assert sorted(data.eval["row"]) == [0, 1, 2]
+    assert data.references == [[p["translation"]["de"]] for p in PAIRS]
+    whole = tokenizer(PREFIX + "Go.")["input_ids"]
+    go = data.eval[data.eval["row"].index(2)]
+    assert go["input_ids"] == whole
+
+
+def test_settings_leave_decoding_and_metric_out_of_the_cache_key():
+    a = _task(metric="bleu", generation={"num_beams": 4})
+    b = _task(metric="rouge", generation={"num_beams": 1, "max_new_tokens": 9})
+    assert a.settings() == b.settings()
+    assert "generation" not in a.settings()
+    assert _task(max_target_length=9).settings() != a.settings()
+
+
+def test_a_list_target_trains_on_the_first_and_scores_against_all(tmp_path, tokenizer):
+    rows = [
+        {"source": "An abstract.", "targets": ["First TLDR.", "Second one."]},
+        {"source": "Another abstract.", "targets": ["Only TLDR."]},
+    ]
+    _write(tmp_path / "d", "train.jsonl", rows)
+    _write(tmp_path / "d", "dev.jsonl", rows)
+    cfg = DataConfig(
+        path=str(tmp_path / "d"),
+        source_column="source",
+        target_column="targets",
+        source_prefix="summarize: ",
+        cache_dir=str(tmp_path / "c"),
+    )
+    data = _task().build_data(cfg, tokenizer)
+    assert tokenizer.decode(data.train[0]["labels"], skip_special_tokens=True) == "First TLDR."
+    assert data.references == [["First TLDR.", "Second one."], ["Only TLDR."]]
+    assert _task().score(["First TLDR.", "Only TLDR."], data.references)["rougeL"] == 100.0
+
+
+def test_squad_rows_become_question_context_and_first_answer(tmp_path, tokenizer):
+    squad = ASSETS / "squad" / "v1" / "dev.json"
+    cfg = DataConfig(
+        path=str(squad), eval_file=str(squad), cache_dir=str(tmp_path), max_eval_examples=5
+    )
+    task = _task(metric="squad", max_source_length=512, max_target_length=30)
+    data = task.build_data(cfg, tokenizer)
+    article = json.loads(squad.read_text())["data"][0]["paragraphs"][0]
+    qa = article["qas"][0]
+    source = tokenizer.decode(data.train[0]["input_ids"], skip_special_tokens=True)
+    assert source.startswith(f"question: {qa['question'].strip()[:20]}")
+    assert "context: " + article["context"][:30] in source
+    target = tokenizer.decode(data.train[0]["labels"], skip_special_tokens=True)
+    assert target == tokenizer.decode(tokenizer(qa["answers"][0]["text"])["input_ids"], True)
+    assert data.references[0] == [a["text"] for a in qa["answers"]]
+    assert data.row_ids[0] == qa["id"]
+    # EM / F1 take the best of every answer.
+    scores = task.score([qa["answers"][-1]["text"], "nothing"], data.references[:2])
+    assert scores == {"exact_match": 50.0, "f1": 50.0}
+
+
+def test_labels_pad_with_minus_100_and_the_model_builds_decoder_inputs(tokenizer):
+    model = AutoModelForSeq2SeqLM.from_pretrained(TINY_T5).eval()
+    rows = [
+        {"input_ids": tokenizer("summarize: a b c d")["input_ids"], "labels": [71, 1]},
+        {"input_ids": tokenizer("x")["input_ids"], "labels": [5, 6, 7, 1]},
+    ]
+    batch = Seq2SeqCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)(rows)
+    assert batch["input_ids"].shape[1] % 8 == 0 and batch["labels"].shape == (2, 8)
+    assert batch["labels"][0].tolist() == [71, 1] + [IGNORE_INDEX] * 6
+    assert batch["input_ids"][1, len(rows[1]["input_ids"]) :].eq(tokenizer.pad_token_id).all()
+    assert batch["attention_mask"].sum(1).tolist() == [len(r["input_ids"]) for r in rows]
+    task = _task()
+    with torch.no_grad():
+        summed = task.loss(model, batch)
+        # Row by row, unpadded: the same summed loss over the same 6 target tokens.
+        alone = [task.loss(model, Seq2SeqCollator(0)([r])) for r in rows]
+    assert summed.count.item() == 6
+    assert summed.total.item() == pytest.approx(sum(a.total.item() for a in alone), rel=1e-5)
+    # decoder_input_ids are the labels shifted right behind the decoder start token (pad 0).
+    shifted = model._shift_right(batch["labels"])
+    assert shifted[0, :3].tolist() == [0, 71, 1]
+
+
+def test_generation_settings_reach_the_models_generation_config():
+    model = AutoModelForSeq2SeqLM.from_pretrained(TINY_T5)
+    task = _task(
+        max_target_length=20,
+        eval_max_target_length=40,
+        generation={"num_beams": 3, "length_penalty": 0.6, "max_new_tokens": None},
+    )
+    task._set_generation(model)
+    config = model.generation_config
+    assert (config.num_beams, config.length_penalty, config.max_new_tokens) == (3, 0.6, 40)
+    assert config.decoder_start_token_id == 0 and config.do_sample is False
+    _task(generation={"max_new_tokens": 7, "num_beams": 1})._set_generation(model)
+    assert (model.generation_config.max_new_tokens, model.generation_config.num_beams) == (7, 1)
+
+
+def test_generation_comes_from_the_runs_generation_keys():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "output_dir=/tmp/unused",
+                "recipe=t5_translation",
+                "generation.num_beams=4",
+                "generation.length_penalty=0.8",
+            ],
+        )
+    task = instantiate(cfg, "task")
+    assert (task.generation.num_beams, task.generation.length_penalty) == (4, 0.8)
+    assert task.main_metric == "bleu" and cfg.data.source_column == "translation.en"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"metric": "meteor"}, "task.metric"),
+        ({"max_source_length": 1}, "task.max_source_length"),
+        ({"max_target_length": 0}, "task.max_target_length"),
+        ({"eval_max_target_length": 1}, "task.eval_max_target_length"),
+        ({"generation": {"num_beams": 0}}, "generation.num_beams"),
+        ({"generation": {"beams": 2}}, "task.generation: unknown key(s) beams"),
+    ],
+)
+def test_bad_task_settings_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(").replace(")", r"\)")):
+        _task(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("row", "where"),
+    [
+        ({"translation": {"en": "Hi."}}, "row 2: column 'translation' has no field 'de'"),
+        ({"translation": "Hi."}, "row 2: column 'translation' is str, not an object"),
+        ({"translation": {"en": "", "de": "Hallo."}}, "row 2: data.source_column "),
+        ({"translation": {"en": "Hi.", "de": "   "}}, "row 2: data.target_column "),
+        ({"translation": {"en": 5, "de": "Hallo."}}, "row 2: data.source_column"),
+    ],
+)
+def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, tokenizer, row, where):
+    train = [PAIRS[0], row, PAIRS[1]]
+    if isinstance(row["translation"], str):  # a column of one type: every row a text
+        train = [{"translation": "x"}, row]
+    cfg = _pairs_data(tmp_path, train=train)
+    with pytest.raises(DataError) as err:
+        _task(metric="bleu").build_data(cfg, tokenizer)
+    message = str(err.value)
+    assert str(tmp_path / "data" / "train.jsonl") in message
+    assert where.split(":")[0] in message and where.split(": ", 1)[1] in message
+
+
+def test_a_missing_column_or_unset_key_is_refused(tmp_path, tokenizer):
+    cfg = _pairs_data(tmp_path)
+    cfg.target_column = "translation_de"
+    with pytest.raises(DataError, match=r"no column 'translation_de' \(data.target_column="):
+        _task().build_data(cfg, tokenizer)
+    cfg.target_column = None
+    with pytest.raises(ConfigError, match=r"data\.target_column is not set"):
+        _task().build_data(cfg, tokenizer)
+
+
+def test_a_model_without_decoder_start_token_is_refused():
+    config = T5Config(
+        vocab_size=64, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2,
+        decoder_start_token_id=None,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config)
+    model.generation_config.decoder_start_token_id = None
+    with pytest.raises(ConfigError, match="decoder_start_token_id"):
+        _task().check_model(model)
+    config.decoder_start_token_id = 0
+    _task().check_model(model)
