@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_task
+from conftest import ROOT, make_task, read_metrics, run_torchrun, run_train
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForConditionalGeneration
 
@@ -238,3 +238,149 @@ def test_a_model_without_decoder_start_token_is_refused():
         _task().check_model(model)
     config.decoder_start_token_id = 0
     _task().check_model(model)
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _short(recipe: str, cache_dir: Path, *extra: str) -> tuple[str, ...]:
+    """A few steps of ``recipe`` on its smoke data with the tiny T5, short sequences, no
+    dropout (one process and two draw no masks to differ), every step logged."""
+    return (
+        f"recipe={recipe}",
+        "debug=smoke",
+        "logger=none",
+        f"data.cache_dir={cache_dir}",
+        "data.max_train_examples=64",
+        "data.max_eval_examples=12",
+        "task.max_source_length=48",
+        "task.max_target_length=12",
+        "generation.max_new_tokens=6",
+        "+model.config_overrides.dropout_rate=0.0",
+        "trainer.per_device_train_batch_size=8",
+        "trainer.per_device_eval_batch_size=5",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_every_n_steps=0",
+        "trainer.eval_at_start=false",
+        "trainer.progress_bar=false",
+        "optimizer.lr=1e-2",
+        *extra,
+    )
+
+
+def _train_losses(run: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["train/loss"]) for m in read_metrics(run) if "train/loss" in m]
+
+
+def _final_eval(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())["metrics"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_score_as_one(tmp_path, cache_dir):
+    common = _short("t5_summarization", cache_dir, "trainer.max_steps=3")
+    single = tmp_path / "single"
+    run_train(*common, f"output_dir={single}", "trainer.save_final_model=false")
+    double = tmp_path / "double"
+    proc = run_torchrun(
+        *common,
+        f"output_dir={double}",
+        "trainer.per_device_train_batch_size=4",
+        "trainer.save_final_model=false",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _train_losses(single), _train_losses(double)
+    assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]
+    assert [v for _, v in two] == pytest.approx([v for _, v in one], rel=1e-5)
+    scores, scores2 = _final_eval(single), _final_eval(double)
+    for key in ("rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "gen_len", "generate_s"):
+        assert f"eval/{key}" in scores
+    # The same generated texts, gathered from both processes in row order.
+    for key in ("eval/rouge1", "eval/rougeL", "eval/rougeLsum", "eval/gen_len"):
+        assert scores2[key] == pytest.approx(scores[key], abs=1e-6)
+    assert scores2["eval/loss"] == pytest.approx(scores["eval/loss"], rel=1e-5)
+    ours = (single / "eval_predictions.jsonl").read_text()
+    assert (double / "eval_predictions.jsonl").read_text() == ours
+
+
+@pytest.mark.slow
+def test_resumed_run_repeats_it_and_final_reproduces_its_decoding(tmp_path, cache_dir):
+    common = _short(
+        "t5_translation",
+        cache_dir,
+        "trainer.max_steps=6",
+        "trainer.save_every_n_steps=3",
+        "trainer.keep_last_n_checkpoints=null",
+        "generation.num_beams=2",
+        "generation.length_penalty=0.7",
+    )
+    whole = tmp_path / "whole"
+    run_train(*common, f"output_dir={whole}")
+    resumed = tmp_path / "resumed"
+    run_train(*common, f"output_dir={resumed}", f"resume={whole / 'checkpoints' / 'step-00000003'}")
+    steps = [(s, v) for s, v in _train_losses(whole) if s > 3]
+    assert _train_losses(resumed) == steps and len(steps) == 3
+    scores = _final_eval(whole)
+    assert _final_eval(resumed)["eval/bleu"] == scores["eval/bleu"]
+    assert {"eval/bleu", "eval/chrf", "eval/loss", "eval/gen_len"} <= set(scores)
+
+    # final/ decodes as the evaluation did: its generation config alone, on every eval row.
+    final = whole / "final"
+    saved = json.loads((final / "generation_config.json").read_text())
+    assert (saved["num_beams"], saved["length_penalty"], saved["max_new_tokens"]) == (2, 0.7, 6)
+    assert saved["decoder_start_token_id"] == 0
+    model = AutoModelForSeq2SeqLM.from_pretrained(final).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    evaluated = [json.loads(line) for line in (whole / "eval_predictions.jsonl").open()]
+    dev = [json.loads(line) for line in (ASSETS / "tatoeba-en-de" / "dev.jsonl").open()]
+    for row in evaluated:
+        source = PREFIX + dev[row["id"]]["translation"]["en"]
+        ids = tokenizer(source, return_tensors="pt", max_length=48, truncation=True)
+        with torch.no_grad():
+            out = model.generate(**ids)
+        assert tokenizer.decode(out[0], skip_special_tokens=True).strip() == row["generated"]
+
+    # mode=eval scores final/ as the run's last evaluation did.
+    scored = tmp_path / "scored"
+    run_train(*common, f"output_dir={scored}", "mode=eval", f"model.name_or_path={final}")
+    assert _final_eval(scored)["eval/bleu"] == scores["eval/bleu"]
+    # mode=predict: the source column alone, answered with final/'s decoding.
+    rows = [{"id": f"q{r['id']}", **dev[r["id"]]} for r in evaluated]
+    for row in rows:
+        del row["translation"]["de"]
+    predict_file = _write(tmp_path, "ask.jsonl", rows)
+    asked = tmp_path / "asked"
+    run_train(
+        *common,
+        f"output_dir={asked}",
+        "mode=predict",
+        f"model.name_or_path={final}",
+        f"data.predict_file={predict_file}",
+        "generation.num_beams=null",  # the model's own: final/'s
+        "generation.length_penalty=null",
+    )
+    answers = [json.loads(line) for line in (asked / "predictions.jsonl").open()]
+    assert [a["id"] for a in answers] == [r["id"] for r in rows]
+    assert [a["generated"] for a in answers] == [r["generated"] for r in evaluated]
+
+
+@pytest.mark.slow
+def test_lora_run_saves_a_merged_seq2seq_model(tmp_path, cache_dir):
+    run = tmp_path / "lora"
+    run_train(
+        *_short("t5_squad", cache_dir, "trainer.max_steps=2", "peft=lora"),
+        f"output_dir={run}",
+    )
+    scores = _final_eval(run)
+    assert {"eval/exact_match", "eval/f1", "eval/loss"} <= set(scores)
+    final = run / "final"
+    model = AutoModelForSeq2SeqLM.from_pretrained(final)  # merged: no peft needed
+    base = AutoModelForSeq2SeqLM.from_pretrained(TINY_T5)
+    changed = [
+        name
+        for name, p in model.state_dict().items()
+        if not torch.equal(p, base.state_dict()[name])
+    ]
+    # The adapted linear layers changed; embeddings and norms (not adapted) did not.
+    assert changed and not [n for n in changed if "shared" in n or "norm" in n]
+    assert json.loads((final / "generation_config.json").read_text())["max_new_tokens"] == 6
