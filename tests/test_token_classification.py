@@ -5,18 +5,19 @@ end to end."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import ROOT, make_task
+from conftest import FP32, ROOT, make_task, read_metrics, run_cpu_launch, run_train
 from datasets import ClassLabel, Dataset, Features, Sequence, Value
 from seqeval import metrics as seqeval
 from seqeval import scheme as seqeval_schemes
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer
+from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError, read_conll
@@ -322,3 +323,79 @@ def test_predict_rows_split_text_into_words_with_offsets(tmp_path, tokenizer):
     assert (entity["start"], entity["end"]) == (13, 34)
     assert entity["score"] == pytest.approx(0.8)
     assert ner._entity("x", 1, 2, data, 1, [0.1, 0.2])["start"] == 7
+
+
+# ------------------------------------------------------------------------------- end to end
+
+# The tiny BERT without dropout on a few WNUT-17 rows: cheap runs whose losses must match exactly.
+TINY = (
+    "recipe=bert_ner",
+    "debug=smoke",
+    "model=tiny_bert",
+    "model.attention_dropout=0.0",
+    "+model.config_overrides.hidden_dropout_prob=0.0",
+    "logger=none",
+    "data.max_train_examples=96",
+    "data.max_eval_examples=40",
+    "task.max_seq_length=24",  # windows on most rows
+    "task.stride=8",
+    "trainer.log_every_n_steps=1",
+    "trainer.eval_at_start=false",
+    "trainer.progress_bar=false",
+)
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["train/loss"]) for m in read_metrics(run) if "train/loss" in m]
+
+
+def _last_eval(run: Path) -> dict:
+    return [m for m in read_metrics(run) if "eval/f1" in m][-1]
+
+
+@pytest.mark.slow
+def test_one_process_two_processes_and_a_resumed_run_agree(tmp_path, cache_dir):
+    """Per-token losses summed over the whole step: 8 rows on one process and 4 + 4 on two log
+    the same losses and evaluation (gathered across processes, windows put back together); a
+    run resumed from step 2 repeats steps 3 and 4 exactly."""
+    common = (*TINY, FP32, f"data.cache_dir={cache_dir}", "trainer.max_steps=4")
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    single = run_train(
+        *common, "trainer.save_every_n_steps=2", "trainer.save_final_model=false",
+        f"output_dir={one}",
+    )  # fmt: skip
+    assert "windows" in single.stderr  # long rows were windowed
+    # The recipe's batch is 32 on one device: 16 on each of two processes.
+    proc = run_cpu_launch(
+        ROOT / "train.py", *common, "trainer.per_device_train_batch_size=16",
+        "trainer.save_final_model=false", f"output_dir={two}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ones, twos = _losses(one), _losses(two)
+    assert [s for s, _ in ones] == [s for s, _ in twos] == [1, 2, 3, 4]
+    assert [v for _, v in ones] == pytest.approx([v for _, v in twos], rel=1e-5)
+    assert ones[-1][1] < ones[0][1]
+    a, b = _last_eval(one), _last_eval(two)
+    assert a["eval/loss"] == pytest.approx(b["eval/loss"], rel=1e-5)
+    assert a["eval/accuracy"] == b["eval/accuracy"] and a["eval/f1"] == b["eval/f1"]
+    run_train(
+        *common, f"resume={one / 'checkpoints' / 'step-00000002'}",
+        "trainer.save_final_model=false", f"output_dir={resumed}",
+    )  # fmt: skip
+    assert _losses(resumed)[-2:] == _losses(one)[-2:]
+
+
+@pytest.mark.slow
+def test_lora_trains_the_classifier_whole_and_stops_early_on_f1(tmp_path, cache_dir):
+    run = tmp_path / "lora"
+    done = run_train(
+        *TINY, f"data.cache_dir={cache_dir}", "peft=lora", "optimizer.lr=1e-3",
+        "trainer.max_steps=40", "trainer.eval_every_n_steps=2",
+        "trainer.early_stopping_patience=1", f"output_dir={run}",
+    )  # fmt: skip
+    assert re.search(r"trained in full: .*classifier", done.stderr)
+    results = json.loads((run / "results.json").read_text())
+    assert results["main_metric"] == "eval/f1" and results["greater_is_better"]
+    assert results["steps"] < 40 and "early stopping at step" in done.stderr
+    model = AutoModelForTokenClassification.from_pretrained(run / "final")
+    assert model.config.id2label[0] == "B-corporation" and model.config.num_labels == 13
