@@ -156,11 +156,11 @@ def run_peer(args: argparse.Namespace) -> dict:
     eval_s = time.perf_counter() - started
     return {
         **scores,
-        "train_samples_per_second": samples / train_s,
+        "train_samples_per_second": samples / train_s if train_s else 0.0,
         "train_s": train_s,
         "generate_s": generate_s,
         "eval_s": eval_s,
-        "predictions": predictions[:3],
+        "predictions": predictions,
     }
 
 
@@ -205,8 +205,10 @@ def ours_command(args: argparse.Namespace, seed: int, output_dir: Path) -> list[
     ]
 
 
-def run_ours(args: argparse.Namespace, seed: int, output_dir: Path) -> dict:
-    command = ours_command(args, seed, output_dir)
+def run_ours(
+    args: argparse.Namespace, seed: int, output_dir: Path, eval_only: bool = False
+) -> dict:
+    command = ours_command(args, seed, output_dir) + (["mode=eval"] if eval_only else [])
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"ours failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -214,18 +216,22 @@ def run_ours(args: argparse.Namespace, seed: int, output_dir: Path) -> dict:
     last: dict = {}
     for line in lines:
         last.update(line)
+    predictions = read_jsonl(output_dir / "eval_predictions.jsonl")
     return {
         **{k: last[f"eval/{k}"] for k in ("rouge1", "rouge2", "rougeL", "rougeLsum")},
-        "train_samples_per_second": last["train/samples_per_second_run"],
-        "train_s": last["train/runtime_s"],
+        "train_samples_per_second": last.get("train/samples_per_second_run", 0.0),
+        "train_s": last.get("train/runtime_s", 0.0),
         "generate_s": last["eval/generate_s"],
         "eval_s": last["eval/runtime_s"],
+        "predictions": [r["generated"] for r in predictions],
     }
 
 
-def run_peer_process(args: argparse.Namespace, seed: int, result: Path) -> dict:
+def run_peer_process(
+    args: argparse.Namespace, seed: int, result: Path, eval_only: bool = False
+) -> dict:
     command = [sys.executable, __file__, "--peer", "--seed", str(seed), "--result", str(result)]
-    command += forwarded(args)
+    command += forwarded(args) + (["--epochs", "0"] if eval_only else [])
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"peer failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -278,6 +284,37 @@ def report(runs: dict[str, list[dict]]) -> str:
     return "\n".join(rows)
 
 
+def eval_rounds(args: argparse.Namespace, out: Path) -> tuple[dict[str, list[dict]], str]:
+    """Evaluation alone on the same (untrained) weights, alternating sides: the same greedy
+    decoding must give the same texts, so the times compare the implementations alone."""
+    runs: dict[str, list[dict]] = {"ours": [], "example": []}
+    for i in range(args.eval_rounds):
+        for side in ("ours", "example") if i % 2 == 0 else ("example", "ours"):
+            if side == "ours":
+                result = run_ours(args, 0, out / f"ours-eval{i}", eval_only=True)
+            else:
+                result = run_peer_process(args, 0, out / f"example-eval{i}.json", eval_only=True)
+            runs[side].append(result)
+            print(f"eval round {i} {side:7s}: generate {result['generate_s']:.1f} s", flush=True)
+    same = sum(
+        a.strip() == b.strip()
+        for a, b in zip(
+            runs["ours"][0]["predictions"], runs["example"][0]["predictions"], strict=True
+        )
+    )
+    rows = [
+        "| same weights, evaluation only | generate s | eval s |",
+        "|---|---|---|",
+        *(
+            f"| {side} | {statistics.median(r['generate_s'] for r in results):.2f} | "
+            f"{statistics.median(r['eval_s'] for r in results):.2f} |"
+            for side, results in runs.items()
+        ),
+    ]
+    total = len(runs["ours"][0]["predictions"])
+    return runs, "\n".join(rows) + f"\n\nidentical generated texts: {same} of {total} rows"
+
+
 def prepare_data(args: argparse.Namespace) -> Path:
     """The first train rows and the first dev rows of the bundled SciTLDR slice (author TLDRs)."""
     data = Path(args.out) / "data"
@@ -307,6 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-target-length", type=int, default=48)
     parser.add_argument("--num-beams", type=int, default=1)
     parser.add_argument("--source-prefix", default="")
+    parser.add_argument("--eval-rounds", type=int, default=2, help="evaluation-only rounds")
     parser.add_argument("--cpu", action="store_true", help="peer: force the CPU")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -349,8 +387,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     table = report(runs)
+    if args.eval_rounds:
+        eval_runs, eval_table = eval_rounds(args, out)
+        table += "\n\n" + eval_table
+    else:
+        eval_runs = {}
     settings = {k: getattr(args, k) for k in SETTINGS} | {"seeds": args.seeds}
-    summary = {"settings": settings, "runs": runs, "table": table}
+    summary = {"settings": settings, "runs": runs, "eval_runs": eval_runs, "table": table}
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     print(f"\n{table}\n\n{len(args.seeds)} seeds, {time.perf_counter() - started:.0f} s; {out}")
     return 0
