@@ -13,6 +13,7 @@ is written into the model's generation config, so ``final/`` reproduces it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -340,13 +341,15 @@ class SequenceToSequence(Task[Seq2SeqData]):
         """Generated token ids of a batch (decoder start token included), on every process;
         padded across processes so that they can be gathered."""
         unwrapped = accelerator.unwrap_model(model)
-        generated = unwrapped.generate(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            use_cache=True,
-            # Every rank steps until all are done: a sharded model's forward is collective.
-            synced_gpus=accelerator.distributed_type == DistributedType.FSDP,
-        )
+        sharded = accelerator.distributed_type == DistributedType.FSDP
+        with _root_gathered(model, unwrapped) if sharded else contextlib.nullcontext():
+            generated = unwrapped.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=True,
+                # Every rank steps until all are done: a sharded model's forward is collective.
+                synced_gpus=sharded,
+            )
         pad = _base_model(unwrapped).generation_config.pad_token_id
         return accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
 
@@ -489,6 +492,26 @@ def _generation_config(value: Mapping[str, Any] | GenerationConfig | None) -> Ge
     if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
         raise ConfigError(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
     return gen
+
+
+def _root_gathered(
+    model: torch.nn.Module, unwrapped: torch.nn.Module
+) -> contextlib.AbstractContextManager:
+    """Under FSDP: the root's own parameters (the shared embeddings, the final norms) whole
+    while ``generate`` runs, which calls the encoder and decoder rather than the root's forward
+    (whose hooks gather them); the layers each FSDP unit wraps gather their shards as usual."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: a wrapper around the model
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)
+    try:  # FSDP2: the model itself; generate runs the root's gathering hooks
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:
+        return contextlib.nullcontext()
+    if isinstance(unwrapped, FSDPModule) and not getattr(unwrapped, "_generate_gathers", False):
+        register_fsdp_forward_method(unwrapped, "generate")
+        unwrapped._generate_gathers = True
+    return contextlib.nullcontext()
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
