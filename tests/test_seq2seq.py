@@ -227,6 +227,20 @@ def test_a_missing_column_or_unset_key_is_refused(tmp_path, tokenizer):
         _task().build_data(cfg, tokenizer)
 
 
+def test_predict_rows_need_only_the_source(tmp_path, tokenizer):
+    rows = [{"id": "a", "translation": {"en": "Hello."}}, {"id": "b", "translation": {"en": "Go."}}]
+    cfg = _pairs_data(tmp_path, predict_file=str(_write(tmp_path, "ask.jsonl", rows)))
+    data = _task(metric="bleu").build_predict_data(cfg, tokenizer)
+    assert data.row_ids == ["a", "b"] and "labels" not in data.eval.column_names
+    assert data.eval[1]["input_ids"] == tokenizer(PREFIX + "Go.")["input_ids"]
+    # SQuAD questions without answers or ids: numbered from 0.
+    questions = [{"question": "Who?", "context": "Tom did."}]
+    squad = DataConfig(predict_file=str(_write(tmp_path, "q.jsonl", questions)))
+    data = _task(metric="squad").build_predict_data(squad, tokenizer)
+    source = tokenizer.decode(data.eval[0]["input_ids"], skip_special_tokens=True)
+    assert source == "question: Who? context: Tom did." and data.row_ids == ["0"]
+
+
 def test_a_model_without_decoder_start_token_is_refused():
     config = T5Config(
         vocab_size=64, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2,
@@ -291,6 +305,7 @@ def test_two_processes_train_and_score_as_one(tmp_path, cache_dir):
     one, two = _train_losses(single), _train_losses(double)
     assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]
     assert [v for _, v in two] == pytest.approx([v for _, v in one], rel=1e-5)
+    assert one[-1][1] < one[0][1]  # it learns
     scores, scores2 = _final_eval(single), _final_eval(double)
     for key in ("rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "gen_len", "generate_s"):
         assert f"eval/{key}" in scores
