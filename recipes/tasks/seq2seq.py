@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
@@ -184,7 +185,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
         train = self._features(cfg, tokenizer, "train", splits["train"], texts["train"])
         eval_ = self._features(cfg, tokenizer, "eval", splits["eval"], texts["eval"])
         # Longest sources first: each generated batch holds sources of similar lengths.
-        order = sorted(range(len(eval_)), key=lambda i: -len(eval_[i]["input_ids"]))
+        order = np.argsort(-data_lib.feature_lengths(eval_), kind="stable")
         collator = Seq2SeqCollator(tokenizer.pad_token_id)
         return Seq2SeqData(
             train=train.remove_columns("row"),
@@ -217,11 +218,17 @@ class SequenceToSequence(Task[Seq2SeqData]):
 
         def build() -> Dataset:
             return _tokenized(
-                tokenizer, sources, targets, self.max_source_length, target_length, role
+                tokenizer,
+                sources,
+                targets,
+                self.max_source_length,
+                target_length,
+                role,
+                cfg.preprocessing_num_workers,
             )
 
         built = data_lib.cached(data_lib.cache_root(cfg) / f"s2s-{role}-{key}", build)
-        cut = sum(len(ids) >= self.max_source_length for ids in built["input_ids"])
+        cut = int((data_lib.feature_lengths(built) >= self.max_source_length).sum())
         if cut:
             log.warning(
                 "%s: %d of %d sources reach task.max_source_length=%d tokens (cut there)",
@@ -657,20 +664,33 @@ def _tokenized(
     max_source_length: int,
     max_target_length: int,
     role: str,
+    workers: int | None = None,
 ) -> Dataset:
     """``input_ids`` (cut at ``max_source_length``), ``labels`` (the targets, cut at
-    ``max_target_length``, end of sequence kept) and each row's number."""
-    columns: dict[str, list] = {"input_ids": [], "row": list(range(len(sources)))}
+    ``max_target_length``, end of sequence kept) and each row's number, built in Arrow
+    batches (a large corpus never becomes Python lists of ids)."""
+    texts = {"source": sources, "row": list(range(len(sources)))}
     if targets is not None:
-        columns["labels"] = []
-    step = 1000
-    for start in data_lib.progress(range(0, len(sources), step), desc=f"{role} features"):
-        part = slice(start, start + step)
-        columns["input_ids"] += tokenizer(
-            sources[part], max_length=max_source_length, truncation=True
-        )["input_ids"]
-        if targets is not None:
-            columns["labels"] += tokenizer(
-                text_target=targets[part], max_length=max_target_length, truncation=True
+        texts["target"] = targets
+
+    def encode(batch: Mapping[str, list]) -> dict[str, list]:
+        out = {
+            "input_ids": tokenizer(batch["source"], max_length=max_source_length, truncation=True)[
+                "input_ids"
+            ]
+        }
+        if "target" in batch:
+            out["labels"] = tokenizer(
+                text_target=batch["target"], max_length=max_target_length, truncation=True
             )["input_ids"]
-    return Dataset.from_dict(columns)
+        return out
+
+    rows = Dataset.from_dict(texts)
+    with data_lib.map_progress(len(rows)):
+        return rows.map(
+            encode,
+            batched=True,
+            remove_columns=[c for c in ("source", "target") if c in texts],
+            num_proc=workers,
+            desc=f"{role} features",
+        )
