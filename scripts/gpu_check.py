@@ -31,7 +31,7 @@ rows still to run), ``logs.tar.gz`` (every process's full log and each row's run
 rewritten after every row). A run stopped at any point keeps what finished. A failed row quotes
 its real exception (the last line of the traceback; children run with HYDRA_FULL_ERROR=1).
 
-Time: each row has a cap (the plan prints them and their sum, 478 s; estimates until the first
+Time: each row has a cap (the plan prints them and their sum, 538 s; estimates until the first
 device run); a row may run over its cap by the time earlier rows left unused (at most its cap
 again), so the rows stay within the sum, to which each process's start-up, exit and restart
 are added; on a device no row starts after ``--deadline`` (540 s by default), so a run fits
@@ -70,12 +70,17 @@ ASSETS = ROOT / "recipes" / "assets"
 RECIPES = (
     "bert_glue",
     "bert_mlm",
+    "bert_ner",
     "bert_squad",
     "bert_squad_v2",
+    "bert_swag",
     "gpt2_clm",
     "llama_clm",
     "llama_dpo",
     "llama_sft",
+    "t5_squad",
+    "t5_summarization",
+    "t5_translation",
 )
 # Added to every train.py process: writes each job's start and failure into its folder.
 CALLBACK = "+hydra.callbacks.gpu_check._target_=scripts.gpu_check_hydra.JobRecorder"
