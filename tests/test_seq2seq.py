@@ -148,6 +148,22 @@ def test_labels_pad_with_minus_100_and_the_model_builds_decoder_inputs(tokenizer
     assert shifted[0, :3].tolist() == [0, 71, 1]
 
 
+@pytest.mark.parametrize(
+    ("metric", "main", "keys"),
+    [
+        ("rouge", "rougeL", {"rouge1", "rouge2", "rougeL", "rougeLsum"}),
+        ("bleu", "bleu", {"bleu", "chrf"}),
+        ("squad", "f1", {"exact_match", "f1"}),
+    ],
+)
+def test_each_metric_ranks_by_a_score_it_reports(metric, main, keys):
+    task = _task(metric=metric)
+    perfect = task.score(["Tom is here now."], [["Tom is here now."]])
+    wrong = task.score(["Nothing alike at all."], [["Tom is here now."]])
+    assert set(perfect) == keys and task.main_metric == main and task.greater_is_better
+    assert perfect[main] == pytest.approx(100.0) and wrong[main] < 50.0
+
+
 def test_generation_settings_reach_the_models_generation_config():
     model = AutoModelForSeq2SeqLM.from_pretrained(TINY_T5)
     task = _task(
