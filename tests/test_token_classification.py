@@ -23,6 +23,7 @@ from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError, read_conll
 from recipes.tasks import token_classification as ner
 
+SMOKE_GAIN = 0.05  # debug=smoke must raise F1 at least this much
 WNUT = ROOT / "recipes" / "assets" / "wnut17"
 TINY_BERT = ROOT / "recipes" / "assets" / "tiny-bert"
 
@@ -154,6 +155,17 @@ def test_word_labels_on_sub_words_of_a_real_row(tokenizer, wnut_train, all_token
         ALL_TOKENS if all_tokens else FIRST_ONLY
     )
     assert owned == list(range(len(tags)))
+
+
+def test_byte_level_words_get_a_leading_space_as_run_ner_gives_them(tmp_path):
+    """GPT-2 / RoBERTa-style tokenizers read each word as the start of a text unless told
+    otherwise (run_ner loads them with add_prefix_space=True)."""
+    gpt2 = AutoTokenizer.from_pretrained(ROOT / "recipes" / "assets" / "tiny-gpt2")
+    task = make_task("token_classification")
+    row = {"tokens": [["Hello", "world"]], "tags": [[0, 0]], "row": [0]}
+    ids = task._features(row, gpt2, None)["input_ids"][0]
+    assert gpt2.convert_ids_to_tokens(ids)[-1] == "Ġworld"
+    assert ids == gpt2(" Hello world")["input_ids"]
 
 
 def test_b_becomes_i_only_where_i_exists():
@@ -399,3 +411,44 @@ def test_lora_trains_the_classifier_whole_and_stops_early_on_f1(tmp_path, cache_
     assert results["steps"] < 40 and "early stopping at step" in done.stderr
     model = AutoModelForTokenClassification.from_pretrained(run / "final")
     assert model.config.id2label[0] == "B-corporation" and model.config.num_labels == 13
+
+
+@pytest.mark.slow
+def test_smoke_learns_and_its_final_model_evaluates_and_predicts(tmp_path, cache_dir):
+    smoke = ("recipe=bert_ner", "debug=smoke", "logger=none", f"data.cache_dir={cache_dir}")
+    run = tmp_path / "smoke"
+    run_train(*smoke, "trainer.progress_bar=false", f"output_dir={run}")
+    evals = [m for m in read_metrics(run) if "eval/f1" in m]
+    assert evals[0]["step"] == 0 and evals[0]["eval/f1"] < 0.03
+    assert evals[-1]["eval/f1"] > evals[0]["eval/f1"] + SMOKE_GAIN
+    assert {"eval/precision", "eval/recall", "eval/accuracy", "eval/f1_person"} <= set(evals[-1])
+    model = AutoModelForTokenClassification.from_pretrained(run / "final")
+    names = sorted({t for tags in read_conll(WNUT / "train.conll")["ner_tags"] for t in tags})
+    assert [model.config.id2label[i] for i in range(len(names))] == names
+
+    scored = tmp_path / "eval"
+    final = f"model.name_or_path={run / 'final'}"
+    run_train(*smoke, "mode=eval", final, f"output_dir={scored}")
+    metrics = json.loads((scored / "results.json").read_text())["metrics"]
+    assert metrics["eval/f1"] == pytest.approx(evals[-1]["eval/f1"])
+
+    dev = read_conll(WNUT / "dev.conll")
+    rows = tmp_path / "rows.jsonl"
+    text = " ".join(dev[0]["tokens"])
+    rows.write_text(
+        json.dumps({"id": "a", "text": text})
+        + "\n"
+        + json.dumps({"tokens": dev[1]["tokens"]})
+        + "\n"
+    )
+    predicted = tmp_path / "predict"
+    run_train(*smoke, "mode=predict", final, f"data.predict_file={rows}", f"output_dir={predicted}")
+    records = [json.loads(x) for x in (predicted / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", 1]
+    assert records[1]["words"] == dev[1]["tokens"]
+    for record, source in zip(records, (text, " ".join(dev[1]["tokens"])), strict=True):
+        assert len(record["tags"]) == len(record["words"])
+        assert set(record["tags"]) <= set(names)
+        for entity in record["entities"]:
+            assert source[entity["start"] : entity["end"]] == entity["text"]
+            assert 0 < entity["score"] <= 1 and entity["type"] in {n[2:] for n in names}

@@ -270,7 +270,10 @@ class TokenClassification(Task[NerData]):
         tokenizer: PreTrainedTokenizerBase,
         b_to_i: list[int] | None,
     ) -> dict[str, list]:
-        encoded = tokenizer(batch["tokens"], is_split_into_words=True)
+        words = batch["tokens"]
+        if _prefix_space(tokenizer):
+            words = [[" " + w for w in row] for row in words]
+        encoded = tokenizer(words, is_split_into_words=True)
         out: dict[str, list] = {k: [] for k in (*encoded.keys(), "labels", "row", "owned")}
         out["dropped"] = []
         for i, row in enumerate(batch["row"]):
@@ -348,7 +351,11 @@ class TokenClassification(Task[NerData]):
             words=words,
             texts=texts,
             offsets=offsets,
-            row_ids=list(examples[ids]) if ids else list(range(len(words))),
+            # A row without an id (JSON lines may mix rows) is named by its number.
+            row_ids=[
+                n if v is None else v
+                for n, v in enumerate(examples[ids] if ids else [None] * len(words))
+            ],
             **info,
         )
 
@@ -634,6 +641,20 @@ def scheme_error(tags: Sequence[str], scheme: str) -> tuple[int, str] | None:
                 return i, "does not continue an entity of its type (after " + repr(previous) + ")"
         previous = tag
     return None
+
+
+def _prefix_space(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether words must get a leading space: a byte-level BPE tokenizer (GPT-2, RoBERTa)
+    loaded without add_prefix_space reads each word as if it began the text (``Hello`` where
+    the model saw `` Hello``); run_ner loads those with add_prefix_space=True, which this
+    matches."""
+    if getattr(tokenizer, "add_prefix_space", None) is not False:
+        return False
+    plain, spaced = (
+        tokenizer([w], is_split_into_words=True, add_special_tokens=False)["input_ids"]
+        for w in ("a", " a")
+    )
+    return plain != spaced
 
 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
