@@ -367,19 +367,19 @@ def _last_eval(run: Path) -> dict:
 
 @pytest.mark.slow
 def test_one_process_two_processes_and_a_resumed_run_agree(tmp_path, cache_dir):
-    """Per-token losses summed over the whole step: 8 rows on one process and 4 + 4 on two log
+    """Per-token losses summed over the whole step: 16 rows on one process and 8 + 8 on two log
     the same losses and evaluation (gathered across processes, windows put back together); a
     run resumed from step 2 repeats steps 3 and 4 exactly."""
     common = (*TINY, FP32, f"data.cache_dir={cache_dir}", "trainer.max_steps=4")
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     single = run_train(
-        *common, "trainer.save_every_n_steps=2", "trainer.save_final_model=false",
-        f"output_dir={one}",
+        *common, "trainer.per_device_train_batch_size=16", "trainer.save_every_n_steps=2",
+        "trainer.save_final_model=false", f"output_dir={one}",
     )  # fmt: skip
     assert "windows" in single.stderr  # long rows were windowed
-    # The recipe's batch is 32 on one device: 16 on each of two processes.
+    # 16 rows on one device, 8 on each of two processes.
     proc = run_cpu_launch(
-        ROOT / "train.py", *common, "trainer.per_device_train_batch_size=16",
+        ROOT / "train.py", *common, "trainer.per_device_train_batch_size=8",
         "trainer.save_final_model=false", f"output_dir={two}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -391,7 +391,8 @@ def test_one_process_two_processes_and_a_resumed_run_agree(tmp_path, cache_dir):
     assert a["eval/loss"] == pytest.approx(b["eval/loss"], rel=1e-5)
     assert a["eval/accuracy"] == b["eval/accuracy"] and a["eval/f1"] == b["eval/f1"]
     run_train(
-        *common, f"resume={one / 'checkpoints' / 'step-00000002'}",
+        *common, "trainer.per_device_train_batch_size=16",
+        f"resume={one / 'checkpoints' / 'step-00000002'}",
         "trainer.save_final_model=false", f"output_dir={resumed}",
     )  # fmt: skip
     assert _losses(resumed)[-2:] == _losses(one)[-2:]
