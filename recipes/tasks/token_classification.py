@@ -235,8 +235,7 @@ class TokenClassification(Task[NerData]):
     def _split_off(self, features: Dataset, role: str, sentences: int) -> tuple[Dataset, dict]:
         """The model's columns, and the bookkeeping ones as lists (plus the long-sentence
         warning, which counts them)."""
-        rows = features["row"]
-        dropped = features["dropped"]
+        rows, dropped = list(features["row"]), list(features["dropped"])
         windowed = len(rows) - len(set(rows))
         cut = sum(1 for d in dropped if d)
         if self.long_sentences == "window" and windowed:
@@ -261,7 +260,7 @@ class TokenClassification(Task[NerData]):
                 if self.long_sentences == "truncate"
                 else "the tokenizer gives them no sub-word: scored as O",
             )
-        info = {"feature_rows": rows, "feature_words": features["owned"]}
+        info = {"feature_rows": rows, "feature_words": list(features["owned"])}
         return features.remove_columns(["row", "owned", "dropped"]), info
 
     def _features(
@@ -693,10 +692,10 @@ def windows(
     first = content[0] if content else len(word_ids)
     head = [p for p in range(first) if word_ids[p] is None]
     tail = [p for p in range(first, len(word_ids)) if word_ids[p] is None]
-    room = max_length - len(head) - len(tail)
+    room = max(1, max_length - len(head) - len(tail))
     starts = [0]
     while slide and starts[-1] + room < len(content):
-        starts.append(starts[-1] + room - stride)
+        starts.append(starts[-1] + max(1, room - stride))
     spans = [(s, min(s + room, len(content))) for s in starts]
     out = [Window(positions=head + content[s:e] + tail, owned=set()) for s, e in spans]
     for at, p in enumerate(content):
