@@ -605,7 +605,9 @@ def norm_weight_names(model: Any) -> set[str]:
     return {
         f"{name}.weight"
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+        if isinstance(module, torch.nn.LayerNorm)
+        # Llama's LlamaRMSNorm, T5's T5LayerNorm (an RMS norm of its own class)
+        or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
     }
 
 
