@@ -59,7 +59,7 @@ SMOKE_MODELS = {
     "llama_clm": "tiny-llama",
     "llama_sft": "tiny-llama",
     "llama_dpo": "tiny-llama",
-    "bert_ner": "tiny-bert",
+    "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
     "t5_translation": "tiny-t5",

@@ -170,7 +170,8 @@ class Task(abc.ABC, Generic[DataT]):
         :meth:`predict` needs to write its answers."""
         raise ConfigError(
             f"mode=predict: task={type(self).__name__} has no predictions to make; qa, "
-            "classification, clm, sft and dpo models predict (mode=eval scores this one)."
+            "classification, token_classification, multiple_choice, seq2seq, clm, sft and dpo models "
+            "predict (mode=eval scores this one)."
         )
 
     def predict(
