@@ -231,7 +231,7 @@ class Trainer:
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
         fixed = self.task.max_seq_length if trainer_cfg.padding == "max_length" else None
-        pad_task_batches(data, trainer_cfg.pad_to_multiple_of)
+        pad_task_batches(data, trainer_cfg.pad_to_multiple_of, fixed)
         self.collator = data.train_collator or self._padding()
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
@@ -1097,12 +1097,17 @@ def _check_fsdp_for_lora(accelerator: Accelerator) -> None:
         )
 
 
-def pad_task_batches(data: TaskData, multiple: int | None) -> None:
-    """``trainer.pad_to_multiple_of`` for a task's own collators that pad (their
-    ``pad_to_multiple_of``, as transformers' collators name it), as for the default one."""
+def pad_task_batches(data: TaskData, multiple: int | None, fixed: int | None = None) -> None:
+    """``trainer.pad_to_multiple_of``, and ``trainer.padding=max_length``'s length ``fixed``, for
+    a task's own collators that pad, as for the default one: their ``pad_to_multiple_of``,
+    ``padding`` and ``max_length``, as transformers' collators name them."""
     for collator in (data.train_collator, data.eval_collator):
         if hasattr(collator, "pad_to_multiple_of"):
             collator.pad_to_multiple_of = multiple
+        if fixed is not None and hasattr(collator, "max_length"):
+            collator.max_length = fixed
+            if hasattr(collator, "padding"):
+                collator.padding = "max_length"
 
 
 def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:

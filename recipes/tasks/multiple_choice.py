@@ -93,11 +93,12 @@ class MultipleChoiceCollator:
         ends = tokenizer("")["input_ids"]  # the special tokens alone: [CLS] [SEP] for BERT
         self.empty = list(ends) or [self.pad_id]
         self.pad_to_multiple_of: int | None = None
+        self.max_length: int | None = None  # trainer.padding=max_length: every choice this long
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         choices = max(len(f["input_ids"]) for f in features)
         longest = max(len(ids) for f in features for ids in f["input_ids"])
-        longest = max(longest, len(self.empty))
+        longest = max(longest, len(self.empty), self.max_length or 0)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         rows = len(features)

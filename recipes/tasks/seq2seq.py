@@ -66,21 +66,23 @@ class Seq2SeqCollator:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.max_length: int | None = None  # trainer.padding=max_length: sources this long
 
-    def _width(self, rows: list[list[int]]) -> int:
-        width = max(len(r) for r in rows)
+    def _width(self, rows: list[list[int]], at_least: int = 0) -> int:
+        width = max(at_least, *(len(r) for r in rows))
         multiple = self.pad_to_multiple_of
         return -(-width // multiple) * multiple if multiple else width
 
-    def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:
-        width = self._width(rows)
+    def _pad(self, rows: list[list[int]], value: int, at_least: int = 0) -> torch.Tensor:
+        width = self._width(rows, at_least)
         return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         ids = [f["input_ids"] for f in features]
+        fixed = self.max_length or 0
         batch = {
-            "input_ids": self._pad(ids, self.pad_token_id),
-            "attention_mask": self._pad([[1] * len(r) for r in ids], 0),
+            "input_ids": self._pad(ids, self.pad_token_id, fixed),
+            "attention_mask": self._pad([[1] * len(r) for r in ids], 0, fixed),
         }
         if "labels" in features[0]:
             batch["labels"] = self._pad([f["labels"] for f in features], IGNORE_INDEX)
