@@ -17,7 +17,7 @@ from datasets import ClassLabel, Dataset, Features, Sequence, Value
 from seqeval import metrics as seqeval
 from seqeval import scheme as seqeval_schemes
 from torch.utils.data import DataLoader
-from transformers import AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoModelForTokenClassification, AutoTokenizer, BertConfig
 
 from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError, read_conll
@@ -453,3 +453,21 @@ def test_smoke_learns_and_its_final_model_evaluates_and_predicts(tmp_path, cache
         for entity in record["entities"]:
             assert source[entity["start"] : entity["end"]] == entity["text"]
             assert 0 < entity["score"] <= 1 and entity["type"] in {n[2:] for n in names}
+
+
+def test_a_trained_models_label_order_is_kept(tmp_path, tokenizer):
+    """Scoring or training further a model that names the data's labels in another order (a
+    final/ trained with task.label_list) keeps the model's order, as run_ner does: its head's
+    rows stay the labels they learnt; a task.label_list in another order is refused."""
+    good = "Peter\tB-PER\nBlackburn\tI-PER\nin\tO\nParis\tB-LOC\n"
+    cfg = _folder(tmp_path / "data", good, good)
+    saved = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    model = tmp_path / "model"
+    tokenizer.save_pretrained(model)
+    BertConfig(id2label=dict(enumerate(saved))).save_pretrained(model)
+    trained = AutoTokenizer.from_pretrained(model)
+    assert make_task("token_classification").build_data(cfg, trained).label_names == saved
+    assert make_task("token_classification").build_data(cfg, tokenizer).label_names == sorted(saved)
+    listed = make_task("token_classification", label_list=sorted(saved))
+    with pytest.raises(ConfigError, match=r"task\.label_list=.*in the order \['O', 'B-PER'"):
+        listed.build_data(cfg, trained)

@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from datasets import ClassLabel, Dataset
 from transformers import (
+    AutoConfig,
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
     PreTrainedTokenizerBase,
@@ -143,7 +144,7 @@ class TokenClassification(Task[NerData]):
         _check_tokenizer(tokenizer)
         splits = data_lib.load_splits(cfg, read_columns)
         tokens_column, tags_column = columns(cfg, splits["train"])
-        label_names = self._label_names(splits["train"], tags_column)
+        label_names = self._model_order(self._label_names(splits["train"], tags_column), tokenizer)
         log.info(
             "token classification on columns tokens=%s tags=%s; %d labels %s",
             tokens_column,
@@ -172,6 +173,27 @@ class TokenClassification(Task[NerData]):
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> DataCollatorForTokenClassification:
         # Pads labels with -100 (the loop sets pad_to_multiple_of from trainer.*).
         return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE)
+
+    def _model_order(self, names: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+        """The model's own label order where it names the same labels (a run's final/ scored
+        with mode=eval, or trained further), as run_ner reuses a model's ``label2id``: its head's
+        rows stay the labels they were trained for. A task.label_list in another order than
+        the model's is refused: the scores would be silently wrong."""
+        try:
+            config = AutoConfig.from_pretrained(tokenizer.name_or_path)
+        except (OSError, ValueError):
+            return names
+        saved = [str(config.id2label[i]) for i in range(config.num_labels)]
+        if sorted(saved) != sorted(names) or saved == names:
+            return names
+        if self.label_list is not None:
+            raise ConfigError(
+                f"task.label_list={names}: the model {tokenizer.name_or_path} was trained "
+                f"with the same labels in the order {saved}; give them in that order, or "
+                "leave task.label_list=null to use it."
+            )
+        log.info("labels in the model's own order: %s", saved)
+        return saved
 
     def _label_names(self, split: data_lib.Split, tags_column: str) -> list[str]:
         """task.label_list, else the data set's ClassLabel names, else the sorted set of the
