@@ -27,6 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerBase
+from transformers.modeling_outputs import BaseModelOutput
 
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
@@ -345,16 +346,24 @@ class SequenceToSequence(Task[Seq2SeqData]):
 
     @torch.no_grad()
     def _generate(
-        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        batch: Mapping[str, torch.Tensor],
+        accelerator: Accelerator,
+        encoded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generated token ids of a batch (decoder start token included), on every process;
-        padded across processes so that they can be gathered."""
+        padded across processes so that they can be gathered. ``encoded``: the encoder's
+        output for the batch, already computed (by the evaluation loss's forward pass), which
+        generate then reuses instead of encoding the sources again."""
         unwrapped = accelerator.unwrap_model(model)
         sharded = accelerator.distributed_type == DistributedType.FSDP
+        reuse = {} if encoded is None else {"encoder_outputs": BaseModelOutput(encoded)}
         with _root_gathered(model, unwrapped) if sharded else contextlib.nullcontext():
             generated = unwrapped.generate(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
+                **reuse,
                 use_cache=True,
                 # Every rank steps until all are done: a sharded model's forward is collective.
                 synced_gpus=sharded,
@@ -380,12 +389,14 @@ class SequenceToSequence(Task[Seq2SeqData]):
         generate_s = 0.0
         for batch in loader:
             row = batch.pop("row")
+            encoded = None
             if with_loss:
                 count = (batch["labels"] != IGNORE_INDEX).sum()
-                loss = model(**batch).loss.double() * count
-                totals[:2] += torch.stack([loss, count.double()])
+                out = model(**batch)
+                totals[:2] += torch.stack([out.loss.double() * count, count.double()])
+                encoded = out.encoder_last_hidden_state
             started = time.perf_counter()
-            generated = self._generate(model, batch, accelerator)
+            generated = self._generate(model, batch, accelerator, encoded)
             generate_s += time.perf_counter() - started
             row, generated = accelerator.gather_for_metrics((row, generated))
             totals[2] += (generated[:, 1:] != pad).sum()  # the decoder start token left out
