@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/compare_seq2seq", help="results folder")
     parser.add_argument("--model", default="", help="encoder-decoder folder (default: built)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])  # none: --eval-rounds only
     parser.add_argument("--train-rows", type=int, default=240)
     parser.add_argument("--eval-rows", type=int, default=80)
     parser.add_argument("--epochs", type=int, default=2)
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['generate_s']:.1f} s ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
-    table = report(runs)
+    table = report(runs) if args.seeds else ""
     if args.eval_rounds:
         eval_runs, eval_table = eval_rounds(args, out)
         table += "\n\n" + eval_table

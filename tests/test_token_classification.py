@@ -471,3 +471,26 @@ def test_a_trained_models_label_order_is_kept(tmp_path, tokenizer):
     listed = make_task("token_classification", label_list=sorted(saved))
     with pytest.raises(ConfigError, match=r"task\.label_list=.*in the order \['O', 'B-PER'"):
         listed.build_data(cfg, trained)
+
+
+def test_tag_ids_are_read_by_their_own_label_names(tmp_path, tokenizer):
+    """A data set whose ClassLabel names the labels in another order than the model's (the hub's
+    wnut_17, O first, scored with a final/ trained on the CoNLL files, labels sorted): each id is
+    read as its own name, then given the model's id; the gold tags are not permuted."""
+    from datasets import DatasetDict
+
+    names = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    features = Features(
+        {"tokens": Sequence(Value("string")), "ner_tags": Sequence(ClassLabel(names=names))}
+    )
+    rows = {"tokens": [["Peter", "Blackburn", "in", "Paris"]], "ner_tags": [[1, 2, 0, 3]]}
+    split = Dataset.from_dict(rows, features=features)
+    DatasetDict({"train": split, "validation": split}).save_to_disk(tmp_path / "data")
+    model = tmp_path / "model"
+    tokenizer.save_pretrained(model)
+    BertConfig(id2label=dict(enumerate(sorted(names)))).save_pretrained(model)
+    data = make_task("token_classification").build_data(
+        _cfg(tmp_path, path=str(tmp_path / "data")), AutoTokenizer.from_pretrained(model)
+    )
+    assert data.label_names == sorted(names)
+    assert data.tags == [["B-PER", "I-PER", "O", "B-LOC"]]

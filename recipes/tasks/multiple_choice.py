@@ -155,9 +155,11 @@ class MultipleChoice(Task[ChoiceData]):
     auto_model_class = AutoModelForMultipleChoice
     main_metric = "accuracy"
     greater_is_better = True
-    # Cross-entropy over each row's own choices, averaged over rows: padding (choices or
-    # tokens) changes nothing, so a batch may run as sub-batches (trainer.sub_batches).
-    splits_exactly = True
+    # Cross-entropy over each row's own choices, averaged over rows: padding changes nothing.
+    # Still no sub-batches (trainer.sub_batches): the loop sorts rows into them by their
+    # features' length, which here is the number of choices, not tokens, so they would only
+    # run smaller batches and save no padding.
+    splits_exactly = False
 
     def __init__(self, *, max_seq_length: int) -> None:
         if max_seq_length < 8:
@@ -324,7 +326,10 @@ class MultipleChoice(Task[ChoiceData]):
         probabilities: list[list[float]] = []
         for batch in loader:
             probs = masked_logits(model, batch).softmax(-1)
-            probs, mask = accelerator.gather_for_metrics((probs, batch["choice_mask"]))
+            # Batches of other processes can hold more choices: padded to one width to gather.
+            probs = accelerator.pad_across_processes(probs, dim=1, pad_index=0)
+            mask = accelerator.pad_across_processes(batch["choice_mask"], dim=1, pad_index=0)
+            probs, mask = accelerator.gather_for_metrics((probs, mask))
             for p, m in zip(probs.cpu().tolist(), mask.cpu().tolist(), strict=True):
                 probabilities.append(p[: sum(m)])
         model.train()

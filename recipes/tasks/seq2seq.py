@@ -390,15 +390,26 @@ class SequenceToSequence(Task[Seq2SeqData]):
         for batch in loader:
             row = batch.pop("row")
             encoded = None
+            # Each row's summed target-token loss and its count, gathered as rows are (every
+            # process's rows, the duplicates that pad the last batch dropped).
+            summed = torch.zeros((len(row), 2), dtype=torch.float64, device=row.device)
             if with_loss:
-                count = (batch["labels"] != IGNORE_INDEX).sum()
                 out = model(**batch)
-                totals[:2] += torch.stack([out.loss.double() * count, count.double()])
+                labels = batch["labels"]
+                nll = torch.nn.functional.cross_entropy(
+                    out.logits.float().transpose(1, 2),
+                    labels,
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
+                )
+                summed[:, 0] = nll.sum(1).double()
+                summed[:, 1] = (labels != IGNORE_INDEX).sum(1).double()
                 encoded = out.encoder_last_hidden_state
             started = time.perf_counter()
             generated = self._generate(model, batch, accelerator, encoded)
             generate_s += time.perf_counter() - started
-            row, generated = accelerator.gather_for_metrics((row, generated))
+            row, generated, summed = accelerator.gather_for_metrics((row, generated, summed))
+            totals[:2] += summed.sum(0)
             totals[2] += (generated[:, 1:] != pad).sum()  # the decoder start token left out
             rows.append(row.cpu())
             outputs.append(generated.cpu())

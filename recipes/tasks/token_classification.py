@@ -577,6 +577,10 @@ def sentences(
     examples = split.examples
     lines = examples["line"] if "line" in examples.column_names else None
     ids = {name: i for i, name in enumerate(label_names)}
+    # Tag ids of a ClassLabel feature name the split's own labels, whose order can differ from
+    # label_names (a model's order, the other split's): read as names first.
+    inner = getattr(examples.features[tags_column], "feature", None)
+    own = list(inner.names) if isinstance(inner, ClassLabel) else None
     words_out, tags_out = [], []
     for n, (words, tags) in enumerate(
         zip(examples[tokens_column], examples[tags_column], strict=True)
@@ -595,6 +599,8 @@ def sentences(
             )
         row = []
         for i, tag in enumerate(tags):
+            if own is not None and isinstance(tag, (int, np.integer)) and 0 <= tag < len(own):
+                tag = own[tag]
             if isinstance(tag, str) and tag in ids:
                 row.append(ids[tag])
             elif (
