@@ -469,8 +469,18 @@ def test_a_trained_models_label_order_is_kept(tmp_path, tokenizer):
     assert make_task("token_classification").build_data(cfg, trained).label_names == saved
     assert make_task("token_classification").build_data(cfg, tokenizer).label_names == sorted(saved)
     listed = make_task("token_classification", label_list=sorted(saved))
-    with pytest.raises(ConfigError, match=r"task\.label_list=.*in the order \['O', 'B-PER'"):
+    with pytest.raises(ConfigError, match=r"task\.label_list=.*with the labels \['O', 'B-PER'"):
         listed.build_data(cfg, trained)
+    # Data without one of the model's types (a rare one missing) keeps the model's labels too.
+    more = tmp_path / "more"
+    tokenizer.save_pretrained(more)
+    BertConfig(id2label=dict(enumerate([*saved, "B-ORG", "I-ORG"]))).save_pretrained(more)
+    wider = AutoTokenizer.from_pretrained(more)
+    assert make_task("token_classification").build_data(cfg, wider).label_names == [
+        *saved,
+        "B-ORG",
+        "I-ORG",
+    ]
 
 
 def test_tag_ids_are_read_by_their_own_label_names(tmp_path, tokenizer):

@@ -43,7 +43,8 @@ FEATURES_VERSION = 1
 LABEL_COLUMNS = ("label", "labels")
 CONTEXT_COLUMNS = ("context",)
 QUESTION_COLUMNS = ("question",)
-ID_COLUMNS = ("id", "idx", "index", "ind", "video-id")
+# A row's own id (SWAG's fold-ind; not its video-id, which many rows share), kept in the output.
+ID_COLUMNS = ("id", "idx", "index", "ind", "fold-ind")
 # The loss and the argmax never pick a padding choice.
 MASKED = float("-inf")
 

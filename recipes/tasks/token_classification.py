@@ -175,22 +175,23 @@ class TokenClassification(Task[NerData]):
         return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE)
 
     def _model_order(self, names: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
-        """The model's own label order where it names the same labels (a run's final/ scored
-        with mode=eval, or trained further), as run_ner reuses a model's ``label2id``: its head's
-        rows stay the labels they were trained for. A task.label_list in another order than
-        the model's is refused: the scores would be silently wrong."""
+        """The model's own labels, in its order, where they hold every label of the data (a
+        run's final/ scored with mode=eval on data where a rare type is missing, or trained
+        further), as run_ner reuses a model's ``label2id``: its head's rows stay the labels they
+        were trained for. A task.label_list that differs from them is refused: the scores would
+        be silently wrong."""
         try:
             config = AutoConfig.from_pretrained(tokenizer.name_or_path)
         except (OSError, ValueError):
             return names
         saved = [str(config.id2label[i]) for i in range(config.num_labels)]
-        if sorted(saved) != sorted(names) or saved == names:
+        if not set(names) <= set(saved) or saved == names:
             return names
         if self.label_list is not None:
             raise ConfigError(
                 f"task.label_list={names}: the model {tokenizer.name_or_path} was trained "
-                f"with the same labels in the order {saved}; give them in that order, or "
-                "leave task.label_list=null to use it."
+                f"with the labels {saved} (in that order); give them so, or leave "
+                "task.label_list=null to use them."
             )
         log.info("labels in the model's own order: %s", saved)
         return saved
