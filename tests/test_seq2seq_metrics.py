@@ -41,10 +41,11 @@ def test_rouge_matches_rouge_score_on_real_rows(scitldr_rows):
     for k in ROUGE_TYPES:
         mean = 100 * np.mean([s[k].fmeasure for s in per_row])
         assert ours[k] == pytest.approx(mean, abs=1e-9)
-    # evaluate's rouge reports the bootstrap median: close to the plain mean, not equal to it.
+    # evaluate's rouge reports the bootstrap median (unseeded resamples): close to the plain
+    # mean, not equal to it; on these rows it has come within 0.11 of it.
     median = aggregator.aggregate()
     for k in ROUGE_TYPES:
-        assert abs(ours[k] - 100 * median[k].mid.fmeasure) < 0.1
+        assert abs(ours[k] - 100 * median[k].mid.fmeasure) < 0.5
     assert 10 < ours["rouge1"] < 60 and ours["rouge2"] < ours["rouge1"]
 
 

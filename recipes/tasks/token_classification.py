@@ -678,10 +678,17 @@ def _prefix_space(tokenizer: PreTrainedTokenizerBase) -> bool:
     matches."""
     if getattr(tokenizer, "add_prefix_space", None) is not False:
         return False
-    plain, spaced = (
-        tokenizer([w], is_split_into_words=True, add_special_tokens=False)["input_ids"]
-        for w in ("a", " a")
-    )
+    try:
+        plain, spaced = (
+            tokenizer([w], is_split_into_words=True, add_special_tokens=False)["input_ids"]
+            for w in ("a", " a")
+        )
+    except AssertionError:
+        # transformers 4.x refuses words from a byte-level tokenizer loaded without
+        # add_prefix_space; its flag only guards that check (the backend's pre-tokenizer keeps
+        # its own setting), so the words get their leading space here, as on 5.x.
+        tokenizer.add_prefix_space = True
+        return True
     return plain != spaced
 
 
