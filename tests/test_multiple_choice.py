@@ -355,9 +355,9 @@ def test_two_processes_and_resume_train_as_one(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_lora_trains_the_head_in_full_and_stops_early_on_accuracy(tmp_path, cache_dir):
     run = tmp_path / "lora"
-    _smoke(run, cache_dir, "peft=lora", "trainer.max_steps=40", "trainer.eval_every_n_steps=10",
+    _smoke(run, cache_dir, "peft=lora", "trainer.max_steps=40", "trainer.eval_every_n_steps=20",
            "trainer.early_stopping_patience=1", "data.max_train_examples=640",
-           "data.max_eval_examples=200", "task.max_seq_length=64")  # fmt: skip
+           "data.max_eval_examples=64", "task.max_seq_length=64")  # fmt: skip
     log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
     evals = [r for r in read_metrics(run) if "eval/accuracy" in r]
     assert evals, log[-2000:]
