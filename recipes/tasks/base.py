@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -188,6 +188,19 @@ class Task(abc.ABC, Generic[DataT]):
         ``tokenizer`` is the one ``build_predict_data`` had), write the task's predictions file
         into ``output_dir`` (main process), and return what to report: ``rows`` and ``file``."""
         raise NotImplementedError
+
+
+# A predict file's columns that name its rows (GLUE's test files have idx), kept in the output.
+ID_COLUMNS = ("id", "idx", "index")
+
+
+def row_ids(examples: Dataset, columns: Sequence[str] = ID_COLUMNS) -> list[Any]:
+    """Each row's id, from the first of ``columns`` the rows have; a row without one (JSON lines
+    may mix rows), or rows without such a column, are named by their number."""
+    column = next((c for c in columns if c in examples.column_names), None)
+    if column is None:
+        return list(range(len(examples)))
+    return [n if v is None else v for n, v in enumerate(examples[column])]
 
 
 def write_json(path: Path, obj: Any) -> None:

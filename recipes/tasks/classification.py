@@ -25,7 +25,7 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.classification import classification_scores, regression_scores
-from recipes.tasks.base import Task, TaskData, write_jsonl
+from recipes.tasks.base import Task, TaskData, row_ids, write_jsonl
 
 log = get_logger(__name__)
 
@@ -71,11 +71,7 @@ class ClassificationData(TaskData):
     """Features plus the label names, in id order (None: a regression target)."""
 
     label_names: list[str] | None = None
-    row_ids: list[Any] | None = None  # mode=predict: each row's id (ID_COLUMNS) or number
-
-
-# A predict file's column that names its rows (GLUE's test files have idx), kept in the output.
-ID_COLUMNS = ("id", "idx", "index")
+    row_ids: list[Any] | None = None  # mode=predict: each row's id (base.row_ids)
 
 
 def glue_task(name: str | None) -> GlueTask | None:
@@ -225,7 +221,6 @@ class SequenceClassification(Task[ClassificationData]):
         split = data_lib.load_predict_file(cfg)
         text, pair, _ = _columns(cfg, glue_task(cfg.name), split, with_label=False)
         examples = split.examples
-        ids = next((c for c in ID_COLUMNS if c in examples.column_names), None)
         with data_lib.map_progress(len(examples)):
             features = examples.map(
                 self._features,
@@ -242,7 +237,7 @@ class SequenceClassification(Task[ClassificationData]):
         return ClassificationData(
             train=features.select([]),
             eval=features,
-            row_ids=list(examples[ids]) if ids else list(range(len(examples))),
+            row_ids=row_ids(examples),
         )
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
+from recipes.tasks import base
 from recipes.tasks.base import Task, TaskData, write_jsonl
 
 log = get_logger(__name__)
@@ -44,7 +45,7 @@ LABEL_COLUMNS = ("label", "labels")
 CONTEXT_COLUMNS = ("context",)
 QUESTION_COLUMNS = ("question",)
 # A row's own id (SWAG's fold-ind; not its video-id, which many rows share), kept in the output.
-ID_COLUMNS = ("id", "idx", "index", "ind", "fold-ind")
+ID_COLUMNS = (*base.ID_COLUMNS, "ind", "fold-ind")
 # The loss and the argmax never pick a padding choice.
 MASKED = float("-inf")
 
@@ -296,7 +297,6 @@ class MultipleChoice(Task[ChoiceData]):
         layout = find_layout(cfg, split, with_label=False)
         examples = split.examples
         features = self._map(split, tokenizer, layout, f"predict data {split.source}")
-        ids = next((c for c in ID_COLUMNS if c in examples.column_names), None)
         texts = [
             read_row(examples[i : i + 1], 0, i, layout, split.source)[2]
             for i in range(len(examples))
@@ -305,7 +305,7 @@ class MultipleChoice(Task[ChoiceData]):
             features.select([]),
             features,
             tokenizer,
-            row_ids=list(examples[ids]) if ids else list(range(len(examples))),
+            row_ids=base.row_ids(examples, ID_COLUMNS),
             choice_texts=texts,
         )
 

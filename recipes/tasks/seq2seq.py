@@ -35,7 +35,7 @@ from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.seq2seq import bleu_scores, rouge_scores
 from recipes.metrics.squad import squad_v1
-from recipes.tasks.base import SummedLoss, Task, TaskData, write_jsonl
+from recipes.tasks.base import SummedLoss, Task, TaskData, row_ids, write_jsonl
 from recipes.tasks.qa_examples import check_examples, read_squad_json
 
 log = get_logger(__name__)
@@ -43,8 +43,6 @@ log = get_logger(__name__)
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
 IGNORE_INDEX = -100
 METRICS = {"rouge": "rougeL", "bleu": "bleu", "squad": "f1"}
-# A predict file's column that names its rows, kept in predictions.jsonl.
-ID_COLUMNS = ("id", "idx", "index")
 MAX_REPORTED = 5
 _MISSING = object()  # a dotted field a row lacks (already reported)
 
@@ -662,9 +660,7 @@ def _column_texts(
         targets.append(refs[0] if isinstance(refs[0], str) else "")
         references.append([r.strip() for r in refs if isinstance(r, str)])
     _refuse(where, problems)
-    id_column = next((c for c in ID_COLUMNS if c in examples.column_names), None)
-    ids = list(examples[id_column]) if id_column else list(range(len(examples)))
-    return sources, targets if labelled else None, references, ids
+    return sources, targets if labelled else None, references, row_ids(examples)
 
 
 def _squad_texts(

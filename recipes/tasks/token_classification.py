@@ -35,7 +35,7 @@ from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import SummedLoss, Task, TaskData, write_jsonl
+from recipes.tasks.base import SummedLoss, Task, TaskData, row_ids, write_jsonl
 
 log = get_logger(__name__)
 
@@ -58,7 +58,6 @@ SCHEME_PREFIXES = {
 # Words of a raw ``text`` to predict on: @mentions, #tags and words (with inner ' - .), and each
 # other non-space character alone, close to how WNUT-17 and CoNLL-2003 split their sentences.
 WORD = re.compile(r"[@#]?\w+(?:['’.\-]\w+)*|[^\w\s]")
-ID_COLUMNS = ("id", "idx", "index")
 
 
 @dataclass
@@ -365,7 +364,6 @@ class TokenClassification(Task[NerData]):
             desc="predict features",
         )
         features, info = self._split_off(features, "predict", len(words))
-        ids = next((c for c in ID_COLUMNS if c in have), None)
         return NerData(
             train=features.select([]),
             eval=features,
@@ -373,11 +371,7 @@ class TokenClassification(Task[NerData]):
             words=words,
             texts=texts,
             offsets=offsets,
-            # A row without an id (JSON lines may mix rows) is named by its number.
-            row_ids=[
-                n if v is None else v
-                for n, v in enumerate(examples[ids] if ids else [None] * len(words))
-            ],
+            row_ids=row_ids(examples),
             **info,
         )
 

@@ -18,7 +18,7 @@ import random
 import re
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "multiple-choice"
 ACTIVITYNET_ROWS = 3243  # HellaSwag val rows 0..3242 are ActivityNet; WikiHow rows follow
 DEV_ROWS = 400
 TRAIN_ROWS = 2000
