@@ -86,6 +86,7 @@ class Chat:
             .eval()
         )
         self.head = [{"role": "system", "content": system}] if system else []
+        self.seed(0)
         self.messages: list[dict[str, Any]] = list(self.head)
         self.max_new_tokens = max_new_tokens
         self.generation = GenerationConfig(
@@ -93,9 +94,10 @@ class Chat:
         )
 
     def seed(self, seed: int) -> None:
+        """Sampled replies draw from one stream, seeded here, reply after reply."""
         import torch
 
-        torch.manual_seed(seed)
+        self.stream = torch.Generator().manual_seed(seed)
 
     def reset(self) -> None:
         self.messages = list(self.head)
@@ -104,8 +106,8 @@ class Chat:
         """The model's answer to the user's ``text`` after the conversation so far (the
         oldest turns are left out when the whole would not fit the model's positions)."""
 
+        from recipes import generation
         from recipes.tasks import chat
-        from recipes.tasks.base import complete
 
         self.messages.append({"role": "user", "content": text})
         template = self.tokenizer.chat_template
@@ -113,8 +115,14 @@ class Chat:
         ids = chat.render(self.tokenizer, template, self.messages, True)
         while len(ids) + self.max_new_tokens > limit and self._forget_a_turn():
             ids = chat.render(self.tokenizer, template, self.messages, True)
-        text = complete(
-            self.model, ids, self.tokenizer, self.generation, self.max_new_tokens, limit
+        (text,) = generation.complete(
+            self.model,
+            [ids],
+            self.tokenizer,
+            self.generation,
+            self.max_new_tokens,
+            max_length=limit,
+            streams=[self.stream],
         )
         answer = text.strip()
         self.messages.append({"role": "assistant", "content": answer})

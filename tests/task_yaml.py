@@ -21,4 +21,6 @@ def make_task(name: str, **overrides: Any) -> Any:
     (a key the YAML lacks is refused, as on the command line)."""
     task_cfg = OmegaConf.load(TASK_CONF / f"{name}.yaml")
     OmegaConf.set_struct(task_cfg, True)
-    return instantiate(OmegaConf.create({"task": OmegaConf.merge(task_cfg, overrides)}), "task")
+    # A task that reads the run's generation.* (``generation: ${generation}``) gets its defaults.
+    root = {"task": OmegaConf.merge(task_cfg, overrides), "generation": {}}
+    return instantiate(OmegaConf.create(root), "task")

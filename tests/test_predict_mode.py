@@ -97,9 +97,10 @@ def test_classification_predicts_each_rows_label_and_probabilities(tmp_path, cac
 
 
 def test_chat_model_answers_prompts_with_its_template(tmp_path, cache_dir):
-    """Greedy answers equal the training run's own answers to its held-out prompts and
-    transformers' (apply_chat_template, generate) on final/; sampled answers are the same on one
-    process and on two, and a prompt-only row (TRL's layout) is answered too."""
+    """Greedy answers (batched) equal the training run's own answers to its held-out prompts and
+    transformers' (apply_chat_template, generate) one prompt at a time on final/; sampled
+    answers are the same on one process and on two, and in batches of one, and a prompt-only
+    row (TRL's layout) is answered too."""
     run = tmp_path / "run"
     _train("llama_sft", run, cache_dir, "trainer.max_steps=2", "optimizer.lr=1e-6")
     greedy = tmp_path / "greedy"
@@ -158,6 +159,9 @@ def test_chat_model_answers_prompts_with_its_template(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     on_one = _jsonl(one / "generations.jsonl")
     assert on_one == _jsonl(two / "generations.jsonl")
+    alone = tmp_path / "alone"  # one prompt per batch: the same draws
+    _predict("llama_sft", run, prompts, alone, *sampled, "generation.batch_size=1")
+    assert on_one == _jsonl(alone / "generations.jsonl")
     assert on_one[-1]["messages"] == [
         {"role": "user", "content": "Who wrote the plays of Shakespeare?"}
     ]

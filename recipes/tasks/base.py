@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
@@ -216,76 +215,6 @@ def _to_builtin(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-@torch.no_grad()
-def complete_each(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    tokenizer: PreTrainedTokenizerBase,
-    accelerator: Accelerator,
-    generation: GenerationConfig,
-    max_new_tokens: int,
-    max_length: int | None = None,
-) -> list[str]:
-    """mode=predict: the completion of each prompt (token ids), greedy or sampled as
-    ``generation`` says, in order, on every process; each process completes its share.
-
-    One prompt at a time, so no padding can change an answer; a sampled answer draws from a
-    generator seeded with the run's seed plus the prompt's number, so it does not depend on the
-    number of processes. ``max_length`` caps prompt + answer (the length the model trained on):
-    a longer prompt keeps its end."""
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise ConfigError(
-            "mode=predict: a sharded (FSDP) model cannot generate one prompt per process; "
-            "launch on one process, or with DDP (the model fits: it was saved whole in final/)."
-        )
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    seed = torch.initial_seed()
-    completed = []
-    with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
-        for i in mine:
-            torch.manual_seed(seed + i)
-            text = complete(
-                unwrapped, prompts[i], tokenizer, generation, max_new_tokens, max_length
-            )
-            completed.append((i, text))
-    return [text for _, text in sorted(gather_object(completed))]
-
-
-@torch.no_grad()
-def complete(
-    model: torch.nn.Module,
-    ids: list[int],
-    tokenizer: PreTrainedTokenizerBase,
-    generation: GenerationConfig,
-    max_new_tokens: int,
-    max_length: int | None = None,
-) -> str:
-    """The completion of one prompt (token ids) by the unwrapped ``model``, on its device;
-    ``max_length`` caps prompt + answer (a longer prompt keeps its end)."""
-    if max_length is not None:
-        ids = ids[-(max_length - 1) :]  # room for at least one new token
-        max_new_tokens = min(max_new_tokens, max_length - len(ids))
-    inputs = torch.tensor([ids], device=next(model.parameters()).device)
-    generated = model.generate(
-        input_ids=inputs,
-        attention_mask=torch.ones_like(inputs),
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        **sampling(generation),
-    )
-    return tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
-
-
-def sampling(generation: GenerationConfig) -> dict[str, Any]:
-    """``generate()``'s arguments for ``generation``: greedy, or sampled with its temperature
-    and top_p (and the model's generation_config for the rest, top_k say, as transformers
-    does)."""
-    if not generation.do_sample:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": generation.temperature, "top_p": generation.top_p}
-
-
 def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
     """Write one JSON object per line, atomically."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -293,19 +222,3 @@ def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False, default=_to_builtin) + "\n")
     tmp.replace(path)
-
-
-def model_for_generation(
-    model: torch.nn.Module, accelerator: Accelerator, what: str
-) -> torch.nn.Module | None:
-    """The unwrapped model in eval mode, for greedy generation after training; None on the other
-    processes, and under FSDP, where one process alone cannot run the sharded model (every
-    forward gathers the shards)."""
-    if not accelerator.is_main_process:
-        return None
-    if accelerator.distributed_type == DistributedType.FSDP:
-        log.info("no %s under FSDP: the model is sharded; load final/ to generate", what)
-        return None
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    return unwrapped

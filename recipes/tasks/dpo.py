@@ -4,7 +4,8 @@ What the task adds to the shared loop, beside SFT's chat rendering it reuses:
 
 * pairs read in the layouts users have (:mod:`recipes.tasks.preference`), each side rendered
   with the chat template and labelled on its completion only (the prompt, its earlier replies
-  included, carries no label);
+  included, carries no label); TRL's plain-string pairs are a user turn and two replies, or,
+  with ``text_rows=raw``, text as TRL tokenizes them (no template, EOS after each side);
 * the losses as TRL (1.x) computes them, from the summed log-probabilities of each completion
   under the policy and the reference: ``sigmoid`` (DPO, Rafailov et al.), ``ipo`` (on
   log-probabilities divided by the completion's tokens, as TRL) and ``robust`` (robust DPO,
@@ -41,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from recipes import adapters
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.log import get_logger
 from recipes.tasks import chat, preference
 from recipes.tasks.base import SummedLoss
@@ -49,13 +50,14 @@ from recipes.tasks.sft import (
     ChatData,
     SupervisedFineTuning,
     _add_template_tokens,
+    _answerable,
     _end_of_turn,
 )
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 SIDES = ("chosen", "rejected")
 STATS = (
@@ -83,6 +85,7 @@ class DirectPreference(SupervisedFineTuning):
     Args:
         format: layout of the rows: auto (detected per row), explicit, implicit, ultrafeedback.
         chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
+        text_rows: plain-string pairs as chat turns (chat) or as text, as TRL (raw).
         max_seq_length: tokens of prompt and completion, per side.
         truncation: truncate (cut the end of a long side) or drop the pair.
         beta: strength of the pull to the reference (TRL's beta).
@@ -117,6 +120,8 @@ class DirectPreference(SupervisedFineTuning):
         disable_dropout: bool,
         num_generations: int,
         generation_max_new_tokens: int,
+        generation: Mapping[str, Any] | GenerationConfig | None,
+        text_rows: str,
     ) -> None:
         if format not in preference.FORMATS:
             raise ConfigError(f"task.format={format!r}: choose {', '.join(preference.FORMATS)}.")
@@ -143,6 +148,8 @@ class DirectPreference(SupervisedFineTuning):
             packing=padding_free,
             num_generations=num_generations,
             generation_max_new_tokens=generation_max_new_tokens,
+            generation=generation,
+            text_rows=text_rows,
         )
         self.format = format
         self.beta = beta
@@ -157,12 +164,12 @@ class DirectPreference(SupervisedFineTuning):
 
     def settings(self) -> dict[str, Any]:
         keys = ("format", "chat_template", "max_seq_length", "truncation", "padding_free")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | {"text_rows": self.text_rows}
 
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        template = self._template(tokenizer)
         new_tokens = _add_template_tokens(tokenizer, self.chat_template)
         tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
         splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, self.format))
@@ -180,7 +187,7 @@ class DirectPreference(SupervisedFineTuning):
             train_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
             eval_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
             template=template,
-            prompts=_held_out_prompts(pairs["eval"], self.num_generations),
+            prompts=_answerable(_held_out_prompts(pairs["eval"], self.num_generations), template),
             new_tokens=new_tokens,
             stop_tokens=_end_of_turn(tokenizer, template),
         )
@@ -219,28 +226,30 @@ class DirectPreference(SupervisedFineTuning):
     ) -> dict[str, list]:
         names = [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")]
         out: dict[str, list] = {name: [] for name in (*names, "length")}
-        rows = zip(
-            batch["prompt"],
-            batch["chosen"],
-            batch["rejected"],
-            batch["tools"],
-            batch["place"],
-            strict=True,
-        )
-        for prompt, chosen, rejected, tools, place in rows:
-            sides = []
-            for completion in (chosen, rejected):
-                try:
-                    whole = chat.tokenize_conversation(
-                        tokenizer,
-                        template,
-                        prompt + completion,
-                        tools=tools,
-                        label_from=len(prompt),
-                    )
-                except (chat.TemplateMismatch, chat.RowError) as err:
-                    raise chat.refusal(err, f"{source} {place}") from None
-                sides.append(chat.fit_length(whole, self.max_seq_length, self.truncation))
+        columns = ("prompt", "chosen", "rejected", "tools", "text", "place")
+        for prompt, chosen, rejected, tools, text, place in zip(
+            *(batch[k] for k in columns), strict=True
+        ):
+            if text and self.text_rows == "raw":
+                completions = [side[0]["content"] for side in (chosen, rejected)]
+                wholes = chat.tokenize_text(tokenizer, prompt[0]["content"], completions)
+            else:
+                self._check_has_template(template, f"{source} {place}")
+                wholes = []
+                for completion in (chosen, rejected):
+                    try:
+                        wholes.append(
+                            chat.tokenize_conversation(
+                                tokenizer,
+                                template,
+                                prompt + completion,
+                                tools=tools,
+                                label_from=len(prompt),
+                            )
+                        )
+                    except (chat.TemplateMismatch, chat.RowError) as err:
+                        raise chat.refusal(err, f"{source} {place}") from None
+            sides = [chat.fit_length(w, self.max_seq_length, self.truncation) for w in wholes]
             if None in sides:
                 continue
             for side, fitted in zip(SIDES, sides, strict=True):

@@ -29,14 +29,13 @@ from transformers import (
 )
 
 from recipes import data as data_lib
+from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks.base import (
     Task,
     TaskData,
-    complete_each,
-    model_for_generation,
     write_jsonl,
 )
 
@@ -320,14 +319,14 @@ class CausalLanguageModeling(LanguageModeling):
     ) -> dict[str, Any]:
         """``generations.jsonl``: each prompt and its continuation (greedy, or sampled with
         ``generation.do_sample``), prompt and continuation within ``block_size`` tokens."""
-        answers = complete_each(
+        answers = generation_lib.complete(
             model,
             [tokenizer(text)["input_ids"] for text in data.prompts],
             tokenizer,
-            accelerator,
             generation,
             generation.max_new_tokens or self.sample_max_new_tokens,
-            self.block_size,
+            max_length=self.block_size,
+            accelerator=accelerator,
         )
         if accelerator.is_main_process:
             records = (
@@ -349,20 +348,20 @@ class CausalLanguageModeling(LanguageModeling):
         """A greedy continuation of ``sample_prompt``, so a person sees what the model learnt."""
         if not self.sample_prompt:
             return {}
-        unwrapped = model_for_generation(model, accelerator, "greedy sample")
-        if unwrapped is None:
-            return {}
-        prompt = tokenizer(self.sample_prompt, return_tensors="pt").to(accelerator.device)
-        generated = unwrapped.generate(
-            **prompt,
-            max_new_tokens=self.sample_max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
+        ids = tokenizer(self.sample_prompt)["input_ids"]
+        (continuation,) = generation_lib.complete_ids(
+            model,
+            [ids],
+            tokenizer,
+            GenerationConfig(),
+            self.sample_max_new_tokens,
+            accelerator=accelerator,
         )
-        unwrapped.train()
-        text = tokenizer.decode(generated[0], skip_special_tokens=True)
+        model.train()
+        text = tokenizer.decode(ids + continuation, skip_special_tokens=True)
         log.info("greedy sample after training:\n%s", text)
-        (output_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
+        if accelerator.is_main_process:
+            (output_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
         return {"sample/text": text}
 
 

@@ -14,7 +14,6 @@ is written into the model's generation config, so ``final/`` reproduces it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
 
 from recipes import data as data_lib
+from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
@@ -139,7 +139,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
         self.max_seq_length = max_source_length  # trainer.padding=max_length's length
         self.max_target_length = max_target_length
         self.eval_max_target_length = eval_max_target_length
-        self.generation = _generation_config(generation)
+        self.generation = generation_lib.typed(generation)
 
     @property
     def terms_per_example(self) -> int:
@@ -349,6 +349,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
         batch: Mapping[str, torch.Tensor],
         accelerator: Accelerator,
         encoded: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generated token ids of a batch (decoder start token included), on every process;
         padded across processes so that they can be gathered. ``encoded``: the encoder's
@@ -357,17 +358,32 @@ class SequenceToSequence(Task[Seq2SeqData]):
         unwrapped = accelerator.unwrap_model(model)
         sharded = accelerator.distributed_type == DistributedType.FSDP
         reuse = {} if encoded is None else {"encoder_outputs": BaseModelOutput(encoded)}
-        with _root_gathered(model, unwrapped) if sharded else contextlib.nullcontext():
-            generated = unwrapped.generate(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
+        with generation_lib.whole_root(model, unwrapped) if sharded else contextlib.nullcontext():
+            generated = generation_lib.generate(
+                unwrapped,
+                batch["input_ids"],
+                batch["attention_mask"],
                 **reuse,
-                use_cache=True,
+                **self._row_sampling(unwrapped, rows),
                 # Every rank steps until all are done: a sharded model's forward is collective.
                 synced_gpus=sharded,
             )
         pad = _base_model(unwrapped).generation_config.pad_token_id
         return accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
+
+    @staticmethod
+    def _row_sampling(model: torch.nn.Module, rows: torch.Tensor | None) -> dict[str, Any]:
+        """Sampled decoding (the generation config's do_sample): each row's tokens drawn from
+        its own stream, seeded by its row number, whichever batch and process it falls in."""
+        config = _base_model(model).generation_config
+        if not config.do_sample or rows is None or (config.num_beams or 1) > 1:
+            return {}  # greedy or beam search; beam sampling is transformers' own
+        sampled = GenerationConfig(
+            do_sample=True, temperature=config.temperature or 1.0, top_p=config.top_p or 1.0
+        )
+        seed = torch.initial_seed()
+        streams = [generation_lib.row_stream(seed, row) for row in rows.tolist()]
+        return generation_lib.sample_rows(model, streams, sampled)
 
     @torch.no_grad()
     def _generated_texts(
@@ -404,7 +420,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
                 summed[:, 1] = (labels != IGNORE_INDEX).sum(1).double()
                 encoded = out.encoder_last_hidden_state
             started = time.perf_counter()
-            generated = self._generate(model, batch, accelerator, encoded)
+            generated = self._generate(model, batch, accelerator, encoded, row)
             generate_s += time.perf_counter() - started
             row, generated, summed = accelerator.gather_for_metrics((row, generated, summed))
             totals[:2] += summed.sum(0)
@@ -489,7 +505,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
         """``predictions.jsonl``: per row (in file order) its id and the generated text, decoded
         as the evaluation decodes (the model's generation config; ``generation.*`` set on the
         command line wins)."""
-        self._set_generation(accelerator.unwrap_model(model), _generation_config(generation))
+        self._set_generation(accelerator.unwrap_model(model), generation_lib.typed(generation))
         texts, _ = self._generated_texts(model, tokenizer, loader, accelerator, False)
         if accelerator.is_main_process:
             write_jsonl(
@@ -500,47 +516,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def _generation_config(value: Mapping[str, Any] | GenerationConfig | None) -> GenerationConfig:
-    """The run's ``generation.*`` (task.generation: ${generation}) as its typed view."""
-    if value is None:
-        return GenerationConfig()
-    if isinstance(value, GenerationConfig):
-        return value
-    names = {f.name for f in dataclasses.fields(GenerationConfig)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ConfigError(
-            f"task.generation: unknown key(s) {', '.join(unknown)} (it takes "
-            f"{', '.join(sorted(names))}, the run's generation.*)."
-        )
-    gen = GenerationConfig(**{k: value[k] for k in value})
-    if gen.num_beams is not None and gen.num_beams < 1:
-        raise ConfigError(f"generation.num_beams={gen.num_beams}: must be >= 1, or null.")
-    if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
-        raise ConfigError(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
-    return gen
-
-
-def _root_gathered(
-    model: torch.nn.Module, unwrapped: torch.nn.Module
-) -> contextlib.AbstractContextManager:
-    """Under FSDP: the root's own parameters (the shared embeddings, the final norms) whole
-    while ``generate`` runs, which calls the encoder and decoder rather than the root's forward
-    (whose hooks gather them); the layers each FSDP unit wraps gather their shards as usual."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if isinstance(model, FullyShardedDataParallel):  # FSDP1: a wrapper around the model
-        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)
-    try:  # FSDP2: the model itself; generate runs the root's gathering hooks
-        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-    except ImportError:
-        return contextlib.nullcontext()
-    if isinstance(unwrapped, FSDPModule) and not getattr(unwrapped, "_generate_gathers", False):
-        register_fsdp_forward_method(unwrapped, "generate")
-        unwrapped._generate_gathers = True
-    return contextlib.nullcontext()
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,6 +22,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
+from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
@@ -31,16 +32,13 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
     TaskData,
-    complete,
-    complete_each,
-    model_for_generation,
     write_jsonl,
 )
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 2  # bump when feature building changes, to invalidate cached features
+FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
 
 
 @dataclass
@@ -55,14 +53,18 @@ class SupervisedFineTuning(Task[ChatData]):
     """Chat SFT (``task=sft``).
 
     Args:
-        format: layout of the rows: auto (detected per row), messages, sharegpt, alpaca, dolly.
+        format: layout of the rows: auto (detected per row), messages, sharegpt, alpaca, dolly,
+            prompt_completion.
         chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
+        text_rows: plain-string prompt/completion rows as chat turns (chat) or as text, the way
+            TRL tokenizes them (raw).
         max_seq_length: tokens per conversation (and per packed row).
         truncation: truncate (cut the end) or drop conversations longer than max_seq_length.
         train_on_prompt: label every token, not only the assistant's.
         packing: share rows between conversations (training split only).
         num_generations: held-out prompts answered greedily after training (0: none).
         generation_max_new_tokens: length limit of those answers.
+        generation: the run's ``generation.*`` (``generation.batch_size`` for those answers).
     """
 
     auto_model_class = AutoModelForCausalLM
@@ -82,7 +84,14 @@ class SupervisedFineTuning(Task[ChatData]):
         packing: bool,
         num_generations: int,
         generation_max_new_tokens: int,
+        generation: Mapping[str, Any] | GenerationConfig | None,
+        text_rows: str,
     ) -> None:
+        if text_rows not in chat.TEXT_ROWS:
+            raise ConfigError(
+                f"task.text_rows={text_rows!r}: choose chat (plain-string rows as a user turn and "
+                "an assistant reply, rendered with the chat template) or raw (as text, as TRL)."
+            )
         if format not in chat.FORMATS:
             raise ConfigError(f"task.format={format!r}: choose {', '.join(chat.FORMATS)}.")
         if truncation not in chat.TRUNCATION:
@@ -102,16 +111,21 @@ class SupervisedFineTuning(Task[ChatData]):
         self.packing = packing
         self.num_generations = num_generations
         self.generation_max_new_tokens = generation_max_new_tokens
+        self.generation = generation_lib.typed(generation)
+        self.text_rows = text_rows
         self._attn = "sdpa"  # the model's attention implementation, read in check_model
 
     def settings(self) -> dict[str, Any]:
         keys = ("format", "chat_template", "max_seq_length", "truncation", "train_on_prompt")
-        return {k: getattr(self, k) for k in keys} | {"packing": self.packing}
+        return {k: getattr(self, k) for k in keys} | {
+            "packing": self.packing,
+            "text_rows": self.text_rows,
+        }
 
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        template = self._template(tokenizer)
         new_tokens = _add_template_tokens(tokenizer, self.chat_template)
         tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
         splits = data_lib.load_splits(cfg, lambda path: chat.read_conversations(path, self.format))
@@ -131,10 +145,19 @@ class SupervisedFineTuning(Task[ChatData]):
             train_collator=collator,
             eval_collator=collator,
             template=template,
-            prompts=_held_out_prompts(conversations["eval"], self.num_generations),
+            prompts=_answerable(
+                _held_out_prompts(conversations["eval"], self.num_generations), template
+            ),
             new_tokens=new_tokens,
             stop_tokens=_end_of_turn(tokenizer, template),
         )
+
+    def _template(self, tokenizer: PreTrainedTokenizerBase) -> str | None:
+        """The chat template; with ``text_rows=raw`` and none to be had (a base model), None:
+        plain-text rows need none, and a row of messages is refused when it is met."""
+        if self.text_rows == "raw" and not self.chat_template and not tokenizer.chat_template:
+            return None
+        return chat.resolve_chat_template(tokenizer, self.chat_template)
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
         """The prompts of ``data.predict_file``: conversations (any layout training reads, the
@@ -179,14 +202,14 @@ class SupervisedFineTuning(Task[ChatData]):
             chat.render(tokenizer, data.template, p["messages"], True, p["tools"])
             for p in data.prompts
         ]
-        answers = complete_each(
+        answers = generation_lib.complete(
             model,
             prompts,
             tokenizer,
-            accelerator,
             generation,
             generation.max_new_tokens or self.generation_max_new_tokens,
-            self.max_seq_length,
+            max_length=self.max_seq_length,
+            accelerator=accelerator,
         )
         if accelerator.is_main_process:
             records = (
@@ -208,8 +231,10 @@ class SupervisedFineTuning(Task[ChatData]):
     ) -> Dataset:
         """Token ids and labels of each conversation, length policy applied (cached on disk)."""
         first = conversations[0]
-        where = f"{split.source} {first['place']}"
-        chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
+        if not (first["text"] and self.text_rows == "raw"):
+            where = f"{split.source} {first['place']}"
+            self._check_has_template(template, where)
+            chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
         _, built = self._tokenized(
             cfg, tokenizer, template, role, split, conversations, "sft", FEATURES_VERSION
         )
@@ -266,20 +291,33 @@ class SupervisedFineTuning(Task[ChatData]):
         source: str,
     ) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "cut": []}
-        rows = zip(batch["messages"], batch["tools"], batch["place"], strict=True)
-        for messages, tools, place in rows:
-            try:
-                whole = chat.tokenize_conversation(
-                    tokenizer, template, messages, self.train_on_prompt, tools
-                )
-            except (chat.TemplateMismatch, chat.RowError) as err:
-                raise chat.refusal(err, f"{source} {place}") from None
+        names = ("messages", "tools", "prompt_turns", "text", "place")
+        for messages, tools, turns, text, place in zip(*(batch[k] for k in names), strict=True):
+            if text and self.text_rows == "raw":
+                prompt, completion = (m["content"] for m in messages)
+                whole = chat.tokenize_text(tokenizer, prompt, [completion], self.train_on_prompt)[0]
+            else:
+                self._check_has_template(template, f"{source} {place}")
+                try:
+                    whole = chat.tokenize_conversation(
+                        tokenizer, template, messages, self.train_on_prompt, tools, turns
+                    )
+                except (chat.TemplateMismatch, chat.RowError) as err:
+                    raise chat.refusal(err, f"{source} {place}") from None
             fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
             if fitted is not None:
                 out["input_ids"].append(fitted["input_ids"])
                 out["labels"].append(fitted["labels"])
                 out["cut"].append(len(fitted["input_ids"]) < len(whole["input_ids"]))
         return out
+
+    def _check_has_template(self, template: str | None, place: str) -> None:
+        if template is None:
+            raise ConfigError(
+                f"{place} holds messages, which need a chat template, and the tokenizer has none "
+                "(task.text_rows=raw reads only plain-string rows without one); name one with "
+                f"task.chat_template={'|'.join(chat.CHAT_TEMPLATES)} or a Jinja file."
+            )
 
     def _report(self, role: str, conversations: Dataset, built: Dataset) -> None:
         dropped = len(conversations) - len(built)
@@ -386,7 +424,6 @@ class SupervisedFineTuning(Task[ChatData]):
 
     # -------------------------------------------------------------------------- generation
 
-    @torch.no_grad()
     def after_training(
         self,
         model: torch.nn.Module,
@@ -395,17 +432,31 @@ class SupervisedFineTuning(Task[ChatData]):
         accelerator: Accelerator,
         output_dir: Path,
     ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts, in ``generations.jsonl`` and the log."""
+        """Greedy answers to held-out prompts, in ``generations.jsonl`` and the log (batched,
+        every process answering its share)."""
         if not data.prompts:
             return {}
-        unwrapped = model_for_generation(model, accelerator, "greedy answers")
-        if unwrapped is None:
-            return {}
-        records = [self._answer(unwrapped, tokenizer, data.template, p) for p in data.prompts]
-        unwrapped.train()
-        with (output_dir / "generations.jsonl").open("w", encoding="utf-8") as out:
-            for record in records:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        prompts = [
+            chat.render(tokenizer, data.template, p["messages"], True, p["tools"])
+            for p in data.prompts
+        ]
+        greedy = GenerationConfig(batch_size=self.generation.batch_size)
+        answers = generation_lib.complete(
+            model,
+            prompts,
+            tokenizer,
+            greedy,
+            self.generation_max_new_tokens,
+            max_length=self.max_seq_length,
+            accelerator=accelerator,
+        )
+        model.train()
+        records = [
+            {"messages": p["messages"], "reference": p["reference"], "generated": answer}
+            for p, answer in zip(data.prompts, answers, strict=True)
+        ]
+        if accelerator.is_main_process:
+            write_jsonl(output_dir / "generations.jsonl", records)
         for record in records[:4]:
             log.info("greedy answer: %r (reference %r)", record["generated"], record["reference"])
         scores = generation_scores(records)
@@ -416,20 +467,6 @@ class SupervisedFineTuning(Task[ChatData]):
             scores["generation/f1"],
         )
         return {**scores, "sample/generations": json.dumps(records[:16], ensure_ascii=False)}
-
-    def _answer(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        template: str | None,
-        prompt: dict[str, Any],
-    ) -> dict[str, Any]:
-        ids = chat.render(tokenizer, template, prompt["messages"], True, prompt["tools"])
-        greedy = GenerationConfig()
-        text = complete(
-            model, ids, tokenizer, greedy, self.generation_max_new_tokens, self.max_seq_length
-        )
-        return {"messages": prompt["messages"], "reference": prompt["reference"], "generated": text}
 
 
 def generation_scores(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -487,15 +524,29 @@ def _add_template_tokens(tokenizer: PreTrainedTokenizerBase, choice: str | None)
     return ids
 
 
-def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[int]:
     """The special token that ends an assistant turn under ``template`` (the last labelled token
-    of a probe conversation's reply), if it is a special token; [] otherwise."""
+    of a probe conversation's reply that is not whitespace: a template's markers may wrap the
+    newline after it), if it is a special token; [] otherwise, and without a template."""
+    if template is None:
+        return []
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     labels = chat.tokenize_conversation(tokenizer, template, probe)["labels"]
     labelled = [t for t in labels if t != chat.IGNORE_INDEX]
+    while labelled and not tokenizer.decode(labelled[-1]).strip():
+        labelled.pop()
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     return [labelled[-1]] if labelled and labelled[-1] in special else []
+
+
+def _answerable(prompts: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """Held-out prompts to answer after training: none without a chat template to render them
+    with (plain-text rows on a base model, task.text_rows=raw)."""
+    if prompts and template is None:
+        log.info("no held-out answers after training: there is no chat template to ask with")
+        return []
+    return prompts
 
 
 def _held_out_prompts(conversations: Dataset, count: int) -> list[dict[str, Any]]:

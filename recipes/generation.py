@@ -1,0 +1,377 @@
+"""Batched generation: the one path that turns prompts into completions.
+
+It serves ``mode=predict`` of the language-model tasks, SFT's and DPO's answers after training,
+``python -m recipes.chat`` and the sequence-to-sequence evaluation (through :func:`generate`).
+
+- **Batches.** Prompts are sorted by length (longest first, so a batch that does not fit shows at
+  once) and cut into batches of ``generation.batch_size``; decoder-only models get them padded on
+  the left, with the attention mask, so every row's next token sits in the last column. One
+  ``model.generate`` call per batch, with its KV cache; each row stops at its own stop token (the
+  model's ``generation_config.eos_token_id``, which holds the chat template's end of turn) and at
+  its own length limit. Completions come back in the prompts' order.
+- **Processes.** The batches are dealt out in turn, so each process generates its share, and the
+  texts are gathered on every process. A sharded (FSDP) model steps every process together
+  (``synced_gpus``): each process runs as many batches as the busiest one.
+- **Sampling** (``generation.do_sample=true``) draws row ``i``'s tokens from its own random stream,
+  seeded with ``seed + i``, on the CPU. transformers' ``generate`` draws from the one global
+  stream, so the tokens a row gets would depend on which rows share its batch, on the batch size
+  and on the number of processes; here they depend on none of them, and a row sampled in a batch
+  equals the row sampled alone. The sampling itself is transformers' own warpers (temperature,
+  then the model's ``top_k`` (50 when unset), then ``top_p``), in transformers' order.
+
+Greedy answers equal one-prompt-at-a-time generation token for token in fp32
+(``tests/test_generation.py``); in bf16 the padded batch may round differently, as with any batched
+decoding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from recipes.config import ConfigError, GenerationConfig
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+# transformers' sampling default for top_k when neither the call nor the model's
+# generation_config sets it (GenerationConfig's documented default in 4.x and 5.x).
+DEFAULT_TOP_K = 50
+
+
+@dataclass
+class Prompt:
+    """One prompt ready to generate from: its place in the input, its token ids (cut to fit),
+    and how many new tokens it may have."""
+
+    index: int
+    ids: list[int]
+    max_new_tokens: int
+
+
+def complete(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    max_new_tokens: int,
+    **options: Any,
+) -> list[str]:
+    """The completion of each prompt (token ids), decoded without special tokens: the texts of
+    :func:`complete_ids` (which takes the same arguments)."""
+    return [
+        tokenizer.decode(new, skip_special_tokens=True)
+        for new in complete_ids(model, prompts, tokenizer, generation, max_new_tokens, **options)
+    ]
+
+
+def complete_ids(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    max_new_tokens: int,
+    *,
+    max_length: int | None = None,
+    accelerator: Accelerator | None = None,
+    seed: int | None = None,
+    streams: Sequence[torch.Generator] | None = None,
+) -> list[list[int]]:
+    """The new token ids of each prompt (token ids), greedy or sampled as ``generation`` says,
+    in the prompts' order, up to and with the first stop token.
+
+    ``model`` is the model as prepared (for FSDP) or plain; ``accelerator``: share the prompts
+    between its processes (None: this process generates them all). ``max_length`` caps prompt +
+    answer of a decoder-only model (the length it trained on): a longer prompt keeps its end.
+    ``seed``: the sampled rows' base seed (None: the run's, ``torch.initial_seed()``);
+    ``streams``: each prompt's own CPU generator instead (a conversation that goes on drawing
+    from one)."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator else model
+    _check_decoding(unwrapped, tokenizer, generation)
+    if getattr(unwrapped.config, "is_encoder_decoder", False):
+        max_length = None  # the source is the encoder's: no shared length with the answer
+    rows = _fit(prompts, max_new_tokens, max_length)
+    if not rows:
+        return []
+    order = sorted(rows, key=lambda row: (-len(row.ids), row.index))
+    batches = _batches(order, max(1, generation.batch_size), max_length)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    sharded = accelerator is not None and _sharded(accelerator)
+    mine = batches[rank::world]
+    steps = len(batches[0::world]) if sharded else len(mine)  # the busiest process's count
+    device = accelerator.device if accelerator else _device(unwrapped)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    base_seed = torch.initial_seed() if seed is None else seed
+    done: list[tuple[int, list[int]]] = []
+    with whole_root(model, unwrapped) if sharded else contextlib.nullcontext():
+        for step in range(steps):
+            # A sharded model's processes run the same number of generate calls: one with
+            # fewer batches repeats its last, and drops what it gives.
+            batch = mine[min(step, len(mine) - 1)] if mine else batches[0]
+            new = _generate_batch(
+                unwrapped,
+                batch,
+                tokenizer,
+                generation,
+                device,
+                synced=sharded,
+                streams=[
+                    streams[row.index] if streams else row_stream(base_seed, row.index)
+                    for row in batch
+                ],
+            )
+            if step < len(mine):
+                done.extend(zip((row.index for row in batch), new, strict=True))
+    unwrapped.train(was_training)
+    if accelerator is not None and world > 1:
+        from accelerate.utils import gather_object
+
+        done = gather_object(done)
+    by_index = dict(done)
+    return [by_index[row.index] for row in rows]
+
+
+def _check_decoding(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig
+) -> None:
+    beams = generation.num_beams or getattr(model.generation_config, "num_beams", 1) or 1
+    if generation.do_sample and beams > 1:
+        raise ConfigError(
+            f"generation.do_sample=true with beam search ({beams} beams, from "
+            f"{'generation.num_beams' if generation.num_beams else 'the model generation_config'}"
+            "): sampling draws each prompt's answer from its own stream, one answer per prompt; "
+            "set generation.num_beams=1, or leave generation.do_sample=false for beam search."
+        )
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"model.name_or_path: the tokenizer of {tokenizer.name_or_path} has neither a pad "
+            "nor an EOS token, so prompts of different lengths cannot share a batch; give it "
+            "a pad token (tokenizer.pad_token) or set generation.batch_size=1."
+        )
+
+
+def _batches(order: list[Prompt], size: int, max_length: int | None) -> list[list[Prompt]]:
+    """``order`` (longest first) cut into batches of at most ``size``; with ``max_length``, a
+    batch also ends where its longest prompt plus its largest answer limit would not fit (the
+    batch generates the largest limit for every row, and a cut prompt has room for few)."""
+    batches: list[list[Prompt]] = []
+    for row in order:
+        current = batches[-1] if batches else []
+        fits = max_length is None or (
+            current
+            and len(current[0].ids) + max(row.max_new_tokens, *(r.max_new_tokens for r in current))
+            <= max_length
+        )
+        if current and len(current) < size and fits:
+            current.append(row)
+        else:
+            batches.append([row])
+    return batches
+
+
+def typed(value: Mapping[str, Any] | GenerationConfig | None) -> GenerationConfig:
+    """The run's ``generation.*`` (task.generation: ${generation}) as its typed view."""
+    if value is None:
+        return GenerationConfig()
+    if isinstance(value, GenerationConfig):
+        return value
+    names = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(
+            f"task.generation: unknown key(s) {', '.join(unknown)} (it takes "
+            f"{', '.join(sorted(names))}, the run's generation.*)."
+        )
+    gen = GenerationConfig(**{k: value[k] for k in value})
+    if gen.num_beams is not None and gen.num_beams < 1:
+        raise ConfigError(f"generation.num_beams={gen.num_beams}: must be >= 1, or null.")
+    if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
+        raise ConfigError(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
+    return gen
+
+
+def _fit(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, max_length: int | None
+) -> list[Prompt]:
+    rows = []
+    for index, ids in enumerate(prompts):
+        ids, limit = list(ids), max_new_tokens
+        if max_length is not None:
+            ids = ids[-(max_length - 1) :]  # room for at least one new token
+            limit = min(limit, max_length - len(ids))
+        rows.append(Prompt(index, ids, limit))
+    return rows
+
+
+@torch.no_grad()
+def _generate_batch(
+    model: torch.nn.Module,
+    batch: list[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    device: torch.device,
+    synced: bool,
+    streams: list[torch.Generator],
+) -> list[list[int]]:
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id
+    ids, mask = _padded([row.ids for row in batch], pad, left=not encoder_decoder)
+    sampled = sample_rows(model, streams, generation) if generation.do_sample else {}
+    generated = generate(
+        model,
+        ids.to(device),
+        mask.to(device),
+        max_new_tokens=max(row.max_new_tokens for row in batch),
+        pad_token_id=pad,
+        synced_gpus=synced,
+        **beam_search(generation),
+        **({"do_sample": False} | sampled),
+    )
+    start = 1 if encoder_decoder else ids.shape[1]  # the decoder start token / the prompt
+    stops = set(_ids(getattr(model.generation_config, "eos_token_id", None)))
+    answers = []
+    for r, row in enumerate(batch):
+        new = generated[r, start : start + row.max_new_tokens].tolist()
+        end = next((k + 1 for k, token in enumerate(new) if token in stops), len(new))
+        answers.append(new[:end])
+    return answers
+
+
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``model.generate`` on a padded batch, with the KV cache: the one call every generating
+    path makes (``kwargs``: transformers' generation arguments, which win over the model's
+    generation_config)."""
+    with torch.no_grad():
+        return model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs
+        )
+
+
+def row_stream(seed: int, row: int) -> torch.Generator:
+    """Row ``row``'s own sampling stream: a CPU generator seeded with ``seed + row``, the same
+    whichever batch and process the row falls in."""
+    return torch.Generator().manual_seed(seed + row)
+
+
+def sample_rows(
+    model: torch.nn.Module, streams: Sequence[torch.Generator], generation: GenerationConfig
+) -> dict[str, Any]:
+    """``generate()``'s arguments that sample row ``b`` of the batch from ``streams[b]``:
+    :class:`RowSampler` draws, and greedy search takes the one token it leaves."""
+    sampler = RowSampler(list(streams), _warpers(model, generation))
+    return {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
+
+
+class RowSampler(LogitsProcessor):
+    """Samples each row's next token from its own ``torch.Generator`` (on the CPU, so a seed
+    gives the same draw on every device) after transformers' warpers, and leaves that token as
+    the row's only choice, which greedy search then takes."""
+
+    def __init__(self, generators: list[torch.Generator], warpers: list[LogitsProcessor]) -> None:
+        self.generators = generators
+        self.warpers = warpers
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1).cpu()
+        picks = torch.cat(
+            [
+                torch.multinomial(probs[r], 1, generator=generator)
+                for r, generator in enumerate(self.generators)
+            ]
+        ).to(scores.device)
+        chosen = torch.full_like(scores, -float("inf"))
+        chosen.scatter_(1, picks.unsqueeze(1), 0.0)
+        return chosen
+
+
+def beam_search(generation: GenerationConfig) -> dict[str, Any]:
+    """``generate()``'s beam arguments that ``generation`` sets (unset: the model's own)."""
+    beams = {"num_beams": generation.num_beams, "length_penalty": generation.length_penalty}
+    return {key: value for key, value in beams.items() if value is not None}
+
+
+def _warpers(model: torch.nn.Module, generation: GenerationConfig) -> list[LogitsProcessor]:
+    """transformers' sampling warpers for ``generation`` (temperature, top_k, top_p, in the
+    order ``generate`` applies them); top_k is the model's generation_config's, as in
+    transformers."""
+    warpers: list[LogitsProcessor] = []
+    if generation.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(generation.temperature))
+    top_k = getattr(model.generation_config, "top_k", None)
+    top_k = DEFAULT_TOP_K if top_k is None else top_k
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if generation.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(generation.top_p))
+    return warpers
+
+
+def _padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[r, span] = torch.tensor(row, dtype=torch.long)
+        mask[r, span] = 1
+    return ids, mask
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sharded(accelerator: Accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def whole_root(
+    model: torch.nn.Module, unwrapped: torch.nn.Module
+) -> contextlib.AbstractContextManager:
+    """Under FSDP: the root's own parameters (the shared embeddings, the final norms) whole
+    while ``generate`` runs, which calls the model's parts rather than the root's forward
+    (whose hooks gather them); the layers each FSDP unit wraps gather their shards as usual."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: a wrapper around the model
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)
+    try:  # FSDP2: the model itself; generate runs the root's gathering hooks
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:
+        return contextlib.nullcontext()
+    if isinstance(unwrapped, FSDPModule) and not getattr(unwrapped, "_generate_gathers", False):
+        register_fsdp_forward_method(unwrapped, "generate")
+        unwrapped._generate_gathers = True
+    return contextlib.nullcontext()
