@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,10 +142,18 @@ def transformers_labels(tokenizer, template, messages, tools=None) -> list[int]:
     return [chat.IGNORE_INDEX, *labels[1:]]
 
 
+def unmarked(template: str) -> str:
+    """``template`` without its {% generation %} tags: the same text, labelled by our own rule."""
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
+
+
 def labelled_runs(tokenizer, template, messages, tools=None) -> list[str]:
-    """Our labels, checked against transformers' token for token, as decoded runs of text."""
-    features = chat.tokenize_conversation(tokenizer, template, messages, tools=tools)
+    """Our labels under the template without its markers (each reply and its end token), checked
+    token for token against transformers' mask of the marked template (which wraps just that),
+    and against ours under the markers; as decoded runs of text."""
+    features = chat.tokenize_conversation(tokenizer, unmarked(template), messages, tools=tools)
     assert features["labels"] == transformers_labels(tokenizer, template, messages, tools)
+    assert features == chat.tokenize_conversation(tokenizer, template, messages, tools=tools)
     runs, current = [], []
     for token, label in zip(features["input_ids"], features["labels"], strict=True):
         if label != chat.IGNORE_INDEX:

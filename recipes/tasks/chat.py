@@ -10,16 +10,32 @@ is given). Four layouts are read and normalised to it:
 * ``messages``: ``{"messages": [{"role", "content"}, ...]}`` (and ``tools``);
 * ``sharegpt``: ``{"conversations": [{"from", "value"}, ...]}``, ``from`` in human / gpt / system;
 * ``alpaca``: ``{"instruction", "input", "output"}`` (``input`` may be empty or absent);
-* ``dolly``: ``{"instruction", "context", "response"}`` (``context`` may be empty).
+* ``dolly``: ``{"instruction", "context", "response"}`` (``context`` may be empty);
+* ``prompt_completion``: TRL's ``{"prompt", "completion"}``, each a list of messages or text (the
+  prompt as one user turn, the completion as one assistant reply); only the completion's
+  assistant turns are labelled.
 
-Labels follow TRL's ``assistant_only_loss``: an assistant turn's tokens carry labels, *including*
-the template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, EOS), so the model learns to stop;
-template whitespace after that token is not labelled. Turn boundaries come from rendering the
-conversation prefix by prefix: where a prefix's tokens are a token prefix of the whole, its length
-is the boundary; where the tokenizer merges text across a boundary (a reply that starts with a
-newline), the boundary is the prefix's length in characters, mapped to tokens by their offsets as
-transformers maps a ``{% generation %}`` span. A template whose rendering of a prefix is not a
-*text* prefix of the whole is refused rather than mislabelled.
+An assistant message may carry its reasoning in ``reasoning_content`` (Qwen3, vLLM, DeepSeek),
+``reasoning`` or ``thinking``; it reaches the template as given.
+
+Which tokens get loss (docs/configuration.md, "Which tokens get loss"):
+
+* a template with ``{% generation %}`` markers: exactly the tokens transformers'
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks, which is what TRL's
+  ``assistant_only_loss`` trains on (every token overlapping a marked span, the template's
+  whitespace inside the markers included);
+* a template without markers: each assistant turn from the end of its generation prompt to its
+  end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, EOS) included, so the model learns to stop;
+  the template's whitespace after that token is not labelled, nor an empty reasoning block the
+  template writes before a reply that has none (Qwen3's ``<think>\n\n</think>\n\n``). The
+  conversation is rendered once, as at inference; a turn the template renders differently once
+  later turns follow (Qwen3 drops a past turn's reasoning) is context, not labelled: the model
+  never writes it that way. Turn boundaries come from rendering the conversation prefix by
+  prefix: where a prefix's tokens are a token prefix of the whole, its length is the boundary;
+  where the tokenizer merges text across a boundary (a reply that starts with a newline), the
+  boundary is placed by characters and mapped to tokens by their offsets, as transformers maps a
+  ``{% generation %}`` span. A template whose generation prompt is not a *text* prefix of the
+  whole is refused rather than mislabelled.
 
 Rows as users have them. TRL renders the whole row with the template and labels what
 ``return_assistant_tokens_mask`` marks; each kind is handled as that does, or refused by row:
@@ -47,6 +63,7 @@ Rows as users have them. TRL renders the whole row with the template and labels 
 from __future__ import annotations
 
 import json
+import re
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -62,12 +79,23 @@ from recipes.config import ConfigError, first_line
 from recipes.data import DataError
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
-FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly")
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly", "prompt_completion")
 TRUNCATION = ("truncate", "drop")
+# task.text_rows: rows whose prompt and replies are plain strings (TRL's "standard" rows), as
+# chat turns rendered with the template, or as text the way TRL tokenizes them.
+TEXT_ROWS = ("chat", "raw")
 ROLES = ("system", "user", "assistant", "tool")
-MESSAGE_FIELDS = ("tool_call_id", "name")  # kept on a message beside role, content, tool_calls
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # an assistant's reasoning
+# The row fields a template may read, as whole names (``enable_thinking`` is not ``thinking``).
+_FIELD_NAMES = re.compile(r"(?<!\w)(tool_calls|tools|reasoning_content|reasoning|thinking)(?!\w)")
+# Kept on a message beside role, content and tool_calls.
+MESSAGE_FIELDS = ("tool_call_id", "name", *REASONING_FIELDS)
 MEDIA_PARTS = ("image", "image_url", "input_image", "audio", "input_audio", "video", "file")
-COLUMNS = ("messages", "tools", "place")  # the conversations' dataset; place: "line 3", "row 7"
+# The conversations' dataset. prompt_turns: messages before the completion (prompt-completion
+# rows; 0: every assistant turn is learnt); text: the row was plain strings (TRL's standard
+# prompt-completion row); place: "line 3", "row 7".
+COLUMNS = ("messages", "tools", "prompt_turns", "text", "place")
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as TRL's has_generation_markers
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -120,6 +148,8 @@ def detect_format(row: Mapping[str, Any], prompt: bool = False) -> str | None:
         return "alpaca"
     if "instruction" in row and ("response" in row or prompt):
         return "dolly"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
     if prompt and "prompt" in row:
         return "prompt"
     return None
@@ -130,23 +160,62 @@ def to_messages(row: Mapping[str, Any], fmt: str = "auto", prompt: bool = False)
 
     ``prompt``: a row to answer (mode=predict), not to learn from: it needs a user turn, not an
     assistant's, and a final assistant turn, if any, is the reference answer."""
+    return to_conversation(row, fmt, prompt)[0]
+
+
+def to_conversation(
+    row: Mapping[str, Any], fmt: str = "auto", prompt: bool = False
+) -> tuple[list[Message], int, bool]:
+    """``row``'s checked messages (:func:`to_messages`), how many of them are the prompt of a
+    prompt-completion row (0 for a conversation), and whether the row was plain text."""
     layout = detect_format(row, prompt) if fmt == "auto" else fmt
     if layout is None:
         raise ValueError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
-            "conversations (ShareGPT), instruction/input/output (Alpaca) or "
-            "instruction/context/response (Dolly)" + (" or prompt" if prompt else "")
+            "conversations (ShareGPT), instruction/input/output (Alpaca), "
+            "instruction/context/response (Dolly) or prompt/completion"
+            + (" or prompt" if prompt else "")
         )
-    key = "messages" if layout in ("messages", "prompt") else "conversations"
-    messages = _NORMALISERS[layout](row, prompt)
+    if layout == "normalised":  # a row this module wrote: kept as it is
+        messages = _from_messages(row)
+        turns, text = int(row.get("prompt_turns") or 0), bool(row.get("text"))
+    elif layout == "prompt_completion":
+        asked = turns_of(row, "prompt", "user")
+        messages = asked + turns_of(row, "completion", "assistant")
+        turns = len(asked)
+        text = all(isinstance(row.get(k), str) for k in ("prompt", "completion"))
+    else:
+        messages, turns, text = _NORMALISERS[layout](row, prompt), 0, False
+    key = "conversations" if layout == "sharegpt" else "messages"
     if prompt:
         check_roles(messages, key)
         asked = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
         if not any(m["role"] == "user" for m in asked):
             raise ValueError(f"{key}: no user turn to answer (before a final assistant reply)")
+    elif turns:
+        check_roles(messages, "prompt")
+        completion = messages[turns:]
+        if completion[0]["role"] != "assistant" or not any(
+            m["role"] == "assistant" and has_reply(m) for m in completion
+        ):
+            raise ValueError(
+                "field 'completion' does not start with an assistant turn holding a reply "
+                "(text or tool calls), so nothing to learn"
+            )
     else:
         _check_messages(messages, key)
-    return messages
+    return messages, turns, text
+
+
+def turns_of(row: Mapping[str, Any], key: str, text_role: str | None) -> list[Message]:
+    """Field ``key`` as messages: text as one ``text_role`` turn, or a list of messages."""
+    value = row.get(key)
+    if isinstance(value, str) and text_role is not None:
+        return [{"role": text_role, "content": value}]
+    if not isinstance(value, list) or not value:
+        expected = "text or " if text_role else ""
+        raise ValueError(f"field {key!r} is {kind_of(value)}, not {expected}a list of messages")
+    return [parse_message(turn, f"{key}[{i}]") for i, turn in enumerate(value)]
 
 
 def _field(row: Mapping[str, Any], name: str, optional: bool = False) -> str:
@@ -314,7 +383,8 @@ def conversation_dataset(
 
     def convert(row: Mapping[str, Any]) -> tuple:
         tools = json_list(row.get("tools"), "field 'tools'", "JSON schemas")
-        return to_messages(row, fmt, prompt), tools
+        messages, turns, text = to_conversation(row, fmt, prompt)
+        return messages, tools, turns, text
 
     return rows_dataset(
         rows,
@@ -410,7 +480,7 @@ def normalise(dataset: Dataset, fmt: str, source: str, prompt: bool = False) -> 
     rows :func:`read_conversations` has normalised already keep their layout and place."""
     if tuple(dataset.column_names) == COLUMNS:
         rows = ((r["place"], r) for r in dataset)
-        return conversation_dataset(rows, "messages", source, prompt)
+        return conversation_dataset(rows, "normalised", source, prompt)
     rows = ((f"row {i}", r) for i, r in enumerate(dataset))
     return conversation_dataset(rows, fmt, source, prompt)
 
@@ -447,13 +517,25 @@ def render_text(
     tools: str | list | None = None,
 ) -> str:
     """``messages`` (as stored, or plain) rendered by ``template`` with the row's ``tools``."""
+    return _apply(tokenizer, template, messages, tools, add_generation_prompt=generation_prompt)
+
+
+def _apply(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    tools: str | list | None,
+    tokenize: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """transformers' ``apply_chat_template``, its template errors turned into our refusals."""
     try:
         return tokenizer.apply_chat_template(
             _for_template(messages),
             chat_template=template,
             tools=json.loads(tools) if isinstance(tools, str) else tools,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
+            tokenize=tokenize,
+            **kwargs,
         )
     except TemplateSyntaxError as err:
         raise TemplateMismatch(
@@ -476,6 +558,10 @@ def _for_template(messages: Sequence[Message]) -> list[dict[str, Any]]:
         plain = {k: v for k, v in message.items() if v is not None}
         if isinstance(plain.get("tool_calls"), str):
             plain["tool_calls"] = json.loads(plain["tool_calls"])
+        # Reasoning under every name templates read (transformers 5 aliases them; 4.x does not).
+        reasoning = next((plain[f] for f in REASONING_FIELDS if plain.get(f)), None)
+        if reasoning is not None:
+            plain |= dict.fromkeys(REASONING_FIELDS, reasoning)
         out.append(plain)
     return out
 
@@ -496,6 +582,11 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] if text else []
 
 
+def has_generation_markers(template: str) -> bool:
+    """Whether ``template`` marks the assistant's tokens with ``{% generation %}``."""
+    return GENERATION_TAG.search(template) is not None
+
+
 class TemplateMismatch(ValueError):
     """The chat template cannot be used for this data (a prefix rendered differently inside the
     whole conversation, tool calls it never renders); the message ends with the fix."""
@@ -512,8 +603,9 @@ def refusal(err: TemplateMismatch | RowError, place: str) -> ConfigError | DataE
     return DataError(f"{place}: {err}.")
 
 
-# Put in place of an opening assistant turn's content to find where that content starts:
-# transformers renders no empty conversation, so that turn has no prefix to render.
+# Put in place of an assistant turn's content to find where that content starts: transformers
+# renders no empty conversation, so an opening assistant turn has no prefix to render; and what
+# a template writes before a plain reply (Qwen3's empty think block) comes before it.
 CONTENT_MARKER = "<<sft-content-starts-here>>"
 
 
@@ -525,54 +617,193 @@ def tokenize_conversation(
     tools: str | list | None = None,
     label_from: int = 0,
 ) -> dict[str, list[int]]:
-    """``input_ids`` and ``labels`` of one conversation: assistant turns (with their end-of-turn
-    token) labelled, the rest -100 unless ``train_on_prompt``; with ``label_from``, only the
-    turns from that index on (a preference pair's completion, not its prompt's replies). The
-    first token never carries a label (nothing predicts it), so packed and unpacked sequences
-    score the same tokens."""
-    _check_tool_support(template, messages, tools)
-    text = render_text(tokenizer, template, messages, tools=tools)
-    ids = _encode(tokenizer, text)
-    labels = [IGNORE_INDEX] * len(ids)
-    offsets: list[tuple[int, int]] = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < label_from:
-            continue
-        head = _turn_head(tokenizer, template, messages, i, tools)
-        upto = render_text(tokenizer, template, messages[: i + 1], tools=tools)
-        _check_prefix(text, head, i, "the prompt of")
-        _check_prefix(text, upto, i, "the end of")
-        start, end = _token_prefix(tokenizer, ids, head), _token_prefix(tokenizer, ids, upto)
-        if start is not None and end is not None:
-            end = _strip_trailing_space(tokenizer, ids, start, end)
-        else:  # the tokenizer merged text across a boundary: place it by characters
-            offsets = offsets or _offsets(tokenizer, text, i)
-            reply = upto[len(head) :].rstrip()  # without the template's whitespace after it
-            start, end = _token_span(offsets, len(head), len(head) + len(reply))
-        labels[start:end] = ids[start:end]
+    """``input_ids`` and ``labels`` of one conversation: the assistant's tokens labelled (by the
+    template's ``{% generation %}`` markers where it has them, else each assistant turn with its
+    end-of-turn token), the rest -100 unless ``train_on_prompt``; with ``label_from``, only
+    from the turn of that index on (a completion, not its prompt's replies). The first token
+    never carries a label (nothing predicts it), so packed and unpacked sequences score the
+    same tokens."""
+    _check_template_reads(template, messages, tools)
+    if has_generation_markers(template):
+        ids, labels = _marked_labels(tokenizer, template, messages, tools, label_from)
+    else:
+        ids, labels = _turn_labels(tokenizer, template, messages, tools, label_from)
     if train_on_prompt:
         labels = list(ids)
     if labels:
         labels[0] = IGNORE_INDEX
+    if not train_on_prompt and all(label == IGNORE_INDEX for label in labels):
+        raise RowError(
+            "no assistant turn is labelled: "
+            + (
+                "the chat template's {% generation %} markers wrap none of its tokens; mark the "
+                "assistant's turns in the template"
+                if has_generation_markers(template)
+                else "the chat template renders every reply differently once later turns follow "
+                "(as Qwen3 drops a past turn's reasoning), so none is what the model writes; end "
+                "the conversation with the reply to learn, or use a template with {% generation "
+                "%} markers (TRL's training templates) to train on every turn"
+            )
+        )
     return {"input_ids": ids, "labels": labels}
 
 
-def _check_tool_support(template: str, messages: Sequence[Message], tools: Any) -> None:
-    """Refuse a template that never reads the row's tool calls or tools: the model would learn
-    tool-call turns without their calls (TRL trains on that silently)."""
-    missing = [
-        name
-        for name, used in (
-            ("tool_calls", any(m.get("tool_calls") for m in messages)),
-            ("tools", bool(tools)),
+def _marked_labels(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    tools: Any,
+    label_from: int,
+) -> tuple[list[int], list[int]]:
+    """Ids and labels from transformers' assistant mask; with ``label_from``, from where the
+    prompt's tokens (with the generation prompt) stop being a prefix, as TRL starts a completion."""
+    if not tokenizer.is_fast:
+        raise TemplateMismatch(
+            "the chat template marks the assistant's tokens with {% generation %}, which "
+            "transformers maps to tokens by character offsets, and this slow tokenizer has none; "
+            "use the model's fast tokenizer (tokenizer.json)"
         )
-        if used and name not in template
-    ]
+    out = _apply(
+        tokenizer,
+        template,
+        messages,
+        tools,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    start = 0
+    if label_from:
+        prompt = render(tokenizer, template, messages[:label_from], True, tools)
+        start = common_prefix_length(prompt, ids)
+    pairs = enumerate(zip(ids, mask, strict=True))
+    labels = [t if m and k >= start else IGNORE_INDEX for k, (t, m) in pairs]
+    return ids, labels
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _turn_labels(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    tools: Any,
+    label_from: int,
+) -> tuple[list[int], list[int]]:
+    """Ids and labels of a template without markers: each assistant turn (from ``label_from``)
+    rendered as the model writes it, with its end-of-turn token (see the module's docstring)."""
+    text = render_text(tokenizer, template, messages, tools=tools)
+    ids = _encode(tokenizer, text)
+    labels = [IGNORE_INDEX] * len(ids)
+    offsets: list[tuple[int, int]] = []
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= label_from]
+    for i in replies:
+        span = _reply_span(tokenizer, template, messages, i, tools, text, i == replies[-1])
+        if span is None:
+            continue  # rewritten once later turns follow: context, as the model sees it
+        head, end = span
+        start, stop = (
+            _token_prefix(tokenizer, ids, text[:head]),
+            _token_prefix(tokenizer, ids, text[:end]),
+        )
+        if start is None or stop is None:  # the tokenizer merged text across a boundary
+            offsets = offsets or _offsets(tokenizer, text, i)
+            start, stop = _token_span(offsets, head, end)
+        labels[start:stop] = ids[start:stop]
+    return ids, labels
+
+
+def _reply_span(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    turn: int,
+    tools: Any,
+    text: str,
+    last: bool,
+) -> tuple[int, int] | None:
+    """Characters of ``text`` (the whole conversation) to label for assistant turn ``turn``: from
+    the end of its generation prompt to its end-of-turn token, as the template renders the turn
+    when it is the last one (how the model writes it); None where ``text`` renders it otherwise
+    (a past turn: Qwen3.5's generation prompt opens a think block its past turns drop). The
+    ``last`` reply must follow its generation prompt: the template is refused otherwise."""
+    head = _turn_head(tokenizer, template, messages, turn, tools)
+    if not last and not text.startswith(head):
+        return None
+    _check_prefix(text, head, turn, "the prompt of")
+    alone = render_text(tokenizer, template, messages[: turn + 1], tools=tools)
+    _check_prefix(alone, head, turn, "the prompt of")
+    written = alone[len(head) :].rstrip()  # without the template's whitespace after the turn
+    inserted = _inserted_before_reply(tokenizer, template, messages, turn, tools, head, written)
+    rest = text[len(head) :]
+    if rest.startswith(written):
+        return len(head) + inserted, len(head) + len(written)
+    if inserted and rest.startswith(written[inserted:]):  # a past turn without that block
+        return len(head), len(head) + len(written) - inserted
+    message = messages[turn]
+    if any(message.get(f) for f in REASONING_FIELDS) or "<think>" in (message["content"] or ""):
+        return None  # its reasoning dropped once later turns follow: context
+    # Rewritten for another reason (Phi-3 ends the conversation with EOS, a Mistral template
+    # moves the system turn): the reply's tokens cannot be found; refused, not left unlabelled.
+    _check_prefix(rest, written, turn, "assistant")
+    return None
+
+
+def _inserted_before_reply(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: Sequence[Message],
+    turn: int,
+    tools: Any,
+    head: str,
+    written: str,
+) -> int:
+    """Characters the template writes between the generation prompt and a reply that has no
+    reasoning, when it writes any but whitespace (Qwen3's empty think block): the template's,
+    not the reply's, so not labelled."""
+    message = messages[turn]
+    content = message["content"] or ""
+    if turn == 0 or any(message.get(f) for f in REASONING_FIELDS):
+        return 0
+    if content and written.startswith(content):  # the reply comes first: nothing inserted
+        return 0
+    plain = {k: v for k, v in message.items() if k not in REASONING_FIELDS}
+    marked = render_text(
+        tokenizer, template, [*messages[:turn], {**plain, "content": CONTENT_MARKER}], tools=tools
+    )
+    if not marked.startswith(head) or CONTENT_MARKER not in marked:
+        return 0
+    before = marked[len(head) : marked.index(CONTENT_MARKER)]
+    return len(before) if before.strip() and written.startswith(before) else 0
+
+
+def _check_template_reads(template: str, messages: Sequence[Message], tools: Any) -> None:
+    """Refuse a template that never reads the row's tool calls, tools or reasoning: the model
+    would learn those turns without them (TRL trains on that silently)."""
+    used = {
+        "tool_calls": any(m.get("tool_calls") for m in messages),
+        "tools": bool(tools),
+        **{f: any(m.get(f) for m in messages) for f in REASONING_FIELDS},
+    }
+    named = set(_FIELD_NAMES.findall(template))
+    if named & set(REASONING_FIELDS):  # any of them: the row's reasoning goes by every name
+        named |= set(REASONING_FIELDS)
+    missing = [name for name, present in used.items() if present and name not in named]
+    reasoning_missing = [f for f in REASONING_FIELDS if f in missing]
+    if reasoning_missing:  # one name for the row's reasoning in the message
+        missing = [f for f in missing if f not in REASONING_FIELDS] + [reasoning_missing[0]]
     if missing:
         raise TemplateMismatch(
             f"the chat template never renders {' or '.join(missing)}, which this row has, so "
-            "tool-call turns would be learnt without their calls; use a template that takes "
-            "tools (the model's own, if it has one, or a Jinja file)"
+            "those turns would be learnt without it; use a template that takes it (the model's "
+            "own, if it has one, or a Jinja file)"
         )
 
 
@@ -603,7 +834,8 @@ def _check_prefix(text: str, part: str, turn: int, where: str) -> None:
         raise TemplateMismatch(
             f"the chat template renders {where} turn {turn} differently inside the whole "
             "conversation, so turn boundaries cannot be found from prefixes; use a template that "
-            "renders earlier turns the same whatever follows (e.g. task.chat_template=chatml)"
+            "renders earlier turns the same whatever follows (e.g. task.chat_template=chatml), "
+            "or one with {% generation %} markers"
         )
 
 
@@ -636,16 +868,30 @@ def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[i
     return first, last
 
 
-def _strip_trailing_space(
-    tokenizer: PreTrainedTokenizerBase, ids: list[int], start: int, end: int
-) -> int:
-    """``end`` moved back over whitespace-only tokens the template writes after a turn."""
-    special = set(tokenizer.all_special_ids)
-    while (
-        end > start and ids[end - 1] not in special and not tokenizer.decode(ids[end - 1]).strip()
-    ):
-        end -= 1
-    return end
+def tokenize_text(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    completions: Sequence[str],
+    train_on_prompt: bool = False,
+) -> list[dict[str, list[int]]]:
+    """Plain-text rows as TRL tokenizes them without a chat template (``task.text_rows=raw``):
+    per completion, the prompt and the completion (EOS appended where it lacks one) tokenized
+    as one text with the tokenizer's own special tokens (a BOS); labels from where the prompt's
+    tokens stop being a prefix of every side's, as TRL starts the completion."""
+    eos = tokenizer.eos_token or ""
+    prompt_ids = tokenizer(prompt, verbose=False)["input_ids"]
+    sides = [
+        tokenizer(prompt + c + ("" if c.endswith(eos) else eos), verbose=False)["input_ids"]
+        for c in completions
+    ]
+    start = min(common_prefix_length(prompt_ids, ids) for ids in sides)
+    out = []
+    for ids in sides:
+        labels = list(ids) if train_on_prompt else [IGNORE_INDEX] * start + list(ids[start:])
+        if labels:
+            labels[0] = IGNORE_INDEX
+        out.append({"input_ids": list(ids), "labels": labels})
+    return out
 
 
 def check_template(

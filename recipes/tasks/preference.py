@@ -8,7 +8,8 @@ default):
 * ``explicit``: TRL's ``{"prompt", "chosen", "rejected"}``. The prompt is text (one user turn) or
   a list of messages; each completion is text (one assistant turn) or a list of messages. A
   completion that repeats the prompt's messages first (UltraFeedback-binarized rows, whose
-  ``chosen`` is the whole conversation) has them taken off.
+  ``chosen`` is the whole conversation) has them taken off. A row of three strings (TRL's
+  standard row) is marked ``text``: ``task.text_rows=raw`` tokenizes it as TRL does, no template.
 * ``implicit``: ``{"chosen", "rejected"}``, two whole conversations sharing a prefix: the prompt
   is the messages they share (TRL's ``extract_prompt``), each completion the rest.
 * ``ultrafeedback``: raw UltraFeedback, ``{"instruction", "completions": [{"response",
@@ -37,7 +38,8 @@ from recipes.tasks.chat import Message
 log = get_logger(__name__)
 
 FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
-COLUMNS = ("prompt", "chosen", "rejected", "tools", "place")
+# text: the row was TRL's standard (plain-text) pair, prompt, chosen and rejected all strings.
+COLUMNS = ("prompt", "chosen", "rejected", "tools", "text", "place")
 
 
 def detect_format(row: Mapping[str, Any]) -> str | None:
@@ -72,9 +74,17 @@ def to_pair(
     return pair
 
 
+def is_text_pair(row: Mapping[str, Any], fmt: str = "auto") -> bool:
+    """Whether ``row`` is TRL's standard pair: prompt, chosen and rejected all plain strings."""
+    layout = detect_format(row) if fmt == "auto" else fmt
+    return layout == "explicit" and all(
+        isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")
+    )
+
+
 def _from_explicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    prompt = _turns(row, "prompt", "user")
-    chosen, rejected = (_turns(row, key, "assistant") for key in ("chosen", "rejected"))
+    prompt = chat.turns_of(row, "prompt", "user")
+    chosen, rejected = (chat.turns_of(row, key, "assistant") for key in ("chosen", "rejected"))
     return prompt, _after(prompt, chosen), _after(prompt, rejected)
 
 
@@ -86,7 +96,7 @@ def _after(prompt: list[Message], completion: list[Message]) -> list[Message]:
 
 
 def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    chosen, rejected = (_turns(row, key, None) for key in ("chosen", "rejected"))
+    chosen, rejected = (chat.turns_of(row, key, None) for key in ("chosen", "rejected"))
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
@@ -128,19 +138,6 @@ def _reply(text: str) -> Message:
     return {"role": "assistant", "content": text}
 
 
-def _turns(row: Mapping[str, Any], key: str, text_role: str | None) -> list[Message]:
-    """Field ``key`` as messages: text as one ``text_role`` turn, or a list of messages."""
-    value = row.get(key)
-    if isinstance(value, str) and text_role is not None:
-        return [{"role": text_role, "content": value}]
-    if not isinstance(value, list) or not value:
-        expected = "text or " if text_role else ""
-        raise ValueError(
-            f"field {key!r} is {chat.kind_of(value)}, not {expected}a list of messages"
-        )
-    return [chat.parse_message(turn, f"{key}[{i}]") for i, turn in enumerate(value)]
-
-
 def _check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
     for key, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         chat.check_roles(turns, key)
@@ -159,6 +156,8 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
     in one line, with its place and field."""
 
     ties = []
+    normalised = fmt == "normalised"  # rows this module wrote: explicit, keeping their text flag
+    fmt = "explicit" if normalised else fmt
 
     def convert(row: Mapping[str, Any]) -> tuple | None:
         pair = to_pair(row, fmt)
@@ -166,7 +165,7 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
         if pair is None:
             ties.append(row)
             return None
-        return (*pair, tools)
+        return (*pair, tools, bool(row.get("text")) if normalised else is_text_pair(row, fmt))
 
     pairs = chat.rows_dataset(
         rows,
@@ -191,5 +190,5 @@ def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
     """Rows read by ``datasets`` (parquet, a saved folder) as pairs, checked by row; rows
     :func:`read_pairs` read already keep their place."""
     if tuple(dataset.column_names) == COLUMNS:
-        return pair_dataset(((r["place"], r) for r in dataset), "explicit", source)
+        return pair_dataset(((r["place"], r) for r in dataset), "normalised", source)
     return pair_dataset(((f"row {i}", r) for i, r in enumerate(dataset)), fmt, source)
