@@ -15,10 +15,10 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from recipes import adapters, checkpoint, device, runs, tracking
+from recipes import adapters, checkpoint, device, runs, serving, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
 from recipes.faults import (
@@ -61,6 +61,9 @@ from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
 from recipes.tasks.base import SummedLoss, Task, TaskData
 from recipes.tracking import MetricsLogger
+
+if TYPE_CHECKING:
+    from recipes.benchmark import Benchmarks
 
 log = get_logger(__name__)
 
@@ -115,10 +118,13 @@ class Trainer:
         self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
         self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
+        self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
 
     def run(self) -> RunResult:
         if self.settings.mode == "predict":
             return self.predict_only()
+        if self.settings.mode == "benchmark":
+            return self.benchmark_only()
         self.setup()
         if self.settings.mode == "eval":
             return self.evaluate_only()
@@ -132,6 +138,7 @@ class Trainer:
         seed is set before the model's new head is initialised)."""
         self._setup_run_folder()
         self._setup_device()
+        self._setup_benchmarks()
         self._setup_model_and_data()
         self._setup_data_loaders()
         self._setup_optimizer()
@@ -167,6 +174,26 @@ class Trainer:
         self.tf32 = device.set_tf32(trainer_cfg.tf32)
         device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
         set_seed(trainer_cfg.seed)
+
+    def _setup_benchmarks(self) -> None:
+        """``trainer.benchmarks``, their names checked now: a misspelt task fails before
+        training, not after it."""
+        names = self.trainer_cfg.benchmarks
+        if names and self.settings.mode == "train":
+            from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
+
+            kind = self.task.auto_model_class.__name__
+            if kind not in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM"):
+                raise ConfigError(
+                    f"trainer.benchmarks={list(names)}: lm-eval scores language models, and "
+                    f"this task trains a {kind.removeprefix('AutoModelFor')} model; leave "
+                    "trainer.benchmarks empty for it (it is for task=clm, sft, dpo or seq2seq)."
+                )
+
+            folder = self.output_dir / FOLDER
+            self.benchmarks = Benchmarks(
+                names, self.settings.benchmark, folder, "trainer.benchmarks"
+            )
 
     def _setup_model_and_data(self) -> None:
         model_cfg = self.settings.model
@@ -346,9 +373,9 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.accelerator, self.output_dir, keep_until_step=keep_until_step
         )
-        self._start_trackers(resolved)
+        self._start_trackers(resolved, self.main_metric, self.task.greater_is_better)
 
-    def _start_trackers(self, resolved: Any) -> None:
+    def _start_trackers(self, resolved: Any, main_metric: str, greater_is_better: bool) -> None:
         accelerator = self.accelerator
         tags = tracking.run_tags(
             tracking.hydra_context().get("recipe"),
@@ -362,8 +389,8 @@ class Trainer:
             self.output_dir,
             resolved,
             tags,
-            self.main_metric,
-            self.task.greater_is_better,
+            main_metric,
+            greater_is_better,
         )
 
     @property
@@ -869,6 +896,49 @@ class Trainer:
         )
         return result
 
+    def benchmark_only(self) -> RunResult:
+        """``mode=benchmark``: lm-eval's ``benchmark.tasks`` on the model of
+        ``model.name_or_path`` (:mod:`recipes.benchmark`). No data is read and nothing trains."""
+        self._setup_run_folder()
+        self._setup_device()
+        settings, accelerator = self.settings, self.accelerator
+        from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
+
+        folder = self.output_dir / FOLDER
+        benchmarks = Benchmarks(
+            settings.benchmark.tasks, settings.benchmark, folder, "benchmark.tasks"
+        )
+        report = benchmarks.run(settings.model, accelerator)
+        result = RunResult(
+            output_dir=self.output_dir,
+            metrics=report.scores,
+            main_metric=report.main_metric or "",
+            greater_is_better=report.greater_is_better,
+        )
+        self.metrics = MetricsLogger(accelerator, self.output_dir)
+        resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        self._start_trackers(resolved, result.main_metric, result.greater_is_better)
+        self.metrics.log(report.scores, 0)
+        self.metrics.close()
+        tracking.finish_trackers(accelerator, settings.logger, report.scores)
+        if accelerator.is_main_process:
+            tracking.write_results(
+                self.output_dir,
+                {
+                    "mode": "benchmark",
+                    "model": settings.model.name_or_path,
+                    "tasks": settings.benchmark.tasks,
+                    "main_metric": result.main_metric,
+                    "main_value": result.main_value,
+                    "greater_is_better": result.greater_is_better,
+                    "metrics": report.scores,
+                    "lm_eval": report.results,
+                    "overrides": tracking.hydra_context().get("overrides", []),
+                },
+            )
+        log.info("benchmarked %s: %s", settings.model.name_or_path, _format_metrics(report.scores))
+        return result
+
     # ------------------------------------------------------------------------------- finish
 
     def finish(self, final: dict[str, float]) -> RunResult:
@@ -885,7 +955,12 @@ class Trainer:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
-            _save_final(accelerator, self.model, self.tokenizer, self.output_dir, *base)
+            final_dir = _save_final(accelerator, self.model, self.tokenizer, self.output_dir, *base)
+            if accelerator.is_main_process and getattr(self.data, "template", None):
+                serving.log_check(final_dir)  # a chat model: what vLLM would load
+        benchmarked = self._benchmark_final() if self.benchmarks else {}
+        if benchmarked:
+            self.metrics.log(benchmarked["benchmarks"], state.step)
         self.metrics.close()
         result = RunResult(
             output_dir=self.output_dir,
@@ -895,7 +970,7 @@ class Trainer:
         )
         tracking.finish_trackers(accelerator, self.settings.logger, final)
         if accelerator.is_main_process:
-            tracking.write_results(self.output_dir, result.as_dict(state))
+            tracking.write_results(self.output_dir, {**result.as_dict(state), **benchmarked})
             _plot(self.output_dir)
         log.info(
             "done: %d steps in %.1f s of training (%.3f s/step); %s",
@@ -905,6 +980,25 @@ class Trainer:
             _format_metrics(final) if final else "no evaluation",
         )
         return result
+
+    def _benchmark_final(self) -> dict[str, Any]:
+        """``trainer.benchmarks`` on ``final/`` as saved (a LoRA run's merged model), once the
+        training copy and its optimizer state are let go: the benchmark loads its own."""
+        self.model = self.optimizer = self.scheduler = None
+        self.accelerator.free_memory()
+        self.accelerator.wait_for_everyone()  # final/ is whole on every process's file system
+        final = replace(
+            self.settings.model,
+            name_or_path=str(self.output_dir / checkpoint.FINAL),
+            revision=None,
+            gguf_file=None,
+            attention_dropout=None,
+            config_overrides={},
+        )
+        assert self.benchmarks is not None
+        report = self.benchmarks.run(final, self.accelerator)
+        log.info("benchmarked final/: %s", _format_metrics(report.scores))
+        return {"benchmarks": report.scores, "lm_eval": report.results}
 
 
 class Stopwatch:
