@@ -180,12 +180,39 @@ def save_final(
     check_space(accelerator, output_dir, need, "the final model")
 
     def publish() -> None:
+        for folder in (tmp, tmp / "base"):  # the model, and a LoRA run's base written beside it
+            add_legacy_rope(folder)
         _fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync(output_dir)
 
     write_together(accelerator, tmp, lambda: write(tmp), publish, "the final model", need)
     return final
+
+
+# What transformers 4.x reads at the top of config.json; transformers 5 writes them only inside
+# ``rope_parameters``, and a 4.x reader (vLLM releases built on it, most MUSA images) then takes
+# the class's defaults: rope_theta 10000 for SmolLM2's 100000 or Llama 3's 500000, no scaling.
+LEGACY_ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+
+
+def add_legacy_rope(folder: Path) -> None:
+    """``folder/config.json`` with its ``rope_parameters`` also where transformers 4.x reads
+    them (``rope_theta``, ``partial_rotary_factor``, and ``rope_scaling`` for scaled RoPE), so
+    a model saved by transformers 5 loads the same in 4.x; transformers 5 reads either. A config
+    without them (written by 4.x), or with one per layer type, is left as it is."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope:
+        return
+    legacy = {k: rope[k] for k in LEGACY_ROPE_FIELDS if k in rope}
+    if rope["rope_type"] != "default":
+        legacy["rope_scaling"] = {k: v for k, v in rope.items() if k not in LEGACY_ROPE_FIELDS}
+    if any(config.get(k) != v for k, v in legacy.items()):
+        path.write_text(json.dumps({**config, **legacy}, indent=2, sort_keys=True) + "\n")
 
 
 def write_together(
