@@ -80,15 +80,18 @@ FEATURES_VERSION = 2
 #       -(1 - ls) * logsigmoid(z) - ls * logsigmoid(-z) + nll_weight * nll(chosen)
 #   (ls = label_smoothing, the conservative form, not robust DPO's; CPO's NLL is on the chosen
 #   completion's tokens only). TRL's cpo_alpha=1.0 default is CPO's behaviour-cloning term; pure
-#   SimPO (the SimPO paper; TRL's CPO docs: "AlphaPO ... sets loss_type='simpo' and
-#   cpo_alpha=0.0", "CPO-SimPO" being simpo with cpo_alpha > 0) has none, so task.nll_weight
-#   defaults to 0. The SimPO paper trains with beta ~2-2.5 and gamma/beta ~0.5; task.beta keeps
-#   TRL's 0.1 default for every loss.
+#   SimPO has none (the SimPO paper; TRL's docs/source/cpo_trainer.md: SimPO "does not use BC
+#   regularization ... loss_type="simpo" and cpo_alpha=0"; cpo_alpha > 0 is their "CPO-SimPO";
+#   cpo_config.py's alphapo also sets cpo_alpha=0.0), so task.nll_weight defaults to 0. The
+#   SimPO paper trains with beta ~2-2.5 and gamma/beta ~0.5; task.beta keeps TRL's 0.1 default
+#   for every loss.
 #
 # Where the project differs: TRL's NLL is one token-weighted mean over a micro-batch's chosen
 # rows, so its value depends on how pairs fall into micro-batches; here each pair's NLL is the
 # mean over its own tokens (one term per pair, SummedLoss), which equals TRL's for a batch of
-# one pair and keeps accumulation and process counts giving the full batch's mean.
+# one pair and keeps accumulation and process counts giving the full batch's mean. TRL's
+# logits/chosen and logits/rejected (the mean raw logit over every position and the vocabulary,
+# padding included) are not logged; its other metrics are, under its names.
 REFERENCE_FREE = ("orpo", "simpo")
 LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)
 SIDES = ("chosen", "rejected")
