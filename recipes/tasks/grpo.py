@@ -174,7 +174,7 @@ class GroupRelativePolicy(SupervisedFineTuning):
             (0 < top_p <= 1, f"task.top_p={top_p}: must be in (0, 1]."),
             (max_prompt_length >= 1, f"task.max_prompt_length={max_prompt_length}: must be >= 1."),
             (max_completion_length >= 1, f"task.max_completion_length={max_completion_length}: must be >= 1."),
-            (bool(rewards), "task.rewards is empty: name at least one reward function (docs/configuration.md#grpo)."),
+            (bool(rewards), "task.rewards is empty: name at least one reward function (docs/configuration.md#reinforcement-learning-with-verifiable-rewards-taskgrpo)."),
         )  # fmt: skip
         for ok, message in checks:
             if not ok:
