@@ -279,7 +279,7 @@ class Trainer:
             self.sampler = data_lib.RepeatedStepsSampler(
                 len(data.train), self.global_batch, self.collator.repeat_steps, trainer_cfg.seed
             )
-        if hasattr(self.collator, "seed"):  # a collator that seeds by the row (GRPO's sampling)
+        if getattr(self.collator, "seeds_by_row", False):  # GRPO's sampling seeds
             self.collator.seed = trainer_cfg.seed
         self.train_loader = DataLoader(
             data.train,
@@ -461,7 +461,9 @@ class Trainer:
         if state.steps_in_epoch >= self.steps_per_epoch:  # resumed at an epoch's last step
             state.epoch, state.steps_in_epoch = state.epoch + 1, 0
         self.train_loader.set_epoch(state.epoch)
-        if hasattr(self.collator, "epoch"):  # SeededCollator, GRPO's prompts
+        if isinstance(self.collator, SeededCollator) or getattr(
+            self.collator, "seeds_by_row", False
+        ):
             self.collator.epoch = state.epoch
         # The position in micro-batches of this process (also right when a resumed run reaches
         # the same global batch with other processes / accumulation settings).

@@ -38,8 +38,11 @@ RECIPES = (
     "llama_dpo",
 )
 # The recipes of the later tasks: on one card; two cards for one recipe of each task.
-ONE_CARD = (*RECIPES, "bert_ner", "bert_swag", "t5_summarization", "t5_translation", "t5_squad")
-TWO_CARDS = (*RECIPES, "bert_ner", "bert_swag", "t5_squad")
+ONE_CARD = (
+    *RECIPES,
+    *("bert_ner", "bert_swag", "t5_summarization", "t5_translation", "t5_squad", "llama_grpo"),
+)
+TWO_CARDS = (*RECIPES, "bert_ner", "bert_swag", "t5_squad", "llama_grpo")
 # Runs that also evaluate: a sequence-to-sequence evaluation generates (beam search, the KV
 # cache) on the card, and its texts must be the CPU's.
 EVALUATES = {

@@ -672,6 +672,8 @@ class PromptCollator:
     row's completions are sampled from (the run's seed, the epoch and the row, so neither the
     batch nor the process changes them). The loop sets ``epoch`` and ``seed``."""
 
+    seeds_by_row = True  # tells the loop to set seed and epoch
+
     def __init__(self, pad_token_id: int | None, repeat: int = 1) -> None:
         self.pad_token_id = 0 if pad_token_id is None else pad_token_id
         self.pad_to_multiple_of: int | None = None
