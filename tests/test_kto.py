@@ -222,6 +222,44 @@ def test_pairs_are_unpaired_and_text_rows_read():
     )
 
 
+def test_rows_read_by_datasets_are_checked_by_row():
+    """Parquet or a saved folder: rows ``datasets`` read, each checked and named by its row."""
+    from datasets import Dataset
+
+    rows = unpaired.normalise(Dataset.from_list(ROWS), "auto", "rows.parquet")
+    assert rows["label"] == [True, False] * 4
+    assert rows[1]["completion"] == ROWS[1]["completion"] and rows[1]["place"] == "row 1"
+    again = unpaired.normalise(rows, "auto", "cached")  # the module's own columns: kept
+    assert again["place"] == rows["place"] and again["prompt"] == rows["prompt"]
+    bad = Dataset.from_list([{**row, "label": "yes" if row["label"] else "no"} for row in ROWS])
+    with pytest.raises(
+        DataError, match=r"rows\.parquet: 8 row\(s\) .* row 0: field 'label' is str"
+    ):
+        unpaired.normalise(bad, "auto", "rows.parquet")
+
+
+def test_kl_is_averaged_over_processes_then_clamped():
+    """TRL gathers each process's micro-batch estimate, averages, then clamps at 0."""
+
+    class TwoProcesses:
+        num_processes = 2
+
+        def __init__(self, other: float) -> None:
+            self.other = other
+
+        def gather(self, value):
+            return torch.cat([value, torch.tensor([self.other])])
+
+    kto = make_task("kto")
+    policy = torch.tensor([[-5.0, -4.0], [-6.0, -6.0]])
+    reference = torch.tensor([[-5.0, -5.0], [-6.0, -6.0]])  # this process: KL 0.5
+    assert float(kto.batch_kl(policy, reference)) == pytest.approx(0.5)
+    assert float(kto.batch_kl(policy, reference, TwoProcesses(1.5))) == pytest.approx(1.0)
+    assert float(kto.batch_kl(policy, reference, TwoProcesses(-3.0))) == 0  # mean -1.25: clamped
+    apo = make_task("kto", loss_type="apo_zero_unpaired")
+    assert float(apo.batch_kl(policy, reference)) == 0
+
+
 def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_path):
     prompt = [{"role": "user", "content": "Where is Paris?"}]
     reply = [{"role": "assistant", "content": "In France."}]
