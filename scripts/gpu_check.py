@@ -33,7 +33,7 @@ rows still to run), ``logs.tar.gz`` (every process's full log and each row's run
 rewritten after every row). A run stopped at any point keeps what finished. A failed row quotes
 its real exception (the last line of the traceback; children run with HYDRA_FULL_ERROR=1).
 
-Time: each row has a cap (the plan prints them and their sum, 538 s; estimates until the first
+Time: each row has a cap (the plan prints them and their sum, 546 s; estimates until the first
 device run); a row may run over its cap by the time earlier rows left unused (at most its cap
 again), so the rows stay within the sum, to which each process's start-up, exit and restart
 are added; on a device no row starts after ``--deadline`` (540 s by default), so a run fits
@@ -79,6 +79,7 @@ RECIPES = (
     "gpt2_clm",
     "llama_clm",
     "llama_dpo",
+    "llama_kto",
     "llama_sft",
     "t5_squad",
     "t5_summarization",
@@ -251,7 +252,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             dry=(), launch_config=fsdp_config, distributed="FSDP",
         ),
     ]  # fmt: skip
-    smoke_caps = {"bert_glue": 12, "bert_squad": 15, "llama_sft": 13}
+    smoke_caps = {"bert_glue": 12, "bert_squad": 15, "llama_sft": 13, "llama_kto": 8}
     rows = [
         # Generous: every bert_large and llama135m row needs it.
         Row("setup/models", "setup", 40, "models", "random bert-large and SmolLM2-135M shapes"),

@@ -86,7 +86,9 @@ def test_plan_lists_every_recipe_and_row_kind_within_about_eight_minutes() -> No
     ):
         assert setting in plan, setting
     caps = float(re.search(r"caps sum to (\d+) s", plan).group(1))
-    assert 6 * 60 <= caps <= 9 * 60, caps
+    # 546 s since smoke/llama_kto (8 s: smoke/llama_dpo took 6 s on the H200); the --deadline
+    # (540 s) still keeps a run within one 600 s command.
+    assert 6 * 60 <= caps <= 9 * 60 + 10, caps
     # FSDP and batched generation are planned only when asked for (the budget has no room).
     optional = re.search(r"optional \(only with --only\): (.*)", plan).group(1).split(", ")
     assert {"micro/generate", "fsdp/llama_clm", "fsdp/llama_sft_lora"} <= set(optional)
