@@ -11,8 +11,9 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
   messages, or preference pairs unpaired as TRL unpairs them. Each row is rendered with the chat
   template as DPO renders a side and labelled on its completion only.
 * The reference, exactly as DPO's (:meth:`DirectPreference.before_training`): under LoRA the
-  model with its adapter disabled, else a frozen copy of the starting weights, or (``apo_zero_
-  unpaired`` only) its log-probabilities precomputed once.
+  model with its adapter disabled, else a frozen copy of the starting weights, or (for
+  ``apo_zero_unpaired`` only) its log-probabilities precomputed once. Its log lines read
+  "DPO reference" (they are DPO's).
 * The KL estimate (``loss_type=kto``): each row's prompt is paired with the completion of the
   row before it in the micro-batch, the first with the last's, as TRL's
   ``add_kl_completion_ids`` rotates completions by one within each batch:
@@ -42,7 +43,9 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
 Where this differs from TRL: TRL fixes the KL pairs when it prepares the data (chunks of
 ``per_device_train_batch_size`` in dataset order) and therefore trains in dataset order; here the
 pairs are made in the collator from each micro-batch as drawn, so the loader may shuffle, and
-the mismatched completions are always the batch's own (what TRL's comment asks for). In turn,
+the mismatched completions are always the batch's own (what TRL's comment asks for); in
+evaluation they are the evaluation batch's (TRL's come from chunks of the training batch size).
+In turn,
 reference log-probs of those pairs cannot be precomputed: ``precompute_reference`` is for
 ``apo_zero_unpaired``. Labels stop at the end-of-turn token, as SFT and DPO label them, where
 TRL labels everything after the prompt (the same tokens with a template that writes nothing
