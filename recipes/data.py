@@ -707,6 +707,31 @@ class EpochLengthGroupedSampler(Sampler[int]):
         return iter(torch.cat([*batches, *short]).tolist() if batches or short else [])
 
 
+class RepeatedStepsSampler(Sampler[int]):
+    """The epoch's random order (drawn from ``(seed, epoch)``, the same on every process and in a
+    resumed run), cut into optimizer steps of ``batch_size`` (the global batch), each step given
+    ``repeat`` times in a row: GRPO's ``num_iterations``, several optimizer steps on one
+    generation batch (TRL's ``RepeatSampler`` repeats its generation batches the same way). An
+    epoch is ``repeat`` times as many steps."""
+
+    def __init__(self, size: int, batch_size: int, repeat: int, seed: int) -> None:
+        self.size, self.batch_size, self.repeat, self.seed = size, batch_size, repeat, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size * self.repeat
+
+    def __iter__(self):
+        order = torch.randperm(
+            self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
+        steps = order.split(self.batch_size)
+        return iter([i for step in steps for _ in range(self.repeat) for i in step.tolist()])
+
+
 def length_pieces(lengths: Sequence[int], pieces: int) -> list[list[int]]:
     """Cut a batch into at most ``pieces`` groups of rows, each padded to its own longest, with
     the fewest padded tokens in all: the rows sorted longest first, then the cut points that

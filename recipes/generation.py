@@ -316,13 +316,15 @@ def beam_search(generation: GenerationConfig) -> dict[str, Any]:
 
 def _warpers(model: torch.nn.Module, generation: GenerationConfig) -> list[LogitsProcessor]:
     """transformers' sampling warpers for ``generation`` (temperature, top_k, top_p, in the
-    order ``generate`` applies them); top_k is the model's generation_config's, as in
-    transformers."""
+    order ``generate`` applies them); top_k, unless ``generation.top_k`` sets it, is the model's
+    generation_config's, as in transformers."""
     warpers: list[LogitsProcessor] = []
     if generation.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(generation.temperature))
-    top_k = getattr(model.generation_config, "top_k", None)
-    top_k = DEFAULT_TOP_K if top_k is None else top_k
+    top_k = generation.top_k
+    if top_k is None:
+        top_k = getattr(model.generation_config, "top_k", None)
+        top_k = DEFAULT_TOP_K if top_k is None else top_k
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if generation.top_p < 1.0:

@@ -275,6 +275,12 @@ class Trainer:
         if data.random_collator:
             self.collator = SeededCollator(self.collator, trainer_cfg.seed)
         self.sampler = self._length_grouped_sampler(lengths) if varied else None
+        if getattr(self.collator, "repeat_steps", 1) > 1:  # GRPO's num_iterations
+            self.sampler = data_lib.RepeatedStepsSampler(
+                len(data.train), self.global_batch, self.collator.repeat_steps, trainer_cfg.seed
+            )
+        if hasattr(self.collator, "seed"):  # a collator that seeds by the row (GRPO's sampling)
+            self.collator.seed = trainer_cfg.seed
         self.train_loader = DataLoader(
             data.train,
             batch_size=trainer_cfg.per_device_train_batch_size,
@@ -455,7 +461,7 @@ class Trainer:
         if state.steps_in_epoch >= self.steps_per_epoch:  # resumed at an epoch's last step
             state.epoch, state.steps_in_epoch = state.epoch + 1, 0
         self.train_loader.set_epoch(state.epoch)
-        if isinstance(self.collator, SeededCollator):
+        if hasattr(self.collator, "epoch"):  # SeededCollator, GRPO's prompts
             self.collator.epoch = state.epoch
         # The position in micro-batches of this process (also right when a resumed run reaches
         # the same global batch with other processes / accumulation settings).

@@ -10,12 +10,16 @@ What the task adds to the shared loop, beside SFT's chat rendering it reuses:
   under the policy and the reference: ``sigmoid`` (DPO, Rafailov et al.), ``ipo`` (on
   log-probabilities divided by the completion's tokens, as TRL) and ``robust`` (robust DPO,
   ``label_smoothing`` the share of flipped labels, which is what TRL applies it to);
-* the reference: under LoRA the same model with its adapter disabled (no second copy); with
-  full fine-tuning a frozen copy of the starting weights; or, with ``precompute_reference``,
-  its log-probabilities computed once before training (and cached with the features), which
-  needs neither;
+* two losses without a reference model, on the policy's average (per-token) log-probabilities
+  of each completion, as TRL 1.16 defines them (see :data:`REFERENCE_FREE`): ``orpo`` and
+  ``simpo``;
+* the reference (not for ``orpo`` / ``simpo``): under LoRA the same model with its adapter
+  disabled (no second copy); with full fine-tuning a frozen copy of the starting weights; or,
+  with ``precompute_reference``, its log-probabilities computed once before training (and
+  cached with the features), which needs neither;
 * TRL's metrics, in training and evaluation: ``rewards/chosen``, ``rewards/rejected``,
-  ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``.
+  ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO adds
+  ``nll_loss``, ``log_odds_ratio`` and ``log_odds_chosen``, SimPO with an NLL term ``nll_loss``.
 
 Each pair is one loss term (:class:`SummedLoss`): the loop divides the gradient of an optimizer
 step by the pairs of the whole step on all processes, so accumulation and process counts give
@@ -58,7 +62,38 @@ from recipes.tasks.token_loss import token_losses
 log = get_logger(__name__)
 
 FEATURES_VERSION = 2
-LOSS_TYPES = ("sigmoid", "ipo", "robust")
+# The losses without a reference model, as TRL 1.16 defines them (trl/experimental/orpo/
+# orpo_trainer.py and orpo_config.py; trl/experimental/cpo/cpo_trainer.py and cpo_config.py,
+# SimPO being CPOTrainer's loss_type="simpo"). Both read the policy's average log-probability
+# per completion token of each side (TRL's get_batch_logps(average_log_prob=True)).
+#
+# orpo (ORPOTrainer; ORPOConfig defaults: beta=0.1, disable_dropout=True, max_length=1024,
+#   learning_rate=1e-6): per pair
+#       nll(chosen) - beta * logsigmoid(log_odds),
+#       log_odds = (a_c - a_r) - (log(1 - exp(a_c)) - log(1 - exp(a_r)))
+#   with a_c / a_r the average log-probs; TRL's NLL is the chosen row's cross-entropy over its
+#   whole sequence, prompt included ("orpo chosen nll loss is computed over the full prompt and
+#   response"), every token but the first, as here. rewards = beta * a (no reference).
+# simpo (CPOTrainer, loss_type="simpo"; CPOConfig defaults: beta=0.1, simpo_gamma=0.5,
+#   label_smoothing=0.0, cpo_alpha=1.0, alpha=0.0 (AlphaPO off), disable_dropout=True,
+#   max_length=1024, learning_rate=1e-6): per pair, with z = beta * (a_c - a_r) - gamma,
+#       -(1 - ls) * logsigmoid(z) - ls * logsigmoid(-z) + nll_weight * nll(chosen)
+#   (ls = label_smoothing, the conservative form, not robust DPO's; CPO's NLL is on the chosen
+#   completion's tokens only). TRL's cpo_alpha=1.0 default is CPO's behaviour-cloning term; pure
+#   SimPO has none (the SimPO paper; TRL's docs/source/cpo_trainer.md: SimPO "does not use BC
+#   regularization ... loss_type="simpo" and cpo_alpha=0"; cpo_alpha > 0 is their "CPO-SimPO";
+#   cpo_config.py's alphapo also sets cpo_alpha=0.0), so task.nll_weight defaults to 0. The
+#   SimPO paper trains with beta ~2-2.5 and gamma/beta ~0.5; task.beta keeps TRL's 0.1 default
+#   for every loss.
+#
+# Where the project differs: TRL's NLL is one token-weighted mean over a micro-batch's chosen
+# rows, so its value depends on how pairs fall into micro-batches; here each pair's NLL is the
+# mean over its own tokens (one term per pair, SummedLoss), which equals TRL's for a batch of
+# one pair and keeps accumulation and process counts giving the full batch's mean. TRL's
+# logits/chosen and logits/rejected (the mean raw logit over every position and the vocabulary,
+# padding included) are not logged; its other metrics are, under its names.
+REFERENCE_FREE = ("orpo", "simpo")
+LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)
 SIDES = ("chosen", "rejected")
 STATS = (
     "rewards/chosen",
@@ -68,6 +103,7 @@ STATS = (
     "logps/chosen",
     "logps/rejected",
 )
+ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 @dataclass
@@ -88,10 +124,16 @@ class DirectPreference(SupervisedFineTuning):
         text_rows: plain-string pairs as chat turns (chat) or as text, as TRL (raw).
         max_seq_length: tokens of prompt and completion, per side.
         truncation: truncate (cut the end of a long side) or drop the pair.
-        beta: strength of the pull to the reference (TRL's beta).
-        loss_type: sigmoid (DPO), ipo or robust.
-        label_smoothing: the share of pairs assumed mislabelled (robust only, as in TRL).
-        precompute_reference: compute the reference's log-probabilities once before training.
+        beta: strength of the pull to the reference (TRL's beta); ORPO: the weight of the
+            odds-ratio term; SimPO: the scale of the average log-prob margin.
+        loss_type: sigmoid (DPO), ipo, robust; orpo or simpo (no reference model).
+        label_smoothing: robust: the share of pairs assumed mislabelled; simpo: TRL's
+            conservative label smoothing.
+        simpo_gamma: SimPO's target reward margin (simpo only; TRL's default 0.5).
+        nll_weight: weight of the chosen side's NLL added to SimPO (TRL's cpo_alpha; 0: pure
+            SimPO, 1: CPO-SimPO). ORPO's NLL term is part of the loss (weight 1, as TRL).
+        precompute_reference: compute the reference's log-probabilities once before training
+            (not with orpo / simpo, which have no reference).
         padding_free: each pair in one row, chosen then rejected (no padding between them).
         disable_dropout: no dropout in the model (TRL's default: policy and reference agree).
         num_generations: held-out prompts answered greedily after training (0: none).
@@ -99,7 +141,7 @@ class DirectPreference(SupervisedFineTuning):
     """
 
     sums_loss_terms = True
-    logged_stats = STATS
+    logged_stats: tuple[str, ...] = STATS  # per instance: the loss type adds its own
     terms_per_example = 1  # one term per pair
     main_metric = "loss"
     greater_is_better = False
@@ -115,6 +157,8 @@ class DirectPreference(SupervisedFineTuning):
         beta: float,
         loss_type: str,
         label_smoothing: float,
+        simpo_gamma: float,
+        nll_weight: float,
         precompute_reference: bool,
         padding_free: bool,
         disable_dropout: bool,
@@ -134,10 +178,27 @@ class DirectPreference(SupervisedFineTuning):
                 f"task.label_smoothing={label_smoothing}: must be in [0, 0.5) (the share of "
                 "pairs assumed mislabelled)."
             )
-        if label_smoothing and loss_type != "robust":
+        if label_smoothing and loss_type not in ("robust", "simpo"):
             raise ConfigError(
                 f"task.label_smoothing={label_smoothing} is for task.loss_type=robust (robust "
-                "DPO, where TRL applies it); set it there, or to 0."
+                "DPO) or simpo, where TRL applies it; set it there, or to 0."
+            )
+        if not 0 <= simpo_gamma < math.inf:
+            raise ConfigError(
+                f"task.simpo_gamma={simpo_gamma}: must be a finite number >= 0 (SimPO's target "
+                "reward margin; TRL's default is 0.5)."
+            )
+        if not 0 <= nll_weight < math.inf:
+            raise ConfigError(f"task.nll_weight={nll_weight}: must be a finite number >= 0.")
+        if nll_weight and loss_type != "simpo":
+            raise ConfigError(
+                f"task.nll_weight={nll_weight} is for task.loss_type=simpo (TRL's cpo_alpha); "
+                "ORPO's NLL term is always in its loss; set it to 0."
+            )
+        if precompute_reference and loss_type in REFERENCE_FREE:
+            raise ConfigError(
+                f"task.precompute_reference=true: task.loss_type={loss_type} uses no reference "
+                "model; set task.precompute_reference=false."
             )
         super().__init__(
             format="auto",
@@ -155,6 +216,16 @@ class DirectPreference(SupervisedFineTuning):
         self.beta = beta
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
+        self.simpo_gamma = simpo_gamma
+        self.nll_weight = nll_weight
+        self.reference_free = loss_type in REFERENCE_FREE
+        # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
+        # SimPO's (nll_weight > 0), over its completion.
+        self.sequence_nll = loss_type == "orpo"
+        self.with_nll = loss_type == "orpo" or (loss_type == "simpo" and nll_weight > 0)
+        self.logged_stats = STATS + (
+            ORPO_STATS if loss_type == "orpo" else ("nll_loss",) if self.with_nll else ()
+        )
         self.precompute_reference = precompute_reference
         self.padding_free = padding_free
         self.disable_dropout = disable_dropout
@@ -184,13 +255,16 @@ class DirectPreference(SupervisedFineTuning):
             cache=data_lib.cache_root(cfg),
             train=features["train"],
             eval=features["eval"],
-            train_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
-            eval_collator=PairCollator(tokenizer.pad_token_id, self.padding_free),
+            train_collator=self._collator(tokenizer),
+            eval_collator=self._collator(tokenizer),
             template=template,
             prompts=_answerable(_held_out_prompts(pairs["eval"], self.num_generations), template),
             new_tokens=new_tokens,
             stop_tokens=_end_of_turn(tokenizer, template),
         )
+
+    def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
+        return PairCollator(tokenizer.pad_token_id, self.padding_free, self.sequence_nll)
 
     def _pair_features(
         self,
@@ -268,10 +342,15 @@ class DirectPreference(SupervisedFineTuning):
         accelerator: Accelerator,
         batch_size: int,
     ) -> None:
-        """Choose the reference (see the module's docstring) from the starting weights."""
+        """Choose the reference (see the module's docstring) from the starting weights; none
+        for ``orpo`` / ``simpo``: no copy, no reference pass with the adapter disabled."""
         unwrapped = accelerator.unwrap_model(model)
         if self.disable_dropout:
             _disable_dropout(unwrapped)
+        if self.reference_free:
+            self._reference = None
+            log.info("task.loss_type=%s: no reference model (none is built)", self.loss_type)
+            return
         peft = adapters.is_peft_model(unwrapped)
         if self.precompute_reference:
             tables = self._precomputed(model, data, accelerator, batch_size)
@@ -383,6 +462,14 @@ class DirectPreference(SupervisedFineTuning):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-probabilities of each pair's chosen and rejected completion, and their
         tokens: two (pairs, 2) tensors."""
+        return self._policy_terms(model, batch, with_nll=False)[:2]
+
+    def _policy_terms(
+        self, model: torch.nn.Module, batch: Mapping, with_nll: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_logps_of`'s two tensors from one forward, and (``with_nll``) each pair's
+        chosen NLL, (pairs,): ORPO's over the chosen row's tokens, prompt included, as TRL;
+        SimPO's over the chosen completion's."""
         inputs = {
             k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
         }
@@ -394,19 +481,35 @@ class DirectPreference(SupervisedFineTuning):
             # Padded batches: rows of chosen, then of rejected; padding-free: a row per pair.
             logps.append(-nll.view(-1, pairs).sum(0))
             tokens.append(count.view(-1, pairs).sum(0))
-        return torch.stack(logps, dim=1), torch.stack(tokens, dim=1)
+        logps, tokens = torch.stack(logps, dim=1), torch.stack(tokens, dim=1)
+        if not with_nll:
+            return logps, tokens, None
+        if not self.sequence_nll:
+            return logps, tokens, -logps[:, 0] / tokens[:, 0].clamp(min=1)
+        nll, count = token_losses(logits, batch["chosen_sequence_labels"])
+        return logps, tokens, nll.view(-1, pairs).sum(0) / count.view(-1, pairs).sum(0).clamp(1)
 
-    def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+    def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor | None:
+        if self.reference_free:
+            return None
         if "reference_logps" in batch:
             return batch["reference_logps"]
         with torch.no_grad():
             return self._reference(model, batch)
 
     def pair_losses(
-        self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor
+        self,
+        policy: torch.Tensor,
+        reference: torch.Tensor | None,
+        tokens: torch.Tensor,
+        nll: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per pair: the loss, from the (pairs, 2) summed log-probs of the policy and the
-        reference and the completions' tokens; and TRL's metrics (:data:`STATS`), (pairs, 6)."""
+        reference (None for orpo / simpo) and the completions' tokens, and for orpo (and simpo
+        with ``nll_weight``) the chosen side's NLL, (pairs,); and TRL's metrics
+        (:attr:`logged_stats`), (pairs, len(logged_stats))."""
+        if self.reference_free:
+            return self._reference_free_losses(policy, tokens, nll)
         ratios = policy - reference  # log pi / pi_ref of chosen, rejected
         if self.loss_type == "ipo":  # per token (TRL's normalisation, confirmed by IPO's authors)
             per_token = ratios / tokens.clamp(min=1)
@@ -417,27 +520,44 @@ class DirectPreference(SupervisedFineTuning):
             if self.loss_type == "robust":  # unbiased under a share of flipped labels
                 flip = self.label_smoothing
                 losses = (losses * (1 - flip) + F.logsigmoid(-scaled) * flip) / (1 - 2 * flip)
-        rewards = (self.beta * ratios).detach()
-        stats = torch.stack(
-            [
-                rewards[:, 0],
-                rewards[:, 1],
-                (rewards[:, 0] > rewards[:, 1]).float(),
-                rewards[:, 0] - rewards[:, 1],
-                policy[:, 0].detach(),
-                policy[:, 1].detach(),
-            ],
-            dim=1,
-        )
-        return losses, stats
+        return losses, _reward_stats(self.beta * ratios, policy)
+
+    def _reference_free_losses(
+        self, policy: torch.Tensor, tokens: torch.Tensor, nll: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ORPO and SimPO (TRL 1.16's, see :data:`REFERENCE_FREE`) on the average log-probs."""
+        average = policy.float() / tokens.clamp(min=1)  # per completion token, (pairs, 2)
+        chosen, rejected = average[:, 0], average[:, 1]
+        extra: list[torch.Tensor] = []
+        if self.loss_type == "orpo":
+            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+            ratio = F.logsigmoid(log_odds)
+            losses = nll - self.beta * ratio
+            extra = [nll.detach(), ratio.detach(), log_odds.detach()]
+        else:  # simpo
+            margin = self.beta * (chosen - rejected) - self.simpo_gamma
+            smoothing = self.label_smoothing
+            losses = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
+            if self.with_nll:
+                losses = losses + self.nll_weight * nll
+                extra = [nll.detach()]
+        stats = _reward_stats(self.beta * average, average)
+        return losses, torch.cat([stats, *(value[:, None] for value in extra)], dim=1)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
-        reference = self._reference_logps(model, batch)
-        policy, tokens = self._logps_of(model, batch)
-        losses, stats = self.pair_losses(policy, reference, tokens)
+        losses, stats = self._batch_losses(model, batch)
         count = torch.tensor(float(len(losses)), device=losses.device)
-        return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
+        return SummedLoss(
+            losses.sum(), count, dict(zip(self.logged_stats, stats.sum(0), strict=True))
+        )
+
+    def _batch_losses(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        reference = self._reference_logps(model, batch)
+        policy, tokens, nll = self._policy_terms(model, batch, self.with_nll)
+        return self.pair_losses(policy, reference, tokens, nll)
 
     @torch.no_grad()
     def evaluate(
@@ -450,17 +570,16 @@ class DirectPreference(SupervisedFineTuning):
     ) -> dict[str, float]:
         """The mean loss and metrics over the held-out pairs, on all processes."""
         model.eval()
-        totals = torch.zeros(2 + len(STATS), dtype=torch.float64, device=accelerator.device)
+        names = self.logged_stats
+        totals = torch.zeros(2 + len(names), dtype=torch.float64, device=accelerator.device)
         for batch in loader:
-            reference = self._reference_logps(model, batch)
-            policy, tokens = self._logps_of(model, batch)
-            losses, stats = self.pair_losses(policy, reference, tokens)
+            losses, stats = self._batch_losses(model, batch)
             per_pair = torch.cat([losses[:, None], torch.ones_like(losses)[:, None], stats], dim=1)
             totals += accelerator.gather_for_metrics(per_pair).sum(dim=0).double()
         model.train()
         loss, pairs, *sums = totals.tolist()
         metrics = {"loss": loss / max(pairs, 1.0), "pairs": pairs}
-        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(STATS, sums, strict=True)}
+        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(names, sums, strict=True)}
         return broadcast_object_list([metrics])[0]
 
 
@@ -468,11 +587,13 @@ class PairCollator:
     """Pads a batch of pairs: the chosen rows, then the rejected rows, with ``attention_mask``;
     or (``padding_free``) one row per pair, chosen then rejected, with ``position_ids``.
     ``chosen_labels`` / ``rejected_labels`` label one side each, ``index`` is each pair's
-    position in its split, and ``reference_logps`` the precomputed reference (when set)."""
+    position in its split, and ``reference_logps`` the precomputed reference (when set);
+    ``chosen_sequence_labels`` (``sequence_nll``, ORPO) label the chosen side's every token."""
 
-    def __init__(self, pad_token_id: int, padding_free: bool) -> None:
+    def __init__(self, pad_token_id: int, padding_free: bool, sequence_nll: bool = False) -> None:
         self.pad_token_id = pad_token_id
         self.padding_free = padding_free
+        self.sequence_nll = sequence_nll
         self.pad_to_multiple_of: int | None = None  # the loop sets trainer.pad_to_multiple_of
         self.reference: torch.Tensor | None = None  # (pairs of the split, 2), when precomputed
 
@@ -485,6 +606,9 @@ class PairCollator:
                     "input_ids": p[f"{side}_input_ids"],
                     f"{side}_labels": p[f"{side}_labels"],
                     f"{other}_labels": [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                    "chosen_sequence_labels": list(p[f"{side}_input_ids"])
+                    if side == "chosen"
+                    else [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
                 }
                 for side, other in (("chosen", "rejected"), ("rejected", "chosen"))
                 for p in pairs
@@ -498,6 +622,10 @@ class PairCollator:
             "rejected_labels": chat._pad(rows, "rejected_labels", chat.IGNORE_INDEX, longest),
             "index": torch.tensor([p["index"] for p in pairs]),
         }
+        if self.sequence_nll:
+            batch["chosen_sequence_labels"] = chat._pad(
+                rows, "chosen_sequence_labels", chat.IGNORE_INDEX, longest
+            )
         if self.padding_free:
             batch["position_ids"] = chat._pad(rows, "position_ids", 0, longest)
         else:
@@ -514,6 +642,7 @@ class PairCollator:
             "input_ids": list(chosen) + list(rejected),
             "chosen_labels": list(pair["chosen_labels"]) + [chat.IGNORE_INDEX] * len(rejected),
             "rejected_labels": [chat.IGNORE_INDEX] * len(chosen) + list(pair["rejected_labels"]),
+            "chosen_sequence_labels": list(chosen) + [chat.IGNORE_INDEX] * len(rejected),
             "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
         }
 
@@ -531,6 +660,28 @@ def _weights_fingerprint(model: torch.nn.Module, accelerator: Accelerator) -> li
     if accelerator.distributed_type == DistributedType.FSDP:
         total = accelerator.reduce(total.to(accelerator.device), reduction="sum")
     return [float(f"{value:.9g}") for value in total.tolist()]
+
+
+def _reward_stats(rewards: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """TRL's six metrics per pair, (pairs, 6) (:data:`STATS`), from the (pairs, 2) rewards and
+    log-probs of chosen and rejected."""
+    rewards, logps = rewards.detach(), logps.detach()
+    return torch.stack(
+        [
+            rewards[:, 0],
+            rewards[:, 1],
+            (rewards[:, 0] > rewards[:, 1]).float(),
+            rewards[:, 0] - rewards[:, 1],
+            logps[:, 0],
+            logps[:, 1],
+        ],
+        dim=1,
+    )
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (each branch where it is accurate)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _peft_model(model: torch.nn.Module) -> Any:

@@ -1,0 +1,231 @@
+"""Reward functions for ``task=grpo``, with TRL's signature.
+
+A reward function takes ``prompts`` and ``completions`` (one per completion: text, or for a
+conversational prompt a list holding the assistant message, as TRL passes them), the row's other
+columns as keyword arguments (one value per completion), and ``completion_ids``; it returns one
+float per completion, or None where it does not apply (left out of that completion's sum, as in
+TRL). ``task.rewards`` lists them, each a built-in name or an import path
+(``package.module:function``) with its weight and options::
+
+    rewards:
+      - {name: answer_f1, weight: 1.0}
+      - {name: format, weight: 0.5, pattern: '<answer>.*</answer>'}
+      - {name: my_pkg.rewards:exact_json, weight: 1.0}
+
+Built in:
+
+* ``answer_match``: 1 when the completion equals a reference answer after SQuAD's normalisation
+  (lower case, no punctuation, articles or extra spaces), else 0;
+* ``answer_f1``: SQuAD's word-overlap F1 with the best reference answer;
+* ``math_answer``: 1 when the completion's final answer (``\\boxed{...}``, ``<answer>...</answer>``,
+  ``#### x`` or else its last number) equals the reference as a number: ``1/2``, ``0.5`` and
+  ``1,000`` are read exactly (fractions, decimals, thousands separators); else 0;
+* ``format``: 1 when the whole completion matches ``pattern`` (a regular expression, ``.``
+  matching newlines too), else 0; the default is the reasoning layout
+  ``<think>...</think><answer>...</answer>``;
+* ``span_overlap``: the share of the completion's words (SQuAD-normalised) found in the column
+  ``column`` (``prompt`` by default: the prompt's text): how far an extractive answer keeps to
+  its passage; 0 for an empty completion;
+* ``length``: minus the completion's share of ``max_tokens`` (default: the task's
+  ``max_completion_length``), from 0 (empty) to -1 (cut at the limit).
+
+``answer_*`` and ``math_answer`` read the reference from the column ``column`` (``answer`` by
+default): a string or a list of strings.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from recipes.config import ConfigError
+from recipes.metrics.squad import exact_match_score, f1_score, normalize_answer
+
+RewardFn = Callable[..., Sequence[float | None]]
+
+THINK_ANSWER = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: itself, or the content of its (last) message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        return str(completion.get("content") or "")
+    if isinstance(completion, Sequence) and completion:
+        return text_of(completion[-1])
+    return ""
+
+
+def _references(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping) and "text" in value:  # SQuAD's answers: {"text": [...]}
+        return _references(value["text"])
+    return [str(v) for v in value]
+
+
+def answer_match(column: str = "answer") -> RewardFn:
+    def answer_match(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
+        return [
+            max((float(exact_match_score(text_of(c).strip(), r)) for r in refs), default=None)
+            for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
+        ]
+
+    return answer_match
+
+
+def answer_f1(column: str = "answer") -> RewardFn:
+    def answer_f1(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
+        return [
+            max((float(f1_score(text_of(c).strip(), r)) for r in refs), default=None)
+            for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
+        ]
+
+    return answer_f1
+
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+"
+
+
+def final_answer(text: str) -> Fraction | None:
+    """The number a completion (or a reference, GSM8K's ``#### 72`` included) gives as its
+    answer: inside its last ``\\boxed{}``, ``<answer>`` or after ``####``, else its last number."""
+    for pattern in (r"\\boxed\{([^{}]*)\}", r"<answer>(.*?)</answer>", r"####\s*([^\n]*)"):
+        found = re.findall(pattern, text, flags=re.DOTALL)
+        if found:
+            text = found[-1]
+            break
+    numbers = re.findall(_NUMBER, text)
+    if not numbers:
+        return None
+    value = numbers[-1].replace(",", "").replace(" ", "")
+    try:
+        return Fraction(value)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_answer(column: str = "answer") -> RewardFn:
+    def math_answer(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
+        out: list[float | None] = []
+        for c, refs in zip(completions, map(_references, _column(row, column)), strict=True):
+            wanted = [v for v in map(final_answer, refs) if v is not None]
+            if not wanted:
+                out.append(None)  # no number to check against: not this reward's row
+                continue
+            got = final_answer(text_of(c))
+            out.append(float(got is not None and got in wanted))
+        return out
+
+    return math_answer
+
+
+def _words(value: Any) -> list[str]:
+    if isinstance(value, list):  # messages
+        value = " ".join(text_of(m) for m in value)
+    return normalize_answer(str(value or "")).split()
+
+
+def span_overlap(column: str = "prompt") -> RewardFn:
+    def span_overlap(prompts: Sequence, completions: Sequence, **row: Any) -> list[float]:
+        sources = prompts if column == "prompt" else _column(row, column)
+        out = []
+        for c, source in zip(completions, sources, strict=True):
+            words, allowed = _words(text_of(c)), set(_words(source))
+            out.append(sum(w in allowed for w in words) / len(words) if words else 0.0)
+        return out
+
+    return span_overlap
+
+
+def format_match(pattern: str = THINK_ANSWER) -> RewardFn:
+    try:
+        compiled = re.compile(pattern, flags=re.DOTALL)
+    except re.error as err:
+        raise ConfigError(
+            f"task.rewards: format pattern {pattern!r} is not a regular expression ({err})."
+        ) from None
+
+    def format(prompts: Sequence, completions: Sequence, **row: Any) -> list[float]:
+        return [float(compiled.fullmatch(text_of(c)) is not None) for c in completions]
+
+    return format
+
+
+def length(max_tokens: int) -> RewardFn:
+    if max_tokens < 1:
+        raise ConfigError(f"task.rewards: length's max_tokens={max_tokens} must be >= 1.")
+
+    def length(
+        prompts: Sequence, completions: Sequence, completion_ids: Sequence, **row: Any
+    ) -> list[float]:
+        return [-min(len(ids), max_tokens) / max_tokens for ids in completion_ids]
+
+    return length
+
+
+BUILT_IN: dict[str, Callable[..., RewardFn]] = {
+    "answer_match": answer_match,
+    "answer_f1": answer_f1,
+    "math_answer": math_answer,
+    "span_overlap": span_overlap,
+    "format": format_match,
+    "length": length,
+}
+
+
+def _column(row: Mapping[str, Any], column: str) -> Sequence[Any]:
+    if column not in row:
+        raise ConfigError(
+            f"task.rewards: the reward reads the column {column!r}, which the rows lack (they have "
+            f"{', '.join(sorted(k for k in row if k != 'completion_ids')) or 'none'}); set its "
+            "column: option, or add the column to the data."
+        )
+    return row[column]
+
+
+def build(spec: Mapping[str, Any], max_completion_length: int) -> tuple[str, float, RewardFn]:
+    """One ``task.rewards`` entry as (name, weight, function)."""
+    options = {k: v for k, v in dict(spec).items() if k not in ("name", "weight")}
+    name = spec.get("name")
+    if not name or not isinstance(name, str):
+        raise ConfigError(
+            f"task.rewards: {dict(spec)} has no name; give a built-in "
+            f"({', '.join(BUILT_IN)}) or an import path (package.module:function)."
+        )
+    weight = spec.get("weight", 1.0)
+    if not isinstance(weight, int | float) or isinstance(weight, bool):
+        raise ConfigError(f"task.rewards: {name}'s weight={weight!r} must be a number.")
+    if name in BUILT_IN:
+        if name == "length":
+            options.setdefault("max_tokens", max_completion_length)
+        try:
+            return name, float(weight), BUILT_IN[name](**options)
+        except TypeError as err:
+            raise ConfigError(f"task.rewards: {name}: {err}.") from None
+    return name.rsplit(":", 1)[-1].rsplit(".", 1)[-1], float(weight), _imported(name, options)
+
+
+def _imported(path: str, options: Mapping[str, Any]) -> RewardFn:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"task.rewards: {path!r} is neither a built-in ({', '.join(BUILT_IN)}) nor an import "
+            "path (package.module:function)."
+        )
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"task.rewards: cannot import {path!r} ({err}).") from None
+    if not callable(fn):
+        raise ConfigError(f"task.rewards: {path!r} is not a function.")
+    return functools.partial(fn, **options) if options else fn

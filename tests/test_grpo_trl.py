@@ -1,0 +1,168 @@
+"""The GRPO task against TRL's ``GRPOTrainer`` on the same model, prompts, completions, reward
+functions and weights: the rewards and advantages, then for each loss type (and with the KL
+term) the loss, TRL's logged statistics and the gradient.
+
+TRL gets our completions through its ``rollout_func`` (so neither side samples), then runs its
+own ``_generate_and_score_completions`` (rewards, group normalisation) and ``_compute_loss``.
+Rows: the first bundled held-out SQuAD prompts, not written for this test. Completions per
+prompt: its reference answer, the answer's first word, and two strings of random tokens; the
+tiny Llama's weights are perturbed, so that log-probabilities differ between tokens."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import ROOT, make_task
+from transformers import AutoModelForCausalLM
+
+from recipes.config import ModelConfig
+from recipes.model import load_tokenizer
+from recipes.tasks import chat, grpo
+
+trl = pytest.importorskip("trl")
+
+CONVERSATIONS = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
+TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
+GROUP = 4
+PROMPTS = 3
+MAX_COMPLETION = 12
+REWARDS = [{"name": "answer_f1", "weight": 1.0}, {"name": "span_overlap", "weight": 0.5}]
+
+
+def _rows():
+    lines = CONVERSATIONS.read_text().splitlines()[:PROMPTS]
+    from datasets import Dataset
+
+    return grpo.prompt_rows(Dataset.from_list([json.loads(line) for line in lines]), "dev")
+
+
+def _setup(loss_type: str, beta: float):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    template = chat.resolve_chat_template(tokenizer, "zephyr")
+    tokenizer.chat_template = template
+    task = make_task(
+        "grpo",
+        chat_template="zephyr",
+        max_prompt_length=200,
+        max_completion_length=MAX_COMPLETION,
+        num_generations=GROUP,
+        loss_type=loss_type,
+        beta=beta,
+        rewards=REWARDS,
+    )
+    task.bind_tokenizer(tokenizer, [])
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    rows = _rows()
+    prompt_ids = [chat.render(tokenizer, template, r["prompt"], True) for r in rows]
+    eos = tokenizer.eos_token_id
+    completions = []
+    for r in rows:
+        answer = tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
+        first = tokenizer(r["answer"].split()[0], add_special_tokens=False)["input_ids"]
+        completions += [[*answer[: MAX_COMPLETION - 1], eos], [*first, eos]]
+        for k in range(GROUP - 2):
+            sampled = torch.randint(1, 2000, (MAX_COMPLETION,), generator=generator).tolist()
+            completions.append(sampled[: 6 + k])
+    return task, tokenizer, model, rows, prompt_ids, completions
+
+
+def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions, beta):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def rollout(prompts, trainer):  # TRL passes each prompt GROUP times in a row
+        assert len(prompts) == len(completions)
+        return {
+            "prompt_ids": [p for p in prompt_ids for _ in range(GROUP)],
+            "completion_ids": completions,
+            "logprobs": None,
+        }
+
+    config = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=GROUP * PROMPTS,
+        num_generations=GROUP,
+        max_completion_length=MAX_COMPLETION,
+        loss_type=task.loss_type,
+        beta=beta,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        reward_weights=[r["weight"] for r in REWARDS],
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=task.reward_fns,
+        args=config,
+        train_dataset=Dataset.from_list(
+            [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
+        ),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "beta"),
+    [("dapo", 0.0), ("grpo", 0.0), ("bnpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.04)],
+)
+def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta):
+    task, tokenizer, model, rows, prompt_ids, completions = _setup(loss_type, beta)
+    # TRL builds its reference from the model's path: the unperturbed tiny Llama.
+    reference = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager").eval()
+    trainer = _trl_trainer(
+        tmp_path, task, tokenizer, copy.deepcopy(model), rows, prompt_ids, completions, beta
+    )
+    trainer.model.train()
+    inputs = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows for _ in range(GROUP)]
+    theirs = trainer._generate_and_score_completions(inputs)
+
+    # Rewards and advantages: ours from the same functions on the same completions.
+    row_list = [r for r in rows for _ in range(GROUP)]
+    table = task._rewards(row_list, completions)
+    advantages, stats = task.advantages(table)
+    torch.testing.assert_close(advantages, theirs["advantages"].float(), rtol=1e-5, atol=1e-6)
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/answer_f1/mean"):
+        assert stats[name] == pytest.approx(trainer._metrics["train"][name][-1], abs=1e-6)
+    assert (advantages != 0).any()
+
+    # The loss and gradient of one micro-batch holding every completion.
+    trl_loss = trainer._compute_loss(trainer.model, theirs)
+    trl_loss.backward()
+
+    ours_model = copy.deepcopy(model).train()
+    prompt, prompt_mask = grpo._pad([p for p in prompt_ids for _ in range(GROUP)], 0, left=True)
+    completion, completion_mask = grpo._pad(completions, 0, left=False)
+    torch.testing.assert_close(completion_mask, theirs["completion_mask"].long())
+    ref = None
+    if beta:
+        with torch.no_grad():
+            ref = task._logps(reference, prompt, prompt_mask, completion, completion_mask)
+    logps = task._logps(ours_model, prompt, prompt_mask, completion, completion_mask)
+    total, count, ours_stats = task.policy_loss(logps, None, ref, advantages, completion_mask)
+    loss = total / count
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(trl_loss), rel=1e-4, abs=1e-7)
+    if beta:
+        assert float(ours_stats["kl"]) == pytest.approx(
+            trainer._metrics["train"]["kl"][-1], rel=1e-3, abs=1e-7
+        )
+    grads = {n: p.grad for n, p in ours_model.named_parameters() if p.grad is not None}
+    theirs_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+    assert grads.keys() == theirs_grads.keys() and grads
+    worst = max(
+        float(
+            (grads[n] - theirs_grads[n]).abs().max() / theirs_grads[n].abs().max().clamp(min=1e-12)
+        )
+        for n in grads
+    )
+    assert worst < 1e-3, worst
