@@ -166,6 +166,8 @@ class KahnemanTversky(DirectPreference):
             beta=beta,
             loss_type="sigmoid",  # DPO's own setting, unused here
             label_smoothing=0.0,
+            simpo_gamma=0.0,
+            nll_weight=0.0,
             precompute_reference=precompute_reference,
             padding_free=False,
             disable_dropout=disable_dropout,
@@ -176,6 +178,7 @@ class KahnemanTversky(DirectPreference):
         )
         self.format = format
         self.loss_type = loss_type
+        self.logged_stats = STATS  # DirectPreference sets its own for its loss type
         self.desirable_weight = desirable_weight
         self.undesirable_weight = undesirable_weight
         self._accelerator: Accelerator | None = None  # set in before_training: the KL's gather
