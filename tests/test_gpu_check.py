@@ -4,6 +4,7 @@ timed-out row that leave the others running, and the refusal where there is no G
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -214,7 +215,11 @@ def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) 
             continue
         assert row["status"] == "ok", row
         if row.get("kind") in ("train", "launch"):
-            assert row["loss"] > 0 and row["tokens_per_s"] > 0 and row["steps"] == 2, row
+            # GRPO's policy loss is a sum of advantages (zero-mean per group): any sign, 0 when
+            # every completion of a group scores alike, as a tiny model's mostly do.
+            grpo = name == "smoke/llama_grpo"
+            assert row["loss"] > 0 or (grpo and math.isfinite(row["loss"])), row
+            assert row["tokens_per_s"] > 0 and row["steps"] == 2, row
             assert row["mfu"] is None and row["peak_memory_gib"] is None, row
     # Rows were written one by one: rows.jsonl and table.md grew while the check ran.
     partial = [(n, left) for n, left in seen_while_running if 0 < n < len(rows)]
