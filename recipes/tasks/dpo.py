@@ -308,21 +308,12 @@ class DirectPreference(SupervisedFineTuning):
                 completions = [side[0]["content"] for side in (chosen, rejected)]
                 wholes = chat.tokenize_text(tokenizer, prompt[0]["content"], completions)
             else:
-                self._check_has_template(template, f"{source} {place}")
-                wholes = []
-                for completion in (chosen, rejected):
-                    try:
-                        wholes.append(
-                            chat.tokenize_conversation(
-                                tokenizer,
-                                template,
-                                prompt + completion,
-                                tools=tools,
-                                label_from=len(prompt),
-                            )
-                        )
-                    except (chat.TemplateMismatch, chat.RowError) as err:
-                        raise chat.refusal(err, f"{source} {place}") from None
+                wholes = [
+                    self._templated_reply(
+                        tokenizer, template, prompt, c, tools, f"{source} {place}"
+                    )
+                    for c in (chosen, rejected)
+                ]
             sides = [chat.fit_length(w, self.max_seq_length, self.truncation) for w in wholes]
             if None in sides:
                 continue
@@ -332,6 +323,25 @@ class DirectPreference(SupervisedFineTuning):
             lengths = [len(s["input_ids"]) for s in sides]
             out["length"].append(sum(lengths) if self.padding_free else max(lengths))
         return out
+
+    def _templated_reply(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str,
+        prompt: list,
+        completion: list,
+        tools: Any,
+        where: str,
+    ) -> dict[str, list[int]]:
+        """``prompt`` then ``completion`` rendered with the template, labelled on the completion;
+        a row the template cannot render is refused naming ``where``."""
+        self._check_has_template(template, where)
+        try:
+            return chat.tokenize_conversation(
+                tokenizer, template, prompt + completion, tools=tools, label_from=len(prompt)
+            )
+        except (chat.TemplateMismatch, chat.RowError) as err:
+            raise chat.refusal(err, where) from None
 
     # ------------------------------------------------------------------------------ model
 

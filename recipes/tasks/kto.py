@@ -277,17 +277,9 @@ class KahnemanTversky(DirectPreference):
                     tokenizer, prompt[0]["content"], [completion[0]["content"]]
                 )[0]
             else:
-                self._check_has_template(template, f"{source} {place}")
-                try:
-                    whole = chat.tokenize_conversation(
-                        tokenizer,
-                        template,
-                        prompt + completion,
-                        tools=tools,
-                        label_from=len(prompt),
-                    )
-                except (chat.TemplateMismatch, chat.RowError) as err:
-                    raise chat.refusal(err, f"{source} {place}") from None
+                whole = self._templated_reply(
+                    tokenizer, template, prompt, completion, tools, f"{source} {place}"
+                )
             fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
             if fitted is None:
                 continue
