@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
-from recipes.tasks import chat, preference
+from recipes.tasks import conversations, preference
 
 PAIRS = ROOT / "recipes/assets/preferences/squad"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -111,7 +111,7 @@ def test_only_the_completion_is_labelled(tmp_path, tokenizer):
     _, data = _build(tmp_path, tokenizer, [row])
     feature = data.train[0]
     for side, reply in (("chosen", "In France."), ("rejected", "In Spain.")):
-        labelled = [t for t in feature[f"{side}_labels"] if t != chat.IGNORE_INDEX]
+        labelled = [t for t in feature[f"{side}_labels"] if t != conversations.IGNORE_INDEX]
         # The reply and the end of its turn (zephyr's EOS); not the prompt's earlier reply.
         assert tokenizer.decode(labelled) == reply + tokenizer.eos_token
     assert feature["chosen_input_ids"][:5] == feature["rejected_input_ids"][:5]

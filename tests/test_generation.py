@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes import generation
 from recipes.config import ASSETS, ConfigError, GenerationConfig
-from recipes.tasks import chat
+from recipes.tasks import conversations
 
 NEW = 12
 
@@ -31,11 +31,12 @@ def _model(name: str):
 
 def _chat_prompts(tokenizer, count: int) -> list[list[int]]:
     rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()[:count]
-    template = chat.resolve_chat_template(
+    template = conversations.resolve_chat_template(
         tokenizer, "chatml" if not tokenizer.chat_template else None
     )
     return [
-        chat.render(tokenizer, template, json.loads(row)["messages"][:-1], True) for row in rows
+        conversations.render(tokenizer, template, json.loads(row)["messages"][:-1], True)
+        for row in rows
     ]
 
 

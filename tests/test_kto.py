@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import fit_to_tokenizer, load_tokenizer
-from recipes.tasks import chat, unpaired
+from recipes.tasks import conversations, unpaired
 from recipes.tasks.token_loss import token_losses
 
 PAIRS = ROOT / "recipes/assets/preferences/squad/dev.jsonl"
@@ -135,7 +135,7 @@ def test_rows_and_kl_rows_are_tokenized_as_trl(tmp_path):
     for prefix in ("", "KL_"):
         ours = _sequences(
             batch[f"{prefix}input_ids"],
-            batch[f"{prefix}labels"] != chat.IGNORE_INDEX,
+            batch[f"{prefix}labels"] != conversations.IGNORE_INDEX,
             batch[f"{prefix}attention_mask"],
         )
         expected = _sequences(

@@ -17,7 +17,7 @@ from conftest import make_task
 from datasets import Dataset
 from test_sft import _conversation_features, _tiny_llama, tokenizer  # noqa: F401
 
-from recipes.tasks import chat
+from recipes.tasks import conversations
 from recipes.tasks.sft import padding_free, token_losses
 
 fa = pytest.importorskip("transformers.modeling_flash_attention_utils")
@@ -54,9 +54,9 @@ AttentionInterface.register("varlen_causal", _varlen_causal)
 
 def _packed_batch(tokenizer):  # noqa: F811
     features = _conversation_features(tokenizer, 6)
-    packed = Dataset.from_dict(chat.packed_rows(Dataset.from_list(features), capacity=512))
+    packed = Dataset.from_dict(conversations.packed_rows(Dataset.from_list(features), capacity=512))
     assert len(packed) > 1  # a batch of several packed rows, each holding several conversations
-    batch = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)(list(packed))
+    batch = conversations.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)(list(packed))
     return features, batch
 
 
@@ -83,7 +83,7 @@ def test_packed_conversations_score_as_they_do_alone_under_varlen_attention(toke
     task._attn = "flash_attention_2"  # what check_model reads from a model loaded with flash
     with torch.no_grad():
         nll, count = token_losses(task.forward(model, batch).logits, batch["labels"])
-    collate = chat.ChatCollator(tokenizer.pad_token_id)
+    collate = conversations.ChatCollator(tokenizer.pad_token_id)
     alone_nll, alone_count = torch.zeros(()), torch.zeros(())
     for feature in features:
         single = collate([feature])

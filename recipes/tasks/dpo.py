@@ -48,7 +48,7 @@ from recipes import adapters
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.log import get_logger
-from recipes.tasks import chat, preference
+from recipes.tasks import conversations, preference
 from recipes.tasks.base import SummedLoss
 from recipes.tasks.sft import (
     ChatData,
@@ -306,7 +306,7 @@ class DirectPreference(SupervisedFineTuning):
         ):
             if text and self.text_rows == "raw":
                 completions = [side[0]["content"] for side in (chosen, rejected)]
-                wholes = chat.tokenize_text(tokenizer, prompt[0]["content"], completions)
+                wholes = conversations.tokenize_text(tokenizer, prompt[0]["content"], completions)
             else:
                 wholes = [
                     self._templated_reply(
@@ -314,7 +314,9 @@ class DirectPreference(SupervisedFineTuning):
                     )
                     for c in (chosen, rejected)
                 ]
-            sides = [chat.fit_length(w, self.max_seq_length, self.truncation) for w in wholes]
+            sides = [
+                conversations.fit_length(w, self.max_seq_length, self.truncation) for w in wholes
+            ]
             if None in sides:
                 continue
             for side, fitted in zip(SIDES, sides, strict=True):
@@ -337,11 +339,11 @@ class DirectPreference(SupervisedFineTuning):
         a row the template cannot render is refused naming ``where``."""
         self._check_has_template(template, where)
         try:
-            return chat.tokenize_conversation(
+            return conversations.tokenize_conversation(
                 tokenizer, template, prompt + completion, tools=tools, label_from=len(prompt)
             )
-        except (chat.TemplateMismatch, chat.RowError) as err:
-            raise chat.refusal(err, where) from None
+        except (conversations.TemplateMismatch, conversations.RowError) as err:
+            raise conversations.refusal(err, where) from None
 
     # ------------------------------------------------------------------------------ model
 
@@ -615,10 +617,10 @@ class PairCollator:
                 {
                     "input_ids": p[f"{side}_input_ids"],
                     f"{side}_labels": p[f"{side}_labels"],
-                    f"{other}_labels": [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                    f"{other}_labels": [conversations.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
                     "chosen_sequence_labels": list(p[f"{side}_input_ids"])
                     if side == "chosen"
-                    else [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                    else [conversations.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
                 }
                 for side, other in (("chosen", "rejected"), ("rejected", "chosen"))
                 for p in pairs
@@ -627,20 +629,24 @@ class PairCollator:
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {
-            "input_ids": chat._pad(rows, "input_ids", self.pad_token_id, longest),
-            "chosen_labels": chat._pad(rows, "chosen_labels", chat.IGNORE_INDEX, longest),
-            "rejected_labels": chat._pad(rows, "rejected_labels", chat.IGNORE_INDEX, longest),
+            "input_ids": conversations._pad(rows, "input_ids", self.pad_token_id, longest),
+            "chosen_labels": conversations._pad(
+                rows, "chosen_labels", conversations.IGNORE_INDEX, longest
+            ),
+            "rejected_labels": conversations._pad(
+                rows, "rejected_labels", conversations.IGNORE_INDEX, longest
+            ),
             "index": torch.tensor([p["index"] for p in pairs]),
         }
         if self.sequence_nll:
-            batch["chosen_sequence_labels"] = chat._pad(
-                rows, "chosen_sequence_labels", chat.IGNORE_INDEX, longest
+            batch["chosen_sequence_labels"] = conversations._pad(
+                rows, "chosen_sequence_labels", conversations.IGNORE_INDEX, longest
             )
         if self.padding_free:
-            batch["position_ids"] = chat._pad(rows, "position_ids", 0, longest)
+            batch["position_ids"] = conversations._pad(rows, "position_ids", 0, longest)
         else:
             ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
-            batch["attention_mask"] = chat._pad(ones, "m", 0, longest)
+            batch["attention_mask"] = conversations._pad(ones, "m", 0, longest)
         if self.reference is not None:
             batch["reference_logps"] = self.reference[batch["index"]]
         return batch
@@ -650,9 +656,11 @@ class PairCollator:
         chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
         return {
             "input_ids": list(chosen) + list(rejected),
-            "chosen_labels": list(pair["chosen_labels"]) + [chat.IGNORE_INDEX] * len(rejected),
-            "rejected_labels": [chat.IGNORE_INDEX] * len(chosen) + list(pair["rejected_labels"]),
-            "chosen_sequence_labels": list(chosen) + [chat.IGNORE_INDEX] * len(rejected),
+            "chosen_labels": list(pair["chosen_labels"])
+            + [conversations.IGNORE_INDEX] * len(rejected),
+            "rejected_labels": [conversations.IGNORE_INDEX] * len(chosen)
+            + list(pair["rejected_labels"]),
+            "chosen_sequence_labels": list(chosen) + [conversations.IGNORE_INDEX] * len(rejected),
             "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
         }
 

@@ -55,7 +55,7 @@ from recipes import rewards as reward_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import chat
+from recipes.tasks import conversations
 from recipes.tasks.base import SummedLoss
 from recipes.tasks.dpo import _peft_model
 from recipes.tasks.sft import (
@@ -305,7 +305,7 @@ class GroupRelativePolicy(SupervisedFineTuning):
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         self._check_has_template(template, f"{source} {row['place']}")
-        return chat.render(tokenizer, template, prompt, True)
+        return conversations.render(tokenizer, template, prompt, True)
 
     # ------------------------------------------------------------------------------ model
 
@@ -649,7 +649,7 @@ def prompt_rows(examples: Dataset, source: str) -> list[dict[str, Any]]:
         if "prompt" in row:
             prompt = row.pop("prompt")
         elif "messages" in row:
-            messages = [chat.parse_message(m, "messages") for m in row.pop("messages")]
+            messages = [conversations.parse_message(m, "messages") for m in row.pop("messages")]
             if messages and messages[-1]["role"] == "assistant":
                 row.setdefault("answer", messages[-1]["content"])
                 messages = messages[:-1]

@@ -67,7 +67,7 @@ from recipes import adapters
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.log import get_logger
-from recipes.tasks import chat, unpaired
+from recipes.tasks import conversations, unpaired
 from recipes.tasks.base import SummedLoss
 from recipes.tasks.dpo import DirectPreference, PreferenceData
 from recipes.tasks.sft import _add_template_tokens, _answerable, _end_of_turn
@@ -273,17 +273,19 @@ class KahnemanTversky(DirectPreference):
             *(batch[k] for k in columns), strict=True
         ):
             if text and self.text_rows == "raw":
-                whole = chat.tokenize_text(
+                whole = conversations.tokenize_text(
                     tokenizer, prompt[0]["content"], [completion[0]["content"]]
                 )[0]
             else:
                 whole = self._templated_reply(
                     tokenizer, template, prompt, completion, tools, f"{source} {place}"
                 )
-            fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
+            fitted = conversations.fit_length(whole, self.max_seq_length, self.truncation)
             if fitted is None:
                 continue
-            labelled = [i for i, t in enumerate(fitted["labels"]) if t != chat.IGNORE_INDEX]
+            labelled = [
+                i for i, t in enumerate(fitted["labels"]) if t != conversations.IGNORE_INDEX
+            ]
             if not labelled:
                 continue
             out["input_ids"].append(fitted["input_ids"])
@@ -471,7 +473,7 @@ class UnpairedCollator:
             for row, other in zip(rows, shifted, strict=True):
                 cut, start = row["prompt_length"], other["prompt_length"]
                 ids = list(row["input_ids"][:cut]) + list(other["input_ids"][start:])
-                labels = [chat.IGNORE_INDEX] * cut + list(other["labels"][start:])
+                labels = [conversations.IGNORE_INDEX] * cut + list(other["labels"][start:])
                 kl_rows.append(
                     {"input_ids": ids[: self.truncate_at], "labels": labels[: self.truncate_at]}
                 )
@@ -488,9 +490,11 @@ class UnpairedCollator:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
         return {
-            f"{prefix}input_ids": chat._pad(rows, "input_ids", self.pad_token_id, longest),
-            f"{prefix}attention_mask": chat._pad(ones, "m", 0, longest),
-            f"{prefix}labels": chat._pad(rows, "labels", chat.IGNORE_INDEX, longest),
+            f"{prefix}input_ids": conversations._pad(rows, "input_ids", self.pad_token_id, longest),
+            f"{prefix}attention_mask": conversations._pad(ones, "m", 0, longest),
+            f"{prefix}labels": conversations._pad(
+                rows, "labels", conversations.IGNORE_INDEX, longest
+            ),
         }
 
 

@@ -1,7 +1,7 @@
 """Preference pairs for DPO: the layouts users have, read into one form, a prompt conversation
 and two completions of it, the chosen and the rejected.
 
-Pure functions (no model, no loop), as :mod:`recipes.tasks.chat` is for conversations, whose
+Pure functions (no model, no loop), as :mod:`recipes.tasks.conversations` is for conversations, whose
 messages (and checks of them) a pair reuses. Layouts (``task.format``, detected per row by
 default):
 
@@ -32,8 +32,8 @@ from datasets import Dataset
 
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import chat
-from recipes.tasks.chat import Message
+from recipes.tasks import conversations
+from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
@@ -83,8 +83,10 @@ def is_text_pair(row: Mapping[str, Any], fmt: str = "auto") -> bool:
 
 
 def _from_explicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    prompt = chat.turns_of(row, "prompt", "user")
-    chosen, rejected = (chat.turns_of(row, key, "assistant") for key in ("chosen", "rejected"))
+    prompt = conversations.turns_of(row, "prompt", "user")
+    chosen, rejected = (
+        conversations.turns_of(row, key, "assistant") for key in ("chosen", "rejected")
+    )
     return prompt, _after(prompt, chosen), _after(prompt, rejected)
 
 
@@ -96,7 +98,7 @@ def _after(prompt: list[Message], completion: list[Message]) -> list[Message]:
 
 
 def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    chosen, rejected = (chat.turns_of(row, key, None) for key in ("chosen", "rejected"))
+    chosen, rejected = (conversations.turns_of(row, key, None) for key in ("chosen", "rejected"))
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
@@ -113,7 +115,9 @@ def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
 def _from_ultrafeedback(row: Mapping[str, Any]) -> tuple[list[Message], ...] | None:
     instruction = row.get("instruction", row.get("prompt"))
     if not isinstance(instruction, str):
-        raise ValueError(f"field 'instruction' is {chat.kind_of(instruction)}, not a string")
+        raise ValueError(
+            f"field 'instruction' is {conversations.kind_of(instruction)}, not a string"
+        )
     completions = row["completions"]
     if not isinstance(completions, list) or len(completions) < 2:
         raise ValueError("field 'completions' is not a list of at least two completions")
@@ -140,14 +144,14 @@ def _reply(text: str) -> Message:
 
 def _check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
     for key, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        chat.check_roles(turns, key)
+        conversations.check_roles(turns, key)
     if prompt[-1]["role"] == "assistant":
         raise ValueError(
             "the prompt ends with an assistant turn; the completions must start with the reply "
             "they differ in"
         )
     for key, turns in (("chosen", chosen), ("rejected", rejected)):
-        if turns[0]["role"] != "assistant" or not chat.has_reply(turns[0]):
+        if turns[0]["role"] != "assistant" or not conversations.has_reply(turns[0]):
             raise ValueError(f"field {key!r} does not start with an assistant reply")
 
 
@@ -161,13 +165,13 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
 
     def convert(row: Mapping[str, Any]) -> tuple | None:
         pair = to_pair(row, fmt)
-        tools = chat.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = conversations.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         if pair is None:
             ties.append(row)
             return None
         return (*pair, tools, bool(row.get("text")) if normalised else is_text_pair(row, fmt))
 
-    pairs = chat.rows_dataset(
+    pairs = conversations.rows_dataset(
         rows,
         convert,
         COLUMNS,
@@ -183,7 +187,7 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
 
 def read_pairs(path: Path, fmt: str = "auto") -> Dataset | None:
     """A JSON lines or JSON file of pairs (None for other files, read by ``datasets``)."""
-    return chat.read_rows(path, lambda rows: pair_dataset(rows, fmt, str(path)))
+    return conversations.read_rows(path, lambda rows: pair_dataset(rows, fmt, str(path)))
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:

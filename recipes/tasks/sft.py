@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a causal LM on conversations (``task=sft``).
 
 What the task adds to the shared loop: conversations read in the common layouts and rendered
-with a chat template (:mod:`recipes.tasks.chat`), loss on the assistant's tokens only, a
+with a chat template (:mod:`recipes.tasks.conversations`), loss on the assistant's tokens only, a
 length policy, optional packing without cross-talk between the packed conversations, and after
 training greedy answers to a few held-out prompts. Evaluation is the loss and perplexity of the
 held-out conversations' labelled tokens (the assistant's), summed exactly across processes.
@@ -27,7 +27,7 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
-from recipes.tasks import chat
+from recipes.tasks import conversations
 from recipes.tasks.base import (
     SummedLoss,
     Task,
@@ -87,14 +87,14 @@ class SupervisedFineTuning(Task[ChatData]):
         generation: Mapping[str, Any] | GenerationConfig | None,
         text_rows: str,
     ) -> None:
-        if text_rows not in chat.TEXT_ROWS:
+        if text_rows not in conversations.TEXT_ROWS:
             raise ConfigError(
                 f"task.text_rows={text_rows!r}: choose chat (plain-string rows as a user turn and "
                 "an assistant reply, rendered with the chat template) or raw (as text, as TRL)."
             )
-        if format not in chat.FORMATS:
-            raise ConfigError(f"task.format={format!r}: choose {', '.join(chat.FORMATS)}.")
-        if truncation not in chat.TRUNCATION:
+        if format not in conversations.FORMATS:
+            raise ConfigError(f"task.format={format!r}: choose {', '.join(conversations.FORMATS)}.")
+        if truncation not in conversations.TRUNCATION:
             raise ConfigError(
                 f"task.truncation={truncation!r}: choose truncate (cut the end of a long "
                 "conversation) or drop (leave it out)."
@@ -128,17 +128,17 @@ class SupervisedFineTuning(Task[ChatData]):
         template = self._template(tokenizer)
         new_tokens = _add_template_tokens(tokenizer, self.chat_template)
         tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
-        splits = data_lib.load_splits(cfg, lambda path: chat.read_conversations(path, self.format))
-        features, conversations = {}, {}
+        splits = data_lib.load_splits(
+            cfg, lambda path: conversations.read_conversations(path, self.format)
+        )
+        features, dialogues = {}, {}
         for role, split in splits.items():
-            conversations[role] = chat.normalise(split.examples, self.format, split.source)
-            features[role] = self._features(
-                cfg, tokenizer, template, role, split, conversations[role]
-            )
+            dialogues[role] = conversations.normalise(split.examples, self.format, split.source)
+            features[role] = self._features(cfg, tokenizer, template, role, split, dialogues[role])
         train = features["train"]
         if self.packing:
             train = self._pack(train)
-        collator = chat.ChatCollator(tokenizer.pad_token_id)
+        collator = conversations.ChatCollator(tokenizer.pad_token_id)
         return ChatData(
             train=train,
             eval=features["eval"],
@@ -146,7 +146,7 @@ class SupervisedFineTuning(Task[ChatData]):
             eval_collator=collator,
             template=template,
             prompts=_answerable(
-                _held_out_prompts(conversations["eval"], self.num_generations), template
+                _held_out_prompts(dialogues["eval"], self.num_generations), template
             ),
             new_tokens=new_tokens,
             stop_tokens=_end_of_turn(tokenizer, template),
@@ -157,21 +157,23 @@ class SupervisedFineTuning(Task[ChatData]):
         plain-text rows need none, and a row of messages is refused when it is met."""
         if self.text_rows == "raw" and not self.chat_template and not tokenizer.chat_template:
             return None
-        return chat.resolve_chat_template(tokenizer, self.chat_template)
+        return conversations.resolve_chat_template(tokenizer, self.chat_template)
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
         """The prompts of ``data.predict_file``: conversations (any layout training reads, the
         answer's field optional) or TRL's prompt-only rows; a conversation that ends with an
         assistant reply is asked what comes before it, and the reply is kept as its reference."""
-        template = chat.resolve_chat_template(tokenizer, self.chat_template)
+        template = conversations.resolve_chat_template(tokenizer, self.chat_template)
         new_tokens = _add_template_tokens(tokenizer, self.chat_template)
         tokenizer.chat_template = template
-        fmt = self.format if self.format in chat.FORMATS else "auto"  # DPO's layouts are pairs
+        fmt = (
+            self.format if self.format in conversations.FORMATS else "auto"
+        )  # DPO's layouts are pairs
         split = data_lib.load_predict_file(
-            cfg, lambda path: chat.read_conversations(path, fmt, prompt=True)
+            cfg, lambda path: conversations.read_conversations(path, fmt, prompt=True)
         )
         prompts = []
-        for row in chat.normalise(split.examples, fmt, split.source, prompt=True):
+        for row in conversations.normalise(split.examples, fmt, split.source, prompt=True):
             messages, reference = row["messages"], None
             if messages[-1]["role"] == "assistant":
                 messages, reference = messages[:-1], messages[-1]["content"]
@@ -199,7 +201,7 @@ class SupervisedFineTuning(Task[ChatData]):
         """``generations.jsonl``: per prompt, its messages, the answer generated with the chat
         template (greedy, or sampled with ``generation.do_sample``) and the reference, if any."""
         prompts = [
-            chat.render(tokenizer, data.template, p["messages"], True, p["tools"])
+            conversations.render(tokenizer, data.template, p["messages"], True, p["tools"])
             for p in data.prompts
         ]
         answers = generation_lib.complete(
@@ -227,18 +229,20 @@ class SupervisedFineTuning(Task[ChatData]):
         template: str | None,
         role: str,
         split: data_lib.Split,
-        conversations: Dataset,
+        dialogues: Dataset,
     ) -> Dataset:
         """Token ids and labels of each conversation, length policy applied (cached on disk)."""
-        first = conversations[0]
+        first = dialogues[0]
         if not (first["text"] and self.text_rows == "raw"):
             where = f"{split.source} {first['place']}"
             self._check_has_template(template, where)
-            chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
+            conversations.check_template(
+                tokenizer, template, first["messages"], where, first["tools"]
+            )
         _, built = self._tokenized(
-            cfg, tokenizer, template, role, split, conversations, "sft", FEATURES_VERSION
+            cfg, tokenizer, template, role, split, dialogues, "sft", FEATURES_VERSION
         )
-        self._report(role, conversations, built)
+        self._report(role, dialogues, built)
         return built.remove_columns(["cut"])
 
     def _tokenized(
@@ -295,16 +299,18 @@ class SupervisedFineTuning(Task[ChatData]):
         for messages, tools, turns, text, place in zip(*(batch[k] for k in names), strict=True):
             if text and self.text_rows == "raw":
                 prompt, completion = (m["content"] for m in messages)
-                whole = chat.tokenize_text(tokenizer, prompt, [completion], self.train_on_prompt)[0]
+                whole = conversations.tokenize_text(
+                    tokenizer, prompt, [completion], self.train_on_prompt
+                )[0]
             else:
                 self._check_has_template(template, f"{source} {place}")
                 try:
-                    whole = chat.tokenize_conversation(
+                    whole = conversations.tokenize_conversation(
                         tokenizer, template, messages, self.train_on_prompt, tools, turns
                     )
-                except (chat.TemplateMismatch, chat.RowError) as err:
-                    raise chat.refusal(err, f"{source} {place}") from None
-            fitted = chat.fit_length(whole, self.max_seq_length, self.truncation)
+                except (conversations.TemplateMismatch, conversations.RowError) as err:
+                    raise conversations.refusal(err, f"{source} {place}") from None
+            fitted = conversations.fit_length(whole, self.max_seq_length, self.truncation)
             if fitted is not None:
                 out["input_ids"].append(fitted["input_ids"])
                 out["labels"].append(fitted["labels"])
@@ -316,18 +322,18 @@ class SupervisedFineTuning(Task[ChatData]):
             raise ConfigError(
                 f"{place} holds messages, which need a chat template, and the tokenizer has none "
                 "(task.text_rows=raw reads only plain-string rows without one); name one with "
-                f"task.chat_template={'|'.join(chat.CHAT_TEMPLATES)} or a Jinja file."
+                f"task.chat_template={'|'.join(conversations.CHAT_TEMPLATES)} or a Jinja file."
             )
 
-    def _report(self, role: str, conversations: Dataset, built: Dataset) -> None:
-        dropped = len(conversations) - len(built)
+    def _report(self, role: str, dialogues: Dataset, built: Dataset) -> None:
+        dropped = len(dialogues) - len(built)
         cut = sum(built["cut"])
         log.info(
             "%s: %d conversations -> %d features; longer than task.max_seq_length=%d: %d "
             "truncated, %d dropped (task.truncation=%s; a truncated conversation left with no "
             "assistant token is dropped too)",
             role,
-            len(conversations),
+            len(dialogues),
             len(built),
             self.max_seq_length,
             cut,
@@ -351,7 +357,7 @@ class SupervisedFineTuning(Task[ChatData]):
         return f"{role} data {source}: every {what} ({rows}) was dropped {why}."
 
     def _pack(self, train: Dataset) -> Dataset:
-        packed = Dataset.from_dict(chat.packed_rows(train, self.max_seq_length))
+        packed = Dataset.from_dict(conversations.packed_rows(train, self.max_seq_length))
         tokens = sum(len(ids) for ids in train["input_ids"])
         log.info(
             "packing: %d conversations in %d rows of at most %d tokens (%.1f%% filled)",
@@ -372,7 +378,7 @@ class SupervisedFineTuning(Task[ChatData]):
                 f"{positions} positions; set task.max_seq_length={positions} or less."
             )
         self._attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        if self.packing and (reason := chat.packing_unsupported_reason(self._attn)):
+        if self.packing and (reason := conversations.packing_unsupported_reason(self._attn)):
             raise ConfigError(
                 f"task.packing=true: {reason}; use model.attn_implementation=sdpa (or eager), "
                 "or task.packing=false."
@@ -382,14 +388,14 @@ class SupervisedFineTuning(Task[ChatData]):
         """The model on a batch without its labels or a KV cache. Packed rows get their
         block-diagonal mask, or under flash attention run as one row (:func:`padding_free`)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        if "position_ids" in inputs and self._attn in chat.POSITION_ID_ATTENTION:
+        if "position_ids" in inputs and self._attn in conversations.POSITION_ID_ATTENTION:
             rows, length = inputs["input_ids"].shape
             out = model(**padding_free(inputs), use_cache=False)
             out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
             return out
         if "position_ids" in inputs:
             dtype = next(model.parameters()).dtype
-            inputs["attention_mask"] = chat.block_causal_mask(
+            inputs["attention_mask"] = conversations.block_causal_mask(
                 inputs["position_ids"], self._attn, dtype
             )
         return model(**inputs, use_cache=False)
@@ -437,7 +443,7 @@ class SupervisedFineTuning(Task[ChatData]):
         if not data.prompts:
             return {}
         prompts = [
-            chat.render(tokenizer, data.template, p["messages"], True, p["tools"])
+            conversations.render(tokenizer, data.template, p["messages"], True, p["tools"])
             for p in data.prompts
         ]
         greedy = GenerationConfig(batch_size=self.generation.batch_size)
@@ -488,7 +494,7 @@ def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     Flash kernels get no mask: transformers finds where conversations start from
     ``position_ids`` restarting at 0, but only in a batch of one row (``_is_packed_sequence``);
     a (2, L) batch would read as two plain sequences, and attention would cross the
-    conversations packed in each. Row padding (position 0) becomes one-token sequences with no
+    dialogues packed in each. Row padding (position 0) becomes one-token sequences with no
     label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
     return {k: v.reshape(1, -1) for k, v in inputs.items()}
 
@@ -531,8 +537,8 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str | None) -> li
     if template is None:
         return []
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    labels = chat.tokenize_conversation(tokenizer, template, probe)["labels"]
-    labelled = [t for t in labels if t != chat.IGNORE_INDEX]
+    labels = conversations.tokenize_conversation(tokenizer, template, probe)["labels"]
+    labelled = [t for t in labels if t != conversations.IGNORE_INDEX]
     while labelled and not tokenizer.decode(labelled[-1]).strip():
         labelled.pop()
     added = getattr(tokenizer, "added_tokens_decoder", {})
@@ -549,11 +555,11 @@ def _answerable(prompts: list[dict[str, Any]], template: str | None) -> list[dic
     return prompts
 
 
-def _held_out_prompts(conversations: Dataset, count: int) -> list[dict[str, Any]]:
+def _held_out_prompts(dialogues: Dataset, count: int) -> list[dict[str, Any]]:
     """The first ``count`` evaluation conversations, cut before their last assistant turn with
     text (one that opens the conversation leaves no prompt, so that conversation is passed)."""
     prompts = []
-    for row in conversations:
+    for row in dialogues:
         if len(prompts) >= count:
             break
         messages = row["messages"]

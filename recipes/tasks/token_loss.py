@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from recipes.tasks.chat import IGNORE_INDEX
+from recipes.tasks.conversations import IGNORE_INDEX
 
 # fp32 logits per chunk (64 MiB: 341 positions of a 49k vocabulary, 128 of a 128k one): the
 # chunk's temporaries (its upcast, log-softmax or softmax, the cast back) stay small next to the
 # logits, and on CPU they are large enough for glibc to map and unmap each one; 16 MiB chunks,
 # kept on its heap once freed, raised the peak of a 4096-token step by 600 MB
-# (scripts/benchmark.py token-loss --block-size 4096 --chunk-elements 4194304).
+# (scripts/throughput.py token-loss --block-size 4096 --chunk-elements 4194304).
 CHUNK_ELEMENTS = 2**24
 
 

@@ -32,8 +32,8 @@ from datasets import Dataset
 
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import chat, preference
-from recipes.tasks.chat import Message
+from recipes.tasks import conversations, preference
+from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
@@ -69,16 +69,16 @@ def to_rows(
         raise ValueError("field 'completion' is missing (text or a list of messages)")
     if (isinstance(completion, str) and not completion.strip()) or completion == []:
         raise ValueError("field 'completion' is empty, so there is nothing to judge")
-    prompt = chat.turns_of(row, "prompt", "user")
-    turns = preference._after(prompt, chat.turns_of(row, "completion", "assistant"))
-    chat.check_roles(prompt, "prompt")
-    chat.check_roles(turns, "completion")
+    prompt = conversations.turns_of(row, "prompt", "user")
+    turns = preference._after(prompt, conversations.turns_of(row, "completion", "assistant"))
+    conversations.check_roles(prompt, "prompt")
+    conversations.check_roles(turns, "completion")
     if prompt[-1]["role"] == "assistant":
         raise ValueError(
             "the prompt ends with an assistant turn; the completion must start with the reply "
             "that is judged"
         )
-    if turns[0]["role"] != "assistant" or not chat.has_reply(turns[0]):
+    if turns[0]["role"] != "assistant" or not conversations.has_reply(turns[0]):
         raise ValueError(
             "field 'completion' does not start with an assistant reply (text or tool calls)"
         )
@@ -94,7 +94,7 @@ def _label(row: Mapping[str, Any]) -> bool:
         return label
     hint = " (a number may be a score or a class id; write true or false)"
     raise ValueError(
-        f"field 'label' is {chat.kind_of(label)} {label!r}, not a boolean: true (desirable) or "
+        f"field 'label' is {conversations.kind_of(label)} {label!r}, not a boolean: true (desirable) or "
         f"false (undesirable){hint if isinstance(label, (int, float)) else ''}"
     )
 
@@ -107,17 +107,17 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
     groups: list[tuple[list[tuple], str | None]] = []  # each source row's rows, and its tools
 
     def convert(row: Mapping[str, Any]) -> tuple:
-        tools = chat.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = conversations.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         if normalised:
-            prompt = [chat.parse_message(m, "prompt") for m in row["prompt"]]
-            completion = [chat.parse_message(m, "completion") for m in row["completion"]]
+            prompt = [conversations.parse_message(m, "prompt") for m in row["prompt"]]
+            completion = [conversations.parse_message(m, "completion") for m in row["completion"]]
             found = [(prompt, completion, bool(row["label"]), bool(row["text"]))]
         else:
             found = to_rows(row, fmt)
         groups.append((found, tools))
         return (len(groups) - 1,)
 
-    kept = chat.rows_dataset(
+    kept = conversations.rows_dataset(
         rows,
         convert,
         ("group", "place"),
@@ -141,7 +141,7 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
 
 def read_unpaired(path: Path, fmt: str = "auto") -> Dataset | None:
     """A JSON lines or JSON file of rows (None for other files, read by ``datasets``)."""
-    return chat.read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
+    return conversations.read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:

