@@ -361,16 +361,27 @@ ConfigStore.instance().store(name="schema", node=TrainSchema)
 
 @dataclass
 class Settings:
-    """The validated, typed view of the parts of the config the loop reads directly."""
+    """The validated, typed view of the whole run: what the loop, the modes and the task read.
+    The composed config itself is kept only as ``resolved``: the dict written to config.yaml
+    and to the trackers."""
 
     trainer: TrainerConfig
     model: ModelConfig
     data: DataConfig
     logger: LoggerConfig
+    task: Any = None  # recipes.tasks.configs.TaskConfig: the task's own dataclass
     peft: Any = None  # recipes.adapters.PeftSettings: full fine-tuning or LoRA
+    # The optimizer's _target_ and keywords (any torch optimizer; AdamW's ranges checked) and
+    # the schedule.
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scheduler: SchedulerConfig | None = None
     mode: Mode = Mode.train
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    output_dir: str = ""
+    resume: str | None = None  # null, auto, or a checkpoint / run folder
+    recipe: str | None = None  # conf/recipe/ option the run was composed with (the run folder's)
+    resolved: dict[str, Any] = field(default_factory=dict)
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -488,7 +499,37 @@ def validate(cfg: DictConfig) -> Settings:
     from recipes import adapters  # it builds on this module
 
     settings.peft = adapters.settings(cfg.get("peft"))
+    settings.task = task_config(cfg)
+    if isinstance(cfg.get("optimizer"), DictConfig):
+        settings.optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    if "scheduler" in cfg:
+        settings.scheduler = _typed(cfg, "scheduler", SchedulerConfig)
+    settings.output_dir = str(cfg.get("output_dir", ""))
+    settings.resume = cfg.get("resume")
+    settings.resolved = OmegaConf.to_container(cfg, resolve=True)
     return settings
+
+
+def task_config(cfg: DictConfig) -> Any:
+    """``task.*`` as its typed, checked dataclass (:mod:`recipes.tasks.configs`)."""
+    from recipes.tasks.configs import TaskConfig, config_classes
+
+    node = cfg.get("task")
+    if node is None:
+        raise ConfigError("task: no task is configured; choose one with task=<name> (conf/task/).")
+    try:
+        value = OmegaConf.to_object(node)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"task.{getattr(err, 'full_key', '') or ''}: {first_line(err)}") from None
+    if not isinstance(value, TaskConfig):
+        target = value.get("_target_") if isinstance(value, dict) else None
+        names = ", ".join(f"base_{n}" for n in sorted(config_classes()))
+        raise ConfigError(
+            f"task: the task's YAML ({target or 'no _target_'}) extends none of the typed task "
+            f"configs; start it with `defaults: [base_<task>, _self_]` ({names})."
+        )
+    value.validate()
+    return value
 
 
 def _mode(value: Any) -> Mode:
@@ -947,3 +988,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("package_dir"):
         OmegaConf.register_new_resolver("package_dir", _package_dir)
+
+
+# The typed task configs (task/base_<name>): registered with the schema, before any compose.
+from recipes.tasks.configs import register as _register_task_configs  # noqa: E402
+
+_register_task_configs()

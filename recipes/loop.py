@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from recipes import adapters, checkpoint, device, runs, serving, tracking
+from recipes import adapters, checkpoint, device, evaluation, runs, serving, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
 from recipes.faults import (
@@ -59,7 +59,17 @@ from recipes.model import (
 )
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
-from recipes.tasks.base import SummedLoss, Task, TaskData
+from recipes.tasks.base import (
+    Averaging,
+    PadsToLength,
+    PadsToMultiple,
+    RunContext,
+    Seeding,
+    SeedsRows,
+    SummedLoss,
+    Task,
+    TaskData,
+)
 from recipes.tracking import MetricsLogger
 
 if TYPE_CHECKING:
@@ -78,7 +88,7 @@ def train(cfg: DictConfig, settings: Settings) -> RunResult:
         Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
         PeerFailed: another rank died or hung; already reported on stderr.
     """
-    task = instantiate(cfg, "task")  # checks its own settings before any heavy work
+    task = build_task(settings.task)
     with peer_failures_reported(cfg.output_dir):  # a rank that never joined
         accelerator = _build_accelerator(cfg, settings)
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)
@@ -113,6 +123,7 @@ class Trainer:
         self.settings = settings
         self.trainer_cfg = settings.trainer
         self.task = task
+        self.loss_shape = task.loss_shape()  # how its loss averages (tasks/base.py)
         self.accelerator = accelerator
         self.stop = stop
         self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
@@ -143,7 +154,7 @@ class Trainer:
         self._setup_data_loaders()
         self._setup_optimizer()
         self.task.before_training(
-            self.model, self.data, self.accelerator, self.trainer_cfg.per_device_eval_batch_size
+            self.model, self.data, self.run_context, self.trainer_cfg.per_device_eval_batch_size
         )
         self._setup_state()
 
@@ -163,7 +174,8 @@ class Trainer:
             accelerator.distributed_type,
         )
         _check_grad_scaler(accelerator)
-        if self.task.sums_loss_terms and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        summed = self.loss_shape.averaging == Averaging.sum
+        if summed and accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ConfigError(
                 f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
                 "which needs the gradients in the parameters; launch with DDP or FSDP, not "
@@ -214,6 +226,9 @@ class Trainer:
         self.task.check_model(self.model)
         fit_to_tokenizer(self.model, self.tokenizer, self.data.new_tokens, self.data.stop_tokens)
         self.model = self._adapt(self.model)
+        self.run_context = RunContext(
+            self.accelerator, self.tokenizer, self.output_dir, self.settings.generation
+        )
 
     def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
         """LoRA adapters (``peft=lora``) and gradient checkpointing, as configured."""
@@ -229,10 +244,10 @@ class Trainer:
             adapters.enable_gradient_checkpointing(model)
         return model
 
-    def _padding(self) -> DataCollatorWithPadding:
+    def _padding(self, data: TaskData) -> DataCollatorWithPadding:
         """The collator of a task without its own: each batch padded to its longest row (to
-        the task's max_seq_length with trainer.padding=max_length), to trainer.pad_to_multiple_of."""
-        fixed = self.task.max_seq_length if self.trainer_cfg.padding == "max_length" else None
+        the data's max_length with trainer.padding=max_length), to trainer.pad_to_multiple_of."""
+        fixed = data.max_length if self.trainer_cfg.padding == "max_length" else None
         return DataCollatorWithPadding(
             self.tokenizer,
             padding="max_length" if fixed else "longest",
@@ -251,19 +266,20 @@ class Trainer:
         return DataLoader(
             data.eval,
             batch_size=self.trainer_cfg.per_device_eval_batch_size,
-            collate_fn=data.eval_collator or self._padding(),
+            collate_fn=data.eval_collator or self._padding(data),
             **self._loader_kwargs(),
         )
 
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
-        fixed = self.task.max_seq_length if trainer_cfg.padding == "max_length" else None
+        fixed = data.max_length if trainer_cfg.padding == "max_length" else None
         pad_task_batches(data, trainer_cfg.pad_to_multiple_of, fixed)
-        self.collator = data.train_collator or self._padding()
+        self.collator = data.train_collator or self._padding(data)
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
         varied = lengths is not None and len(lengths) > 0 and lengths.min() < lengths.max()
-        if varied and trainer_cfg.sub_batches > 1 and self.task.splits_exactly:
+        splits = self.loss_shape.averaging == Averaging.row_mean
+        if varied and trainer_cfg.sub_batches > 1 and splits:
             self.collator = data_lib.SubBatchCollator(
                 self.collator, trainer_cfg.sub_batches, trainer_cfg.pad_to_multiple_of
             )
@@ -272,15 +288,15 @@ class Trainer:
                 "(trainer.sub_batches; the same batches and gradient, less padding)",
                 trainer_cfg.sub_batches,
             )
-        if data.random_collator:
+        if data.seeding == Seeding.batch:
             self.collator = SeededCollator(self.collator, trainer_cfg.seed)
+        elif data.seeding == Seeding.row and not isinstance(self.collator, SeedsRows):
+            raise TypeError(f"{type(self.task).__name__}: Seeding.row needs a SeedsRows collator")
         self.sampler = self._length_grouped_sampler(lengths) if varied else None
-        if getattr(self.collator, "repeat_steps", 1) > 1:  # GRPO's num_iterations
+        if data.repeat_steps > 1:
             self.sampler = data_lib.RepeatedStepsSampler(
-                len(data.train), self.global_batch, self.collator.repeat_steps, trainer_cfg.seed
+                len(data.train), self.global_batch, data.repeat_steps, trainer_cfg.seed
             )
-        if getattr(self.collator, "seeds_by_row", False):  # GRPO's sampling seeds
-            self.collator.seed = trainer_cfg.seed
         self.train_loader = DataLoader(
             data.train,
             batch_size=trainer_cfg.per_device_train_batch_size,
@@ -423,7 +439,7 @@ class Trainer:
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
         saved = state.window[accelerator.process_index] if state.window else None
-        self.window = _Window.fresh(accelerator.device, self.task.logged_stats, saved)
+        self.window = _Window.fresh(accelerator.device, self.loss_shape.stats, saved)
         self.stopwatch = Stopwatch()
         self.step_loss = torch.zeros((), device=accelerator.device)
         # Summed losses (SummedLoss): their terms this step, and the constant each micro-batch's
@@ -431,7 +447,7 @@ class Trainer:
         # keeps the size of a mean's for the fp16 scaler); _optimizer_step corrects it exactly.
         self.step_terms = torch.zeros((), device=accelerator.device)
         self.sum_scale = float(
-            self.trainer_cfg.per_device_train_batch_size * self.task.terms_per_example
+            self.trainer_cfg.per_device_train_batch_size * self.loss_shape.terms_per_example
         )
         self.grad_norm: torch.Tensor | None = None
         self.stop_agreed = False
@@ -461,10 +477,8 @@ class Trainer:
         if state.steps_in_epoch >= self.steps_per_epoch:  # resumed at an epoch's last step
             state.epoch, state.steps_in_epoch = state.epoch + 1, 0
         self.train_loader.set_epoch(state.epoch)
-        if isinstance(self.collator, SeededCollator) or getattr(
-            self.collator, "seeds_by_row", False
-        ):
-            self.collator.epoch = state.epoch
+        if isinstance(self.collator, SeedsRows):
+            self.collator.start_epoch(self.trainer_cfg.seed, state.epoch)
         # The position in micro-batches of this process (also right when a resumed run reaches
         # the same global batch with other processes / accumulation settings).
         state.batches_in_epoch = state.steps_in_epoch * self.trainer_cfg.gradient_accumulation_steps
@@ -503,7 +517,8 @@ class Trainer:
         processes after the last sub-batch only."""
         accelerator, rows = self.accelerator, sum(len(p["input_ids"]) for p in pieces)
         logged = torch.zeros((), device=accelerator.device)
-        terms: torch.Tensor | float = logged.clone() if self.task.sums_loss_terms else 1.0
+        summed = self.loss_shape.averaging == Averaging.sum
+        terms: torch.Tensor | float = logged.clone() if summed else 1.0
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             with nullcontext() if last else accelerator.no_sync(self.model):
@@ -549,7 +564,7 @@ class Trainer:
     def _optimizer_step(self) -> None:
         """Clip, learn from every process whether the step is finite and whether to stop, then
         update the weights (unless the step is not finite)."""
-        if self.task.sums_loss_terms:
+        if self.loss_shape.averaging == Averaging.sum:
             self._normalise_summed_gradients()
         self.grad_norm = self.accelerator.clip_grad_norm_(
             self.model.parameters(), self.trainer_cfg.max_grad_norm or math.inf
@@ -649,7 +664,7 @@ class Trainer:
         self.progress.set_postfix(
             loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
         )
-        self.window = _Window.fresh(self.accelerator.device, self.task.logged_stats)
+        self.window = _Window.fresh(self.accelerator.device, self.loss_shape.stats)
         self.stopwatch.restart()
 
     def _window_metrics(self, elapsed: float) -> dict[str, float]:
@@ -687,19 +702,14 @@ class Trainer:
         """Scores of the model at ``step`` (logged), and whether they are the best so far."""
         started = time.perf_counter()
         with self._stoppable():
-            scores = self.task.evaluate(
-                self.model,
-                self._polled(self.eval_loader),
-                self.data,
-                self.accelerator,
-                self.output_dir,
+            scores = evaluation.evaluate(
+                self.task, self.model, self._polled(self.eval_loader), self.data, self.run_context
             )
         scores = {f"eval/{k}": v for k, v in scores.items()}
         scores["eval/runtime_s"] = time.perf_counter() - started
         # samples seen: the charts' other x axis
         self.metrics.log({**scores, "train/samples_seen": round(self.state.train_samples)}, step)
         log.info("eval at step %d: %s", step, _format_metrics(scores))
-        self.model.train()
         self.state.last_eval_step = step
         if step > 0:  # what results.json reports if the run stops after it (and resumes)
             self.state.last_scores = scores
@@ -787,7 +797,6 @@ class Trainer:
             with self.stop.at_once(self.accelerator.num_processes == 1):
                 yield
         except StopNow:
-            self.model.train()
             self._save_and_stop()
 
     def _stop_if_asked(self) -> None:
@@ -872,9 +881,9 @@ class Trainer:
         fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
         pad_task_batches(data, self.trainer_cfg.pad_to_multiple_of)
         model, loader = accelerator.prepare(model, self._eval_loader(data))
-        report = self.task.predict(
-            model, self.tokenizer, loader, data, accelerator, self.output_dir, settings.generation
-        )
+        run = RunContext(accelerator, self.tokenizer, self.output_dir, settings.generation)
+        with evaluation.eval_mode(model):
+            report = self.task.predict(model, loader, data, run)
         result = RunResult(
             output_dir=self.output_dir,
             metrics={},
@@ -952,10 +961,8 @@ class Trainer:
     def finish(self, final: dict[str, float]) -> RunResult:
         """The task's last words, the final model, the results file and the curves."""
         accelerator, state = self.accelerator, self.state
-        with self._stoppable():
-            extra = self.task.after_training(
-                self.model, self.tokenizer, self.data, accelerator, self.output_dir
-            )
+        with self._stoppable(), evaluation.eval_mode(self.model):
+            extra = self.task.after_training(self.model, self.data, self.run_context)
             # Several processes do not poll in the last words: a stop asked for there is acted
             # on here, before final/.
             self._stop_if_asked()
@@ -964,7 +971,7 @@ class Trainer:
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
             final_dir = _save_final(accelerator, self.model, self.tokenizer, self.output_dir, *base)
-            if accelerator.is_main_process and getattr(self.data, "template", None):
+            if accelerator.is_main_process and self.data.template:
                 serving.log_check(final_dir)  # a chat model: what vLLM would load
         benchmarked = self._benchmark_final() if self.benchmarks else {}
         if benchmarked:
@@ -1201,15 +1208,21 @@ def _check_fsdp_for_lora(accelerator: Accelerator) -> None:
 
 def pad_task_batches(data: TaskData, multiple: int | None, fixed: int | None = None) -> None:
     """``trainer.pad_to_multiple_of``, and ``trainer.padding=max_length``'s length ``fixed``, for
-    a task's own collators that pad, as for the default one: their ``pad_to_multiple_of``,
-    ``padding`` and ``max_length``, as transformers' collators name them."""
+    a task's own collators that pad (:class:`PadsToMultiple`, :class:`PadsToLength`), as for
+    the default one."""
     for collator in (data.train_collator, data.eval_collator):
-        if hasattr(collator, "pad_to_multiple_of"):
+        if isinstance(collator, PadsToMultiple):
             collator.pad_to_multiple_of = multiple
-        if fixed is not None and hasattr(collator, "max_length"):
+        if fixed is not None and isinstance(collator, PadsToLength):
             collator.max_length = fixed
-            if hasattr(collator, "padding"):
-                collator.padding = "max_length"
+            collator.padding = "max_length"
+
+
+def build_task(config: Any) -> Task:
+    """The task ``config`` (a typed task config, recipes/tasks/configs) describes."""
+    from hydra.utils import get_class
+
+    return get_class(config._target_)(config)
 
 
 def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:

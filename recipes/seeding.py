@@ -31,6 +31,10 @@ class SeededCollator:
         self.seed = seed
         self.epoch = 0
 
+    def start_epoch(self, seed: int, epoch: int) -> None:
+        """The loop's call before each epoch (``recipes.tasks.base.SeedsRows``)."""
+        self.seed, self.epoch = seed, epoch
+
     def __call__(self, features: list[dict]) -> dict:
         digest = 0
         for feature in features:

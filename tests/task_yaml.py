@@ -1,4 +1,5 @@
-"""Tasks built from ``conf/task/<name>.yaml``, the one place their defaults are written.
+"""Tasks built from their typed config (``recipes/tasks/configs``), where their defaults are
+written, as train.py builds them from ``conf/task/<name>.yaml`` (which extends that config).
 
 Its own module, free of conftest's side effects (the offline hub settings), so that scripts
 (benchmarks) build their tasks the same way as the tests, which import it through conftest.
@@ -6,21 +7,25 @@ Its own module, free of conftest's side effects (the offline hub settings), so t
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from recipes.config import instantiate
+import recipes.config  # noqa: F401  (registers the task configs)
+from recipes.tasks.configs import config_classes
 
-TASK_CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+
+def task_config(name: str, **overrides: Any) -> Any:
+    """The checked config of ``task=<name>`` with ``overrides`` on top (a key the config lacks
+    is refused, as on the command line)."""
+    merged = OmegaConf.merge(OmegaConf.structured(config_classes()[name]), overrides)
+    config = OmegaConf.to_object(merged)
+    config.validate()
+    return config
 
 
 def make_task(name: str, **overrides: Any) -> Any:
-    """The task ``conf/task/<name>.yaml`` builds, with ``overrides`` on top, as train.py builds it
-    (a key the YAML lacks is refused, as on the command line)."""
-    task_cfg = OmegaConf.load(TASK_CONF / f"{name}.yaml")
-    OmegaConf.set_struct(task_cfg, True)
-    # A task that reads the run's generation.* (``generation: ${generation}``) gets its defaults.
-    root = {"task": OmegaConf.merge(task_cfg, overrides), "generation": {}}
-    return instantiate(OmegaConf.create(root), "task")
+    """The task ``task=<name>`` builds, with ``overrides`` on top."""
+    from recipes.loop import build_task
+
+    return build_task(task_config(name, **overrides))

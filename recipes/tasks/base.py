@@ -1,22 +1,45 @@
 """The contract between a task and the shared loop: fill in :class:`Task`, and nothing else.
 
-A task (``conf/task/*.yaml`` names its class and holds its settings' defaults, the only place
-they are written: the constructor takes them as required keywords) is one small subclass of
-:class:`Task`. It must give:
+A task is one small subclass of :class:`Task` and a typed config of its settings (a dataclass
+in :mod:`recipes.tasks.configs`, whose fields hold their defaults, and whose ``RANGES`` and
+``check`` refuse bad values before anything is built). The loop builds it as
+``TaskClass(config)``; the task reads its settings from ``self.args``.
+
+What a task must give:
 
 * ``auto_model_class``: the ``transformers`` auto class of the model head it trains;
-* ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features, plus
-  whatever the task learnt from its data (label names, the windows answers are read from), in a
-  :class:`TaskData` subclass of its own;
-* ``evaluate(model, loader, data, accelerator, output_dir) -> dict``: the scores of the model.
+* ``build_data(data_cfg, tokenizer) -> TaskData``: model-ready train / evaluation features, how
+  to batch and draw them (:class:`TaskData`), and whatever the task learnt from its data (label
+  names, the windows answers are read from) in a :class:`TaskData` subclass of its own;
+* its evaluation, one of two ways:
 
-and may change the defaults of ``main_metric`` / ``greater_is_better`` (the number that ranks
-checkpoints; a task may settle ``main_metric`` in ``build_data``, as a GLUE task does),
-``max_seq_length``, ``settings()``, ``model_kwargs(data)``, ``check_model(model)``,
-``before_training(...)``, ``loss(model, batch)`` and ``after_training(...)``. The loop hands the data that ``build_data``
-returned back to ``model_kwargs``, ``evaluate`` and ``after_training``: a task keeps no hidden state between them.
-A task that answers new rows (``mode=predict``) also gives ``build_predict_data(data_cfg,
-tokenizer)`` and ``predict(...)``, which get the same hand-back.
+  - per batch (most tasks): ``eval_step(model, batch) -> {name: tensor}``, one row per example,
+    and ``score(rows, data, run) -> metrics``. The loop switches the model to eval mode, runs
+    ``eval_step`` under ``torch.no_grad``, gathers the rows of every process (without the
+    duplicates that pad the last batch), calls ``score`` on the main process with the
+    concatenated rows, and gives every process its metrics;
+  - whole (tasks that evaluate by generating, or whose rows do not stack): ``evaluate(model,
+    loader, data, run) -> metrics``, returned on the main process at least. The loop still
+    owns the eval / train mode switch, no_grad and the broadcast.
+
+What a task may change:
+
+* ``main_metric`` / ``greater_is_better``: the number that ranks checkpoints (a task may settle
+  ``main_metric`` in ``build_data``, as a GLUE task does);
+* ``loss(model, batch)`` and ``loss_shape()``: the model's own mean loss by default; a mean of
+  per-row values (which a batch split by rows keeps), or a :class:`SummedLoss` whose terms the
+  loop weighs across the optimizer step (:class:`LossShape`);
+* ``model_kwargs(data)``, ``check_model(model)``, ``before_training(model, data, run)``,
+  ``after_training(model, data, run)``;
+* ``build_predict_data(data_cfg, tokenizer)`` and ``predict(model, loader, data, run)`` for
+  ``mode=predict``.
+
+The loop hands the data that ``build_data`` returned back to every later call, and a
+:class:`RunContext` (the accelerator, tokenizer, run folder and ``generation.*``) to the calls
+that need the run: a task keeps no hidden state between them. The one exception is declared:
+the parts a task builds in ``before_training`` for training itself (a reference policy, a rollout
+buffer) live in attributes of their own and are checkpointed through ``before_training``'s
+``run.accelerator.register_for_checkpointing``.
 """
 
 from __future__ import annotations
@@ -25,8 +48,9 @@ import abc
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -39,13 +63,51 @@ from recipes.log import get_logger
 
 if TYPE_CHECKING:
     from recipes.config import DataConfig, GenerationConfig
+    from recipes.tasks.configs import TaskConfig
 
 log = get_logger(__name__)
 
 
+class Seeding(str, Enum):
+    """How the training collator's random choices are seeded (see :class:`TaskData`).
+
+    none: the collator draws nothing. batch: it draws (MLM masking); the loop wraps it so each
+    batch's draws come from the run's seed, the epoch and the batch's content. row: it draws per
+    row from (seed, epoch, row) itself (:class:`SeedsRows`: sampled completions)."""
+
+    none = "none"
+    batch = "batch"
+    row = "row"
+
+
+@runtime_checkable
+class SeedsRows(Protocol):
+    """A training collator of ``Seeding.row``: the loop tells it the run's seed and the epoch
+    before each epoch."""
+
+    def start_epoch(self, seed: int, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class PadsToMultiple(Protocol):
+    """A task's own collator that pads: the loop sets ``trainer.pad_to_multiple_of`` on it, as
+    on transformers' collators (same attribute name)."""
+
+    pad_to_multiple_of: int | None
+
+
+@runtime_checkable
+class PadsToLength(Protocol):
+    """A task's own collator that can pad to one length: with ``trainer.padding=max_length`` the
+    loop sets ``padding="max_length"`` and ``max_length`` (transformers' names)."""
+
+    padding: Any
+    max_length: int | None
+
+
 @dataclass
 class TaskData:
-    """Model-ready features and how to batch them.
+    """Model-ready features and how the loop batches and draws them.
 
     A collator of None pads each batch to its longest sequence (``DataCollatorWithPadding``).
     """
@@ -54,14 +116,22 @@ class TaskData:
     eval: Dataset
     train_collator: Callable[[list[dict]], dict] | None = None
     eval_collator: Callable[[list[dict]], dict] | None = None
-    # The train collator draws random numbers (MLM masking): the loop seeds it per batch.
-    random_collator: bool = False
+    seeding: Seeding = Seeding.none
+    # Each global batch is trained on for this many optimizer steps in a row (the sampler
+    # repeats its rows; GRPO's num_iterations): the run's steps count every repeat.
+    repeat_steps: int = 1
+    # The length every batch is padded to with trainer.padding=max_length; None where the
+    # features have no such length (packed blocks all have one length already).
+    max_length: int | None = None
     # Token ids the task added to the tokenizer (a chat template's special tokens): the loop
     # gives them embedding rows and trains those rows, under LoRA too.
     new_tokens: list[int] = field(default_factory=list)
     # Tokens that end a generated answer besides EOS (a chat template's end of turn): saved as
     # the model's generation_config.eos_token_id, which serving stacks stop on.
     stop_tokens: list[int] = field(default_factory=list)
+    # The chat template the model learns to answer in (saved with its tokenizer): final/ of such
+    # a model is checked the way vLLM serves it.
+    template: str | None = None
 
 
 DataT = TypeVar("DataT", bound=TaskData)
@@ -77,57 +147,106 @@ class SummedLoss:
 
     total: torch.Tensor
     count: torch.Tensor
-    # The task's own sums over the same terms (DPO's rewards), named in Task.logged_stats: the
+    # The task's own sums over the same terms (DPO's rewards), named in LossShape.stats: the
     # loop logs each as train/<name>, divided by the terms of the log window on all processes.
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class Averaging(str, Enum):
+    """What ``Task.loss`` returns, and so how the loop averages it.
+
+    mean: a mean the loop averages over micro-batches and processes (the model's own loss).
+    row_mean: a mean of one value per row that padding does not change (classification; QA
+    with its padding-free softmax): ``trainer.sub_batches`` may split a batch by rows and
+    weigh the pieces by their rows. sum: a :class:`SummedLoss`; the loop divides the step's
+    gradient by the terms of the whole step on all processes."""
+
+    mean = "mean"
+    row_mean = "row_mean"
+    sum = "sum"
+
+
+@dataclass(frozen=True)
+class LossShape:
+    """How a task's loss averages, what it logs beside it, and its size."""
+
+    averaging: Averaging = Averaging.mean
+    # sum: about how many terms a training example adds at most. The loop divides each sum by
+    # this times the batch size before backward, so gradients keep the size of a mean's (what
+    # the fp16 scaler expects), and corrects it exactly at the optimizer step.
+    terms_per_example: int = 1
+    # sum: the names of SummedLoss.stats, logged as train/<name>.
+    stats: tuple[str, ...] = ()
+
+
+@dataclass
+class RunContext:
+    """What a task's run-time calls get from the run: the accelerator, the tokenizer the data
+    was built with, the run folder (None where nothing may be written) and ``generation.*``."""
+
+    accelerator: Accelerator
+    tokenizer: PreTrainedTokenizerBase
+    output_dir: Path | None
+    generation: GenerationConfig
+
+
 class Task(abc.ABC, Generic[DataT]):
     """What the loop asks of a task; ``DataT`` is the :class:`TaskData` its ``build_data``
-    returns and its ``evaluate`` reads."""
+    returns and its other calls read."""
 
     auto_model_class: Any  # e.g. AutoModelForQuestionAnswering; every task sets it
     main_metric: str = "loss"  # the evaluation score (without "eval/") that ranks checkpoints
     greater_is_better: bool = False
-    # The length trainer.padding=max_length pads every batch to; None where the task has no
-    # such length (packed language-model blocks all have one length already).
-    max_seq_length: int | None = None
-    # loss() is a mean of one value per row that padding does not change (classification; QA
-    # with its padding-free softmax), so a batch's loss is its sub-batches' losses weighted by
-    # rows (``trainer.sub_batches``).
-    splits_exactly: bool = False
-    # loss() returns a SummedLoss (the loop normalises the step's gradient by its terms).
-    sums_loss_terms: bool = False
-    # The names of SummedLoss.stats, logged as train/<name>.
-    logged_stats: tuple[str, ...] = ()
+    # The dataclass of its settings (recipes.tasks.configs); the constructor takes one.
+    config_class: ClassVar[type]
 
-    @property
-    def terms_per_example(self) -> int:
-        """About how many terms a training example adds to a SummedLoss at most: the loop
-        divides each sum by this times the batch size before backward, so that gradients keep
-        the size of a mean's (what the fp16 scaler expects), and corrects it exactly at the
-        optimizer step. Labelled tokens by default; DPO's one term per pair says 1."""
-        return self.max_seq_length or 1
+    def __init__(self, args: TaskConfig) -> None:
+        self.args = args
 
     @abc.abstractmethod
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:
         """Load, check and featurize the train and evaluation splits."""
 
-    @abc.abstractmethod
+    def loss_shape(self) -> LossShape:
+        """How :meth:`loss` averages (:class:`LossShape`): the model's own mean by default."""
+        return LossShape()
+
+    def features_key(self) -> dict[str, Any]:
+        """The settings that shape the features (part of their cache key): the config's fields
+        marked ``features=True``."""
+        return self.args.features_key()
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> Mapping[str, torch.Tensor]:
+        """One evaluation batch's outputs, one row per example (first dimension), as tensors
+        the loop gathers across processes; rows of one name must stack across batches."""
+        raise NotImplementedError(f"{type(self).__name__} gives neither eval_step nor evaluate")
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: DataT, run: RunContext
+    ) -> dict[str, float]:
+        """The scores from every evaluation example's :meth:`eval_step` rows (main process)."""
+        raise NotImplementedError(f"{type(self).__name__} gives eval_step but not score")
+
     def evaluate(
         self,
         model: torch.nn.Module,
         loader: Iterable[dict[str, torch.Tensor]],
         data: DataT,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+        run: RunContext,
     ) -> dict[str, float]:
-        """Scores of ``model`` on ``loader`` (the batches of ``data.eval``), the same on every
-        process; the loop logs them as ``eval/<name>``."""
+        """Scores of ``model`` on ``loader`` (the batches of ``data.eval``), on the main process
+        at least; the loop logs them as ``eval/<name>``. By default :meth:`eval_step` per batch,
+        gathered, then :meth:`score`; a task that evaluates whole overrides this."""
+        from recipes.evaluation import gather_rows
 
-    def settings(self) -> dict[str, Any]:
-        """The task's settings that shape its features (part of their cache key)."""
-        return dict(vars(self))
+        rows = gather_rows(self.eval_step, model, loader, run.accelerator)
+        return self.score(rows, data, run) if rows is not None else {}
+
+    # ------------------------------------------------------------------------ model and phases
 
     def model_kwargs(self, data: DataT) -> dict[str, Any]:
         """Extra ``from_pretrained`` arguments learnt from the data (the number of labels)."""
@@ -139,24 +258,17 @@ class Task(abc.ABC, Generic[DataT]):
     def loss(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> torch.Tensor | SummedLoss:
-        """The model's own loss (the batch carries its labels): a mean, which the loop averages
-        over micro-batches and processes; or a :class:`SummedLoss` where rows carry different
-        numbers of loss terms (assistant tokens)."""
+        """The model's own loss (the batch carries its labels); see :meth:`loss_shape`."""
         return model(**batch).loss
 
     def before_training(
-        self, model: torch.nn.Module, data: DataT, accelerator: Accelerator, batch_size: int
+        self, model: torch.nn.Module, data: DataT, run: RunContext, batch_size: int
     ) -> None:
         """Work on the prepared model with the run's starting weights, before a resumed run
         loads its checkpoint (DPO's reference model); ``batch_size`` is the evaluation's."""
 
     def after_training(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        data: DataT,
-        accelerator: Accelerator,
-        output_dir: Path,
+        self, model: torch.nn.Module, data: DataT, run: RunContext
     ) -> dict[str, Any]:
         """Last words logged after training (a generated sample for a language model)."""
         return {}
@@ -176,16 +288,13 @@ class Task(abc.ABC, Generic[DataT]):
     def predict(
         self,
         model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
         loader: Iterable[dict[str, torch.Tensor]],
         data: DataT,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        run: RunContext,
     ) -> dict[str, Any]:
-        """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``; the
-        ``tokenizer`` is the one ``build_predict_data`` had), write the task's predictions file
-        into ``output_dir`` (main process), and return what to report: ``rows`` and ``file``."""
+        """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``), write
+        the task's predictions file into ``run.output_dir`` (main process), and return what to
+        report: ``rows`` and ``file``."""
         raise NotImplementedError
 
 

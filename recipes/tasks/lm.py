@@ -13,12 +13,9 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
@@ -33,11 +30,8 @@ from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import (
-    Task,
-    TaskData,
-    write_jsonl,
-)
+from recipes.tasks.base import RunContext, Seeding, Task, TaskData, write_jsonl
+from recipes.tasks.configs.lm import ClmConfig, MlmConfig
 
 log = get_logger(__name__)
 
@@ -59,12 +53,15 @@ class LanguageModeling(Task[TaskData]):
     main_metric = "perplexity"
     greater_is_better = False
     add_special_tokens = False
+    args: ClmConfig | MlmConfig
 
-    def __init__(self, *, block_size: int, add_eos_token: bool) -> None:
-        if block_size < 2:
-            raise ConfigError(f"task.block_size={block_size}: must be at least 2 tokens.")
-        self.block_size = block_size
-        self.add_eos_token = add_eos_token
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    def _adds_eos(self) -> bool:
+        """Whether each text ends with EOS before packing (task.add_eos_token)."""
+        return False
 
     def _refuse_longer_than(self, positions: int | None) -> None:
         if positions and self.block_size > positions:
@@ -104,7 +101,7 @@ class LanguageModeling(Task[TaskData]):
                 data=split.fingerprint,
                 column=column,
                 tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-                task=self.settings(),
+                task=self.features_key(),
                 offsets=keep_offsets,
                 kind=type(self).__name__,
                 version=FEATURES_VERSION,
@@ -177,7 +174,7 @@ class LanguageModeling(Task[TaskData]):
             verbose=False,  # texts longer than the model are cut into blocks, not fed whole
         )
         encoded = dict(encoded)
-        if self.add_eos_token and tokenizer.eos_token_id is not None:
+        if self._adds_eos() and tokenizer.eos_token_id is not None:
             encoded["input_ids"] = [[*ids, tokenizer.eos_token_id] for ids in encoded["input_ids"]]
             encoded["attention_mask"] = [[*mask, 1] for mask in encoded["attention_mask"]]
         return encoded
@@ -200,27 +197,20 @@ class LanguageModeling(Task[TaskData]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its predicted tokens, and their count."""
 
-    @torch.no_grad()
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: TaskData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        nll, count = self._token_losses(model, batch)
+        return {"nll": nll, "count": count}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: TaskData, run: RunContext
     ) -> dict[str, float]:
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        for batch in loader:
-            nll, count = self._token_losses(model, batch)
-            # Per-sequence sums, gathered: duplicates that pad the last batch are dropped.
-            pairs = accelerator.gather_for_metrics(torch.stack([nll, count], dim=1))
-            total += pairs.sum(dim=0).double()
-        model.train()
-        nll, count = total.tolist()
+        """Loss and perplexity over every predicted token of the split (sums, not a mean of
+        per-batch means)."""
+        nll, count = rows["nll"].double().sum().item(), rows["count"].double().sum().item()
         loss = nll / max(count, 1.0)
-        metrics = {"loss": loss, "perplexity": _perplexity(loss), "tokens": count}
-        return broadcast_object_list([metrics])[0]
+        return {"loss": loss, "perplexity": _perplexity(loss), "tokens": count}
 
 
 def _perplexity(loss: float) -> float:
@@ -247,21 +237,11 @@ class CausalLanguageModeling(LanguageModeling):
     """
 
     auto_model_class = AutoModelForCausalLM
+    config_class = ClmConfig
+    args: ClmConfig
 
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        add_eos_token: bool,
-        sample_prompt: str | None,
-        sample_max_new_tokens: int,
-    ) -> None:
-        super().__init__(block_size=block_size, add_eos_token=add_eos_token)
-        self.sample_prompt = sample_prompt
-        self.sample_max_new_tokens = sample_max_new_tokens
-
-    def settings(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "add_eos_token": self.add_eos_token}
+    def _adds_eos(self) -> bool:
+        return self.args.add_eos_token
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
         blocks = self._blocks(cfg, tokenizer)
@@ -310,58 +290,50 @@ class CausalLanguageModeling(LanguageModeling):
     def predict(
         self,
         model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
         loader: Iterable[dict[str, torch.Tensor]],
         data: PromptData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        run: RunContext,
     ) -> dict[str, Any]:
         """``generations.jsonl``: each prompt and its continuation (greedy, or sampled with
         ``generation.do_sample``), prompt and continuation within ``block_size`` tokens."""
+        tokenizer, generation = run.tokenizer, run.generation
         answers = generation_lib.complete(
             model,
             [tokenizer(text)["input_ids"] for text in data.prompts],
             tokenizer,
             generation,
-            generation.max_new_tokens or self.sample_max_new_tokens,
+            generation.max_new_tokens or self.args.sample_max_new_tokens,
             max_length=self.block_size,
-            accelerator=accelerator,
+            accelerator=run.accelerator,
         )
-        if accelerator.is_main_process:
+        if run.accelerator.is_main_process:
             records = (
                 {"prompt": prompt, "generated": answer}
                 for prompt, answer in zip(data.prompts, answers, strict=True)
             )
-            write_jsonl(output_dir / "generations.jsonl", records)
+            write_jsonl(run.output_dir / "generations.jsonl", records)
         return {"rows": len(answers), "file": "generations.jsonl"}
 
-    @torch.no_grad()
     def after_training(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        data: TaskData,
-        accelerator: Accelerator,
-        output_dir: Path,
+        self, model: torch.nn.Module, data: TaskData, run: RunContext
     ) -> dict[str, Any]:
         """A greedy continuation of ``sample_prompt``, so a person sees what the model learnt."""
-        if not self.sample_prompt:
+        if not self.args.sample_prompt:
             return {}
-        ids = tokenizer(self.sample_prompt)["input_ids"]
+        tokenizer = run.tokenizer
+        ids = tokenizer(self.args.sample_prompt)["input_ids"]
         (continuation,) = generation_lib.complete_ids(
             model,
             [ids],
             tokenizer,
             GenerationConfig(),
-            self.sample_max_new_tokens,
-            accelerator=accelerator,
+            self.args.sample_max_new_tokens,
+            accelerator=run.accelerator,
         )
-        model.train()
         text = tokenizer.decode(ids + continuation, skip_special_tokens=True)
         log.info("greedy sample after training:\n%s", text)
-        if accelerator.is_main_process:
-            (output_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
+        if run.accelerator.is_main_process:
+            (run.output_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
         return {"sample/text": text}
 
 
@@ -380,21 +352,8 @@ class MaskedLanguageModeling(LanguageModeling):
 
     auto_model_class = AutoModelForMaskedLM
     add_special_tokens = True
-
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        mlm_probability: float,
-        whole_word_mask: bool,
-        eval_mask_seed: int,
-    ) -> None:
-        super().__init__(block_size=block_size, add_eos_token=False)
-        if not 0 < mlm_probability < 1:
-            raise ConfigError(f"task.mlm_probability={mlm_probability}: must be in (0, 1).")
-        self.mlm_probability = mlm_probability
-        self.whole_word_mask = whole_word_mask
-        self.eval_mask_seed = eval_mask_seed
+    config_class = MlmConfig
+    args: MlmConfig
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:
         if tokenizer.mask_token is None:
@@ -403,12 +362,12 @@ class MaskedLanguageModeling(LanguageModeling):
                 "token, so it cannot be trained as a masked LM; use a BERT-style model."
             )
         collator, needs_offsets = _masking_collator(
-            tokenizer, self.mlm_probability, self.whole_word_mask
+            tokenizer, self.args.mlm_probability, self.args.whole_word_mask
         )
         blocks = self._blocks(cfg, tokenizer, keep_offsets=needs_offsets)
         rows = len(blocks["eval"])
         with torch.random.fork_rng(devices=[]), data_lib.map_progress(rows):
-            torch.manual_seed(self.eval_mask_seed)
+            torch.manual_seed(self.args.eval_mask_seed)
             masked_eval = blocks["eval"].map(
                 lambda batch: _mask_batch(collator, batch),
                 batched=True,
@@ -416,14 +375,14 @@ class MaskedLanguageModeling(LanguageModeling):
                 remove_columns=[c for c in ("offset_mapping",) if c in blocks["eval"].column_names],
                 desc="mask evaluation blocks",
                 keep_in_memory=True,  # small, and no cache file for ranks to race on
-                new_fingerprint=f"{blocks['eval']._fingerprint}-masked-{self.eval_mask_seed}",
+                new_fingerprint=f"{blocks['eval']._fingerprint}-masked-{self.args.eval_mask_seed}",
             )
         return TaskData(
             train=blocks["train"],
             eval=masked_eval,
             train_collator=collator,
             eval_collator=default_data_collator,
-            random_collator=True,
+            seeding=Seeding.batch,
         )
 
     def _token_losses(self, model, batch):

@@ -1,0 +1,64 @@
+"""Evaluation, owned by the loop: one place switches the model to eval mode and back, turns off
+autograd, gathers what every process computed, scores it on the main process and gives every
+process the scores. A task supplies a per-batch step and a scoring function, or, where it
+evaluates whole (by generating), its own ``evaluate`` (:class:`recipes.tasks.base.Task`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+if TYPE_CHECKING:
+    from recipes.tasks.base import RunContext, Task, TaskData
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode without autograd, back in the mode it was in afterwards (also when
+    the evaluation fails or is stopped)."""
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(training)
+
+
+def evaluate(
+    task: Task,
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    data: TaskData,
+    run: RunContext,
+) -> dict[str, float]:
+    """The task's scores of ``model`` on ``loader``, the same on every process."""
+    with eval_mode(model):
+        metrics = task.evaluate(model, loader, data, run)
+    return broadcast_object_list([metrics if run.accelerator.is_main_process else None])[0]
+
+
+def gather_rows(
+    step: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    accelerator: Accelerator,
+) -> dict[str, torch.Tensor] | None:
+    """``step``'s rows of every batch of every process, concatenated on the CPU of the main
+    process (None elsewhere); the duplicates that pad the last batch are dropped
+    (``gather_for_metrics``)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for batch in loader:
+        rows = accelerator.gather_for_metrics(dict(step(model, batch)))
+        if accelerator.is_main_process:
+            for name, value in rows.items():
+                parts.setdefault(name, []).append(value.detach().cpu())
+    if not accelerator.is_main_process:
+        return None
+    return {name: torch.cat(values) for name, values in parts.items()}
