@@ -34,10 +34,10 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         return _failed(cfg, err, exit_code=2)
     from recipes.faults import Interrupted, PeerFailed, TrainingError
-    from recipes.loop import train  # imported late: `--help`, `--cfg` and refusals stay fast
+    from recipes.modes import run  # imported late: `--help`, `--cfg` and refusals stay fast
 
     try:
-        result = train(cfg, settings)
+        result = run(settings)
     except (ConfigError, DataError) as err:
         return _failed(cfg, err, exit_code=2)
     except TrainingError as err:

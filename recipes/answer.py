@@ -55,8 +55,8 @@ def answer(
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
     from recipes.config import TrainerConfig
-    from recipes.loop import resolve_mixed_precision
     from recipes.model import backend_kwargs
+    from recipes.modes import resolve_mixed_precision
 
     saved = _run_config(model_dir)
     task = _task(model_dir, saved.get("task"), n_best, threshold)

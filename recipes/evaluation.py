@@ -6,6 +6,7 @@ evaluates whole (by generating), its own ``evaluate`` (:class:`recipes.tasks.bas
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -38,10 +39,15 @@ def evaluate(
     data: TaskData,
     run: RunContext,
 ) -> dict[str, float]:
-    """The task's scores of ``model`` on ``loader``, the same on every process."""
+    """The task's scores of ``model`` on ``loader`` as logged (``eval/<name>``, and
+    ``eval/runtime_s``), the same on every process."""
+    started = time.perf_counter()
     with eval_mode(model):
         metrics = task.evaluate(model, loader, data, run)
-    return broadcast_object_list([metrics if run.accelerator.is_main_process else None])[0]
+    metrics = broadcast_object_list([metrics if run.accelerator.is_main_process else None])[0]
+    scores = {f"eval/{k}": v for k, v in metrics.items()}
+    scores["eval/runtime_s"] = time.perf_counter() - started
+    return scores
 
 
 def gather_rows(

@@ -1,8 +1,9 @@
-"""The one training loop: every recipe runs through :func:`train`, which runs a :class:`Trainer`.
+"""The one training loop: ``mode=train`` (:func:`recipes.modes.train`) runs a :class:`Trainer`
+over the run's :class:`recipes.modes.Session` (run folder, device, task, model loading).
 
-Read it in this order: :meth:`Trainer.setup` (run folder, device, model and data, loaders,
-optimizer, resume state), :meth:`Trainer.fit` (the loop: a train step, a log step, the
-evaluate / save policy), :meth:`Trainer.finish` (last words, final model, results).
+Read it in this order: :meth:`Trainer.setup` (data, model, loaders, optimizer, resume state),
+:meth:`Trainer.fit` (the loop: a train step, a log step, the evaluate / save policy),
+:meth:`Trainer.finish` (last words, final model, results).
 
 Everything that depends on the hardware (device placement, mixed precision, distributed data
 parallelism, gradient accumulation, gathering for metrics) goes through ``accelerate``; the task
@@ -15,8 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,52 +25,40 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
-    DataLoaderConfiguration,
     DistributedType,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
     gather_object,
-    parse_flag_from_env,
-    set_seed,
 )
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from recipes import adapters, checkpoint, device, evaluation, runs, serving, tracking
+from recipes import adapters, checkpoint, device, evaluation, runs, serving
 from recipes import data as data_lib
-from recipes.config import ConfigError, Settings, TrainerConfig, instantiate
+from recipes.config import ConfigError
 from recipes.faults import (
     Interrupted,
     StopNow,
     StopRequest,
     TrainingError,
-    peer_failures_reported,
 )
 from recipes.flops import FlopCounter, precision_for_peak
-from recipes.log import get_logger, note_in_log_file, setup_logging
-from recipes.model import (
-    config_overrides,
-    fit_to_tokenizer,
-    load_model,
-    load_tokenizer,
-    weights_summary,
+from recipes.log import get_logger
+from recipes.modes import (
+    RunResult,
+    Session,
+    final_model_settings,
+    format_metrics,
+    pad_task_batches,
 )
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
 from recipes.tasks.base import (
     Averaging,
-    PadsToLength,
-    PadsToMultiple,
-    RunContext,
     Seeding,
     SeedsRows,
     SummedLoss,
-    Task,
     TaskData,
 )
-from recipes.tracking import MetricsLogger
 
 if TYPE_CHECKING:
     from recipes.benchmark import Benchmarks
@@ -78,79 +66,44 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def train(cfg: DictConfig, settings: Settings) -> RunResult:
-    """Run the recipe described by the composed config ``cfg``, whose typed view
-    :func:`recipes.config.validate` returned as ``settings``; returns its final evaluation.
-
-    Raises:
-        ConfigError / DataError: bad settings or data, before any expensive work.
-        TrainingError: a non-finite loss with ``trainer.on_nonfinite=stop``.
-        Interrupted: SIGTERM / SIGINT; a checkpoint was saved first.
-        PeerFailed: another rank died or hung; already reported on stderr.
-    """
-    task = build_task(settings.task)
-    with peer_failures_reported(cfg.output_dir):  # a rank that never joined
-        accelerator = _build_accelerator(cfg, settings)
-    stop = StopRequest()  # installed when training starts (until then a signal ends the run)
-    try:
-        with peer_failures_reported(cfg.output_dir):  # said before `stop` lets SIGTERM kill
-            return Trainer(cfg, settings, task, accelerator, stop).run()
-    except (ConfigError, data_lib.DataError, TrainingError) as err:
-        note_in_log_file(f"error: {err}", cfg.output_dir)  # train.py says it on the terminal
-        raise
-    finally:
-        stop.restore()
-        runs.release_all()
-        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
-        accelerator.end_training()
-        if tracking.hydra_context().get("sweep_dir"):
-            _reset_accelerate()
-
-
 class Trainer:
-    """One run of one recipe: :meth:`setup` builds everything, :meth:`fit` trains and
-    :meth:`finish` saves and reports."""
+    """The training run of one recipe (``mode=train``): :meth:`setup` builds what training
+    needs over the run's :class:`recipes.modes.Session`, :meth:`fit` trains and :meth:`finish`
+    saves and reports."""
 
-    def __init__(
-        self,
-        cfg: DictConfig,
-        settings: Settings,
-        task: Task,
-        accelerator: Accelerator,
-        stop: StopRequest,
-    ) -> None:
-        self.cfg = cfg  # the composed config, as saved to config.yaml
-        self.settings = settings
-        self.trainer_cfg = settings.trainer
-        self.task = task
-        self.loss_shape = task.loss_shape()  # how its loss averages (tasks/base.py)
-        self.accelerator = accelerator
-        self.stop = stop
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.settings = session.settings
+        self.trainer_cfg = session.settings.trainer
+        self.task = session.task
+        self.loss_shape = self.task.loss_shape()  # how its loss averages (tasks/base.py)
+        self.accelerator = session.accelerator
+        self.stop = session.stop
+        self.output_dir, self.resume_from = session.output_dir, session.resume_from
+        self.tokenizer = session.tokenizer
         self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
         self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
         self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
-
-    def run(self) -> RunResult:
-        if self.settings.mode == "predict":
-            return self.predict_only()
-        if self.settings.mode == "benchmark":
-            return self.benchmark_only()
         self.setup()
-        if self.settings.mode == "eval":
-            return self.evaluate_only()
-        self.stop.install()
-        return self.finish(self.fit())
 
     # ------------------------------------------------------------------------------- setup
 
     def setup(self) -> None:
         """Build everything, in an order that keeps the random streams of earlier releases (the
         seed is set before the model's new head is initialised)."""
-        self._setup_run_folder()
-        self._setup_device()
+        if self.loss_shape.averaging == Averaging.sum and (
+            self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
+            raise ConfigError(
+                f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
+                "which needs the gradients in the parameters; launch with DDP or FSDP, not "
+                "DeepSpeed."
+            )
         self._setup_benchmarks()
-        self._setup_model_and_data()
+        self.data: TaskData = self.session.build_data()
+        self.model = self.session.load_model(self.data, trained_for=None)
+        self.run_context = self.session.context()
         self._setup_data_loaders()
         self._setup_optimizer()
         self.task.before_training(
@@ -158,40 +111,11 @@ class Trainer:
         )
         self._setup_state()
 
-    def _setup_run_folder(self) -> None:
-        self.output_dir, self.resume_from = runs.open_run_folder(self.cfg, self.accelerator)
-        setup_logging(self.accelerator.is_main_process, self.output_dir / "train.log")
-        data_lib.show_progress(self.trainer_cfg.progress_bar)  # preprocessing, answer search
-        log.info("run folder: %s", self.output_dir)
-
-    def _setup_device(self) -> None:
-        accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
-        log.info(
-            "device %s, %d process(es), mixed precision %s, distributed %s",
-            accelerator.device,
-            accelerator.num_processes,
-            accelerator.mixed_precision,
-            accelerator.distributed_type,
-        )
-        _check_grad_scaler(accelerator)
-        summed = self.loss_shape.averaging == Averaging.sum
-        if summed and accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ConfigError(
-                f"task={type(self.task).__name__} weighs tokens across the optimizer step, "
-                "which needs the gradients in the parameters; launch with DDP or FSDP, not "
-                "DeepSpeed."
-            )
-        _check_device_support(trainer_cfg, accelerator)
-        # Set both ways: torch_musa 2.7 turns TF32 on by default.
-        self.tf32 = device.set_tf32(trainer_cfg.tf32)
-        device.reset_peak_memory_stats(accelerator.device)  # train/peak_memory_gib is this run's
-        set_seed(trainer_cfg.seed)
-
     def _setup_benchmarks(self) -> None:
         """``trainer.benchmarks``, their names checked now: a misspelt task fails before
         training, not after it."""
         names = self.trainer_cfg.benchmarks
-        if names and self.settings.mode == "train":
+        if names:
             from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
 
             kind = self.task.auto_model_class.__name__
@@ -207,74 +131,11 @@ class Trainer:
                 names, self.settings.benchmark, folder, "trainer.benchmarks"
             )
 
-    def _setup_model_and_data(self) -> None:
-        model_cfg = self.settings.model
-        self.tokenizer = load_tokenizer(model_cfg)
-        overrides = config_overrides(model_cfg)  # checked before the data is read
-        with self.accelerator.main_process_first():
-            self.data: TaskData = self.task.build_data(self.settings.data, self.tokenizer)
-        # mode=eval scores model.name_or_path's weights as they are (with resume=..., the
-        # checkpoint's replace them).
-        as_is = "eval" if self.settings.mode == "eval" and self.resume_from is None else None
-        self.model = load_model(
-            model_cfg,
-            self.task.auto_model_class,
-            overrides,
-            trained_for=as_is,
-            **self.task.model_kwargs(self.data),
-        )
-        self.task.check_model(self.model)
-        fit_to_tokenizer(self.model, self.tokenizer, self.data.new_tokens, self.data.stop_tokens)
-        self.model = self._adapt(self.model)
-        self.run_context = RunContext(
-            self.accelerator, self.tokenizer, self.output_dir, self.settings.generation
-        )
-
-    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
-        """LoRA adapters (``peft=lora``) and gradient checkpointing, as configured."""
-        if self.settings.peft.method == "lora":
-            _check_fsdp_for_lora(self.accelerator)
-            model = adapters.apply_lora(
-                model, self.settings.peft, adapters.task_heads(model), self.data.new_tokens
-            )
-        else:
-            log.info(adapters.trainable_summary(model))
-        log.info(weights_summary(model, self.settings.model, self.accelerator.mixed_precision))
-        if self.trainer_cfg.gradient_checkpointing:
-            adapters.enable_gradient_checkpointing(model)
-        return model
-
-    def _padding(self, data: TaskData) -> DataCollatorWithPadding:
-        """The collator of a task without its own: each batch padded to its longest row (to
-        the data's max_length with trainer.padding=max_length), to trainer.pad_to_multiple_of."""
-        fixed = data.max_length if self.trainer_cfg.padding == "max_length" else None
-        return DataCollatorWithPadding(
-            self.tokenizer,
-            padding="max_length" if fixed else "longest",
-            max_length=fixed,
-            pad_to_multiple_of=self.trainer_cfg.pad_to_multiple_of,
-        )
-
-    def _loader_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_workers": self.trainer_cfg.dataloader_num_workers,
-            **device.pin_memory_kwargs(self.trainer_cfg.pin_memory, self.accelerator.device),
-        }
-
-    def _eval_loader(self, data: TaskData) -> DataLoader:
-        """Batches of ``data.eval``, as every evaluation (and mode=predict) reads them."""
-        return DataLoader(
-            data.eval,
-            batch_size=self.trainer_cfg.per_device_eval_batch_size,
-            collate_fn=data.eval_collator or self._padding(data),
-            **self._loader_kwargs(),
-        )
-
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
         fixed = data.max_length if trainer_cfg.padding == "max_length" else None
         pad_task_batches(data, trainer_cfg.pad_to_multiple_of, fixed)
-        self.collator = data.train_collator or self._padding(data)
+        self.collator = data.train_collator or self.session.padding(data)
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
         varied = lengths is not None and len(lengths) > 0 and lengths.min() < lengths.max()
@@ -303,9 +164,9 @@ class Trainer:
             shuffle=self.sampler is None,
             sampler=self.sampler,
             collate_fn=self.collator,
-            **self._loader_kwargs(),
+            **self.session.loader_kwargs(),
         )
-        self.eval_loader = self._eval_loader(data)
+        self.eval_loader = self.session.eval_loader(data)
 
     def _length_grouped_sampler(
         self, lengths: np.ndarray
@@ -331,11 +192,13 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         accelerator, trainer_cfg = self.accelerator, self.trainer_cfg
-        optimizer = optimizer_where_it_steps(optimizer_factory(self.cfg), self.model, accelerator)
+        optimizer = optimizer_where_it_steps(
+            optimizer_factory(self.settings.optimizer), self.model, accelerator
+        )
         self.flops = FlopCounter(
             self.model,
             accelerator.device,
-            precision_for_peak(accelerator.mixed_precision, self.tf32),
+            precision_for_peak(accelerator.mixed_precision, self.session.tf32),
         )
         if trainer_cfg.compile:
             _compile(self.model)
@@ -351,7 +214,7 @@ class Trainer:
         self.total_steps = trainer_cfg.max_steps
         if self.total_steps <= 0:
             self.total_steps = math.ceil(trainer_cfg.num_epochs * self.steps_per_epoch)
-        scheduler = instantiate(self.cfg, "scheduler")(
+        scheduler = _built("scheduler", self.settings.scheduler)(
             optimizer=self.optimizer,
             num_training_steps=self.total_steps,
             num_processes=accelerator.num_processes,
@@ -376,7 +239,7 @@ class Trainer:
     def _setup_state(self) -> None:
         """The run's position (fresh, or read from the checkpoint to resume), its metrics file
         and its trackers."""
-        resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        resolved = self.settings.resolved
         invariants = runs.resume_invariants(
             self.settings, self.global_batch, len(self.data.train), self.sampler is not None
         )
@@ -389,36 +252,15 @@ class Trainer:
                 self.final_scores = dict(self.state.last_scores)  # not evaluated again
             if self.resume_from.parent == checkpoint.checkpoints_dir(self.output_dir):
                 self.last_saved_step = self.state.step  # a stop here needs no new checkpoint
-        elif self.cfg.get("resume") == "auto":
+        elif self.settings.resume == "auto":
             log.info("resume=auto: no checkpoint in %s yet; starting at step 0", self.output_dir)
             keep_until_step = -1  # what an earlier attempt logged is logged again
-        self.metrics = MetricsLogger(
-            self.accelerator, self.output_dir, keep_until_step=keep_until_step
-        )
-        self._start_trackers(resolved, self.main_metric, self.task.greater_is_better)
-
-    def _start_trackers(self, resolved: Any, main_metric: str, greater_is_better: bool) -> None:
-        accelerator = self.accelerator
-        tags = tracking.run_tags(
-            tracking.hydra_context().get("recipe"),
-            self.settings.model.name_or_path,
-            accelerator.device.type,
-            accelerator.num_processes,
-        )
-        tracking.start_trackers(
-            accelerator,
-            self.settings.logger,
-            self.output_dir,
-            resolved,
-            tags,
-            main_metric,
-            greater_is_better,
-        )
+        self.metrics = self.session.start_trackers(keep_until_step)
 
     @property
     def main_metric(self) -> str:
         """The logged key that ranks checkpoints (``eval/f1``, say)."""
-        return f"eval/{self.task.main_metric}"
+        return self.session.main_metric
 
     # ------------------------------------------------------------------------------- fit
 
@@ -700,16 +542,13 @@ class Trainer:
 
     def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
         """Scores of the model at ``step`` (logged), and whether they are the best so far."""
-        started = time.perf_counter()
         with self._stoppable():
             scores = evaluation.evaluate(
                 self.task, self.model, self._polled(self.eval_loader), self.data, self.run_context
             )
-        scores = {f"eval/{k}": v for k, v in scores.items()}
-        scores["eval/runtime_s"] = time.perf_counter() - started
         # samples seen: the charts' other x axis
         self.metrics.log({**scores, "train/samples_seen": round(self.state.train_samples)}, step)
-        log.info("eval at step %d: %s", step, _format_metrics(scores))
+        log.info("eval at step %d: %s", step, format_metrics(scores))
         self.state.last_eval_step = step
         if step > 0:  # what results.json reports if the run stops after it (and resumes)
             self.state.last_scores = scores
@@ -841,121 +680,6 @@ class Trainer:
             self.state.skipped_steps,
         )
 
-    # ------------------------------------------------------------------------------- eval
-
-    def evaluate_only(self) -> RunResult:
-        """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint
-        of ``resume=...``) on the eval split, with the task's own evaluation; nothing trains
-        (the optimizer is built, for a checkpoint to load into, but never steps: no state)."""
-        scores, _ = self._evaluate(self.state.step)
-        self.metrics.close()
-        result = RunResult(
-            output_dir=self.output_dir,
-            metrics=scores,
-            main_metric=self.main_metric,
-            greater_is_better=self.task.greater_is_better,
-        )
-        tracking.finish_trackers(self.accelerator, self.settings.logger, scores)
-        if self.accelerator.is_main_process:
-            tracking.write_results(self.output_dir, result.as_dict(self.state))
-        where = self.resume_from or self.settings.model.name_or_path
-        log.info("evaluated %s: %s", where, _format_metrics(scores))
-        return result
-
-    def predict_only(self) -> RunResult:
-        """``mode=predict``: the model of ``model.name_or_path`` answers the rows of
-        ``data.predict_file`` with the task's own code (its evaluation's windows and answer
-        search, its generation); the task writes its predictions file to the run folder. No
-        training data is read, and no optimizer built."""
-        self._setup_run_folder()
-        self._setup_device()
-        settings, accelerator = self.settings, self.accelerator
-        self.tokenizer = load_tokenizer(settings.model)
-        overrides = config_overrides(settings.model)
-        with accelerator.main_process_first():
-            data = self.task.build_predict_data(settings.data, self.tokenizer)
-        model = load_model(
-            settings.model, self.task.auto_model_class, overrides, trained_for="predict"
-        )
-        self.task.check_model(model)
-        fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
-        pad_task_batches(data, self.trainer_cfg.pad_to_multiple_of)
-        model, loader = accelerator.prepare(model, self._eval_loader(data))
-        run = RunContext(accelerator, self.tokenizer, self.output_dir, settings.generation)
-        with evaluation.eval_mode(model):
-            report = self.task.predict(model, loader, data, run)
-        result = RunResult(
-            output_dir=self.output_dir,
-            metrics={},
-            main_metric=self.main_metric,
-            greater_is_better=self.task.greater_is_better,
-        )
-        if accelerator.is_main_process:
-            tracking.write_results(
-                self.output_dir,
-                {
-                    "mode": "predict",
-                    "model": settings.model.name_or_path,
-                    "predict_file": settings.data.predict_file,
-                    **report,
-                    "main_metric": result.main_metric,
-                    "main_value": None,
-                    "metrics": {},
-                    "overrides": tracking.hydra_context().get("overrides", []),
-                },
-            )
-        log.info(
-            "predicted %d row(s) of %s with %s: %s",
-            report["rows"],
-            settings.data.predict_file,
-            settings.model.name_or_path,
-            self.output_dir / report["file"],
-        )
-        return result
-
-    def benchmark_only(self) -> RunResult:
-        """``mode=benchmark``: lm-eval's ``benchmark.tasks`` on the model of
-        ``model.name_or_path`` (:mod:`recipes.benchmark`). No data is read and nothing trains."""
-        self._setup_run_folder()
-        self._setup_device()
-        settings, accelerator = self.settings, self.accelerator
-        from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
-
-        folder = self.output_dir / FOLDER
-        benchmarks = Benchmarks(
-            settings.benchmark.tasks, settings.benchmark, folder, "benchmark.tasks"
-        )
-        report = benchmarks.run(settings.model, accelerator)
-        result = RunResult(
-            output_dir=self.output_dir,
-            metrics=report.scores,
-            main_metric=report.main_metric or "",
-            greater_is_better=report.greater_is_better,
-        )
-        self.metrics = MetricsLogger(accelerator, self.output_dir)
-        resolved = OmegaConf.to_container(self.cfg, resolve=True)
-        self._start_trackers(resolved, result.main_metric, result.greater_is_better)
-        self.metrics.log(report.scores, 0)
-        self.metrics.close()
-        tracking.finish_trackers(accelerator, settings.logger, report.scores)
-        if accelerator.is_main_process:
-            tracking.write_results(
-                self.output_dir,
-                {
-                    "mode": "benchmark",
-                    "model": settings.model.name_or_path,
-                    "tasks": settings.benchmark.tasks,
-                    "main_metric": result.main_metric,
-                    "main_value": result.main_value,
-                    "greater_is_better": result.greater_is_better,
-                    "metrics": report.scores,
-                    "lm_eval": report.results,
-                    "overrides": tracking.hydra_context().get("overrides", []),
-                },
-            )
-        log.info("benchmarked %s: %s", settings.model.name_or_path, _format_metrics(report.scores))
-        return result
-
     # ------------------------------------------------------------------------------- finish
 
     def finish(self, final: dict[str, float]) -> RunResult:
@@ -976,23 +700,21 @@ class Trainer:
         benchmarked = self._benchmark_final() if self.benchmarks else {}
         if benchmarked:
             self.metrics.log(benchmarked["benchmarks"], state.step)
-        self.metrics.close()
-        result = RunResult(
-            output_dir=self.output_dir,
-            metrics=final,
-            main_metric=self.main_metric,
-            greater_is_better=self.task.greater_is_better,
+        result = self.session.finish(
+            self.session.result(final),
+            best=state.best,
+            steps=state.step,
+            train_seconds=state.train_seconds,
+            **benchmarked,
         )
-        tracking.finish_trackers(accelerator, self.settings.logger, final)
         if accelerator.is_main_process:
-            tracking.write_results(self.output_dir, {**result.as_dict(state), **benchmarked})
             _plot(self.output_dir)
         log.info(
             "done: %d steps in %.1f s of training (%.3f s/step); %s",
             state.step,
             state.train_seconds,
             state.train_seconds / max(state.step, 1),
-            _format_metrics(final) if final else "no evaluation",
+            format_metrics(final) if final else "no evaluation",
         )
         return result
 
@@ -1002,17 +724,10 @@ class Trainer:
         self.model = self.optimizer = self.scheduler = None
         self.accelerator.free_memory()
         self.accelerator.wait_for_everyone()  # final/ is whole on every process's file system
-        final = replace(
-            self.settings.model,
-            name_or_path=str(self.output_dir / checkpoint.FINAL),
-            revision=None,
-            gguf_file=None,
-            attention_dropout=None,
-            config_overrides={},
-        )
+        final = final_model_settings(self.settings, self.output_dir)
         assert self.benchmarks is not None
         report = self.benchmarks.run(final, self.accelerator)
-        log.info("benchmarked final/: %s", _format_metrics(report.scores))
+        log.info("benchmarked final/: %s", format_metrics(report.scores))
         return {"benchmarks": report.scores, "lm_eval": report.results}
 
 
@@ -1150,31 +865,27 @@ def _nonfinite_or_stop_on_any_rank(
     return bad_count > 0, stop_count > 0
 
 
-def _build_accelerator(cfg: DictConfig, settings: Settings) -> Accelerator:
-    trainer_cfg = settings.trainer
-    return Accelerator(
-        mixed_precision=resolve_mixed_precision(trainer_cfg.mixed_precision),
-        gradient_accumulation_steps=trainer_cfg.gradient_accumulation_steps,
-        log_with=settings.logger.trackers or None,
-        # non_blocking lets pinned batches copy to the device while it computes.
-        dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, non_blocking=trainer_cfg.pin_memory
-        ),
-        # TensorBoard's folder; set again once all ranks agree on the run folder
-        project_config=ProjectConfiguration(logging_dir=str(Path(cfg.output_dir) / "tensorboard")),
-        # A collective that waits this long (a rank died) raises instead of hanging forever.
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=trainer_cfg.distributed_timeout_s))
-        ],
-    )
-
-
-def optimizer_factory(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
-    """The ``optimizer`` config's partial, with plain Python settings (``betas`` a list, not an
+def optimizer_factory(optimizer: Mapping[str, Any]) -> Callable[..., torch.optim.Optimizer]:
+    """The ``optimizer`` settings' partial, with plain Python settings (``betas`` a list, not an
     OmegaConf ListConfig): torch.distributed's optimizer state dict, which accelerate saves FSDP
     checkpoints with, refuses any other container in ``param_groups`` (found on the emulated
     MUSA device, where FSDP runs)."""
-    return instantiate(cfg, "optimizer", _convert_="all")
+    return _built("optimizer", dict(optimizer), _convert_="all")
+
+
+def _built(group: str, node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node)`` with errors that name the config group: a
+    :class:`ConfigError` of the component's own checks as it is, anything else against ``group``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        target = node.get("_target_") if isinstance(node, Mapping) else node._target_
+        raise ConfigError(f"{group}: cannot build {target}: {err.__cause__ or err}") from None
 
 
 def optimizer_where_it_steps(
@@ -1191,40 +902,6 @@ def optimizer_where_it_steps(
     return build_optimizer(make_optimizer, model, accelerator.device)
 
 
-def _check_fsdp_for_lora(accelerator: Accelerator) -> None:
-    """LoRA under FSDP trains some parameters of each wrapped layer and freezes the others:
-    FSDP1 needs ``fsdp_use_orig_params: true`` for that (peft's and accelerate's advice); FSDP2
-    shards parameters one by one and needs nothing."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if accelerator.distributed_type != DistributedType.FSDP or plugin is None:
-        return
-    if getattr(plugin, "fsdp_version", 1) == 1 and not plugin.use_orig_params:
-        raise ConfigError(
-            "peft=lora with FSDP (fsdp_version 1) needs fsdp_use_orig_params: true in the "
-            "accelerate config (conf/accelerate/fsdp.yaml has it), as frozen and trained "
-            "parameters share each wrapped layer; or use conf/accelerate/fsdp2.yaml."
-        )
-
-
-def pad_task_batches(data: TaskData, multiple: int | None, fixed: int | None = None) -> None:
-    """``trainer.pad_to_multiple_of``, and ``trainer.padding=max_length``'s length ``fixed``, for
-    a task's own collators that pad (:class:`PadsToMultiple`, :class:`PadsToLength`), as for
-    the default one."""
-    for collator in (data.train_collator, data.eval_collator):
-        if isinstance(collator, PadsToMultiple):
-            collator.pad_to_multiple_of = multiple
-        if fixed is not None and isinstance(collator, PadsToLength):
-            collator.max_length = fixed
-            collator.padding = "max_length"
-
-
-def build_task(config: Any) -> Task:
-    """The task ``config`` (a typed task config, recipes/tasks/configs) describes."""
-    from hydra.utils import get_class
-
-    return get_class(config._target_)(config)
-
-
 def places_model_first(distributed_type: DistributedType, device_placement: bool) -> bool:
     """Whether the loop moves the model to its device before building the optimizer: wherever
     accelerate would place it whole (one device, DDP). FSDP shards it from where it is, and
@@ -1235,56 +912,6 @@ def places_model_first(distributed_type: DistributedType, device_placement: bool
         DistributedType.MEGATRON_LM,
     )
     return device_placement and distributed_type not in launcher_places
-
-
-def _reset_accelerate() -> None:
-    """Forget accelerate's process-wide state, so that the next job of a sweep (run in this
-    process by Hydra's launcher) builds its own Accelerator, with its own precision, say.
-    accelerate keeps this state in singletons and offers only these (private) resets."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def resolve_mixed_precision(requested: str) -> str:
-    """``trainer.mixed_precision`` as accelerate takes it: ``auto`` becomes this machine's choice
-    (:func:`recipes.device.default_mixed_precision`; the CPU's under ``accelerate launch --cpu``)."""
-    if requested != "auto":
-        return requested
-    # Decided before the Accelerator exists: creating accelerate's state here would fix the
-    # distributed setup without the launcher's CPU flag (`accelerate launch --cpu`).
-    if parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return device.default_mixed_precision(device.CPU)
-    return device.default_mixed_precision()
-
-
-def _check_grad_scaler(accelerator: Accelerator) -> None:
-    """Refuse fp16 on a GPU without a loss scaler: small gradients underflow to zero unseen.
-
-    accelerate 0.33-0.34 assign the MUSA scaler to ``self.scalar`` (a typo, fixed in 1.0 by
-    PR #3116), so ``accelerator.scaler`` stays None there."""
-    if accelerator.native_amp and accelerator.mixed_precision == "fp16" and not accelerator.scaler:
-        raise ConfigError(
-            "trainer.mixed_precision=fp16: this accelerate creates no grad scaler on "
-            f"{accelerator.device.type} (accelerate 0.33-0.34 on MUSA). Install accelerate>=1.0, "
-            "or set trainer.mixed_precision=no (or bf16 where the device has it)."
-        )
-
-
-def _check_device_support(trainer_cfg: TrainerConfig, accelerator: Accelerator) -> None:
-    """Refuse, before any model loads, what this device's torch_musa release cannot run."""
-    where, precision = accelerator.device.type, accelerator.mixed_precision
-    if trainer_cfg.compile and (reason := device.compile_unsupported_reason(where)):
-        raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
-    if trainer_cfg.gradient_checkpointing and (
-        reason := device.checkpointing_autocast_unsupported_reason(precision, where)
-    ):
-        raise ConfigError(
-            f"trainer.gradient_checkpointing=true with trainer.mixed_precision={precision}: "
-            f"{reason}. Use a MUSA image with torch_musa v1.3.2 or later, or set "
-            "trainer.mixed_precision=no, or trainer.gradient_checkpointing=false."
-        )
 
 
 def _compile(model: torch.nn.Module) -> None:
@@ -1307,32 +934,6 @@ def _plot(output_dir: Path) -> None:
         log.info("curves: %s", plot_runs([output_dir], output_dir / "curves.png"))
     except Exception as err:  # the model is saved; a picture must not fail the run
         log.warning("no curves.png: %s", err)
-
-
-@dataclass
-class RunResult:
-    """What a run ends with: its folder and the final evaluation."""
-
-    output_dir: Path
-    metrics: dict[str, float]  # the final evaluation (empty when there was none)
-    main_metric: str  # e.g. "eval/f1": what sweeps and `train.py` report
-    greater_is_better: bool
-
-    @property
-    def main_value(self) -> float | None:
-        return self.metrics.get(self.main_metric)
-
-    def as_dict(self, state: checkpoint.TrainerState) -> dict[str, Any]:
-        return {
-            "main_metric": self.main_metric,
-            "main_value": self.main_value,
-            "greater_is_better": self.greater_is_better,
-            "metrics": self.metrics,
-            "best": state.best,
-            "steps": state.step,
-            "train_seconds": state.train_seconds,
-            "overrides": tracking.hydra_context().get("overrides", []),
-        }
 
 
 def _save_final(
@@ -1378,10 +979,3 @@ def _save_final(
     final = checkpoint.save_final(accelerator, output_dir, write, need)
     log.info("saved model and tokenizer to %s", final)
     return final
-
-
-def _format_metrics(metrics: dict[str, float]) -> str:
-    """``loss=1.234, f1=56.78``: the numbers of ``metrics`` for a log line."""
-    return ", ".join(
-        f"{k.split('/', 1)[-1]}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))
-    )

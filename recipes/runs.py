@@ -16,7 +16,7 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from recipes import checkpoint
 from recipes.config import ConfigError, Settings
@@ -29,24 +29,24 @@ LOCK_FILE = ".lock"
 _held: dict[Path, int] = {}  # run folders this process holds: their lock file's descriptor
 
 
-def open_run_folder(cfg: DictConfig, accelerator: Accelerator) -> tuple[Path, Path | None]:
+def open_run_folder(settings: Settings, accelerator: Accelerator) -> tuple[Path, Path | None]:
     """The run folder all ranks share and the checkpoint to continue from (if any).
 
     Rank 0 takes the folder's lock (:func:`hold`), looks, and every rank learns the verdict, so
     that all of them stop together; a refused run changes nothing in the folder.
     """
-    output_dir = _agree_on_output_dir(str(cfg.output_dir))
+    output_dir = _agree_on_output_dir(settings.output_dir)
     verdict: tuple[str, str | None] | None = None
     if accelerator.is_main_process:
         try:
             hold(output_dir)
-            if cfg.get("resume") == "auto":  # the run continues in place: tidy it first
+            if settings.resume == "auto":  # the run continues in place: tidy it first
                 for done in checkpoint.remove_leftovers(output_dir):
                     log.info("%s: %s", output_dir, done)
-            found = check_run_folder(output_dir, cfg.get("resume"))
+            found = check_run_folder(output_dir, settings.resume)
             config_file = output_dir / "config.yaml"
             if found is None or not config_file.exists():
-                config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+                config_file.write_text(OmegaConf.to_yaml(settings.resolved))
             verdict = ("ok", str(found) if found else None)
         except ConfigError as err:
             release(output_dir)

@@ -26,6 +26,6 @@ def task_config(name: str, **overrides: Any) -> Any:
 
 def make_task(name: str, **overrides: Any) -> Any:
     """The task ``task=<name>`` builds, with ``overrides`` on top."""
-    from recipes.loop import build_task
+    from recipes.modes import build_task
 
     return build_task(task_config(name, **overrides))

@@ -428,7 +428,7 @@ def test_the_optimizer_is_built_from_plain_settings():
 
     from recipes.loop import optimizer_factory
 
-    make = optimizer_factory(_compose("recipe=gpt2_clm"))
+    make = optimizer_factory(validate(_compose("recipe=gpt2_clm")).optimizer)
     assert type(make.keywords["betas"]) is list
     model = torch.nn.Linear(2, 2)
     optimizer = make(model.parameters())

@@ -437,7 +437,7 @@ def test_fp16_refused_when_accelerate_made_no_scaler() -> None:
     from types import SimpleNamespace
 
     from recipes.config import ConfigError
-    from recipes.loop import _check_grad_scaler
+    from recipes.modes import _check_grad_scaler
 
     # What accelerate 0.33 leaves on MUSA: native AMP on, ``self.scalar`` set instead of
     # ``self.scaler`` (a GPU path that cannot run here, hence the stand-in).
