@@ -9,7 +9,7 @@ the project trains, and it answers as a run's evaluation does: the same windows 
 context (the task's ``max_seq_length`` / ``doc_stride``), the same n-best search over start and
 end logits, and for SQuAD v2 models the same null-answer threshold (:mod:`recipes.tasks.qa`,
 :mod:`recipes.tasks.qa_answers`). The task settings are the run's own (``config.yaml`` beside
-``final/``), else ``conf/task/qa.yaml``'s; the flags change the answer search. The device is
+``final/``), else the task's defaults; the flags change the answer search. The device is
 accelerate's (MUSA, CUDA or CPU), and batches are padded and computed (autocast) as the run's
 evaluations were, so the answers are the run's.
 
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from datasets import Dataset
 
-CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task" / "qa.yaml"
 QA_TASK = "recipes.tasks.qa.QuestionAnswering"
 
 
@@ -55,6 +54,7 @@ def answer(
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding
 
     from recipes.config import TrainerConfig
+    from recipes.evaluation import eval_mode
     from recipes.model import backend_kwargs
     from recipes.modes import resolve_mixed_precision
 
@@ -71,7 +71,7 @@ def answer(
     padding = DataCollatorWithPadding(
         tokenizer,
         padding="max_length" if fixed else "longest",
-        max_length=task.max_seq_length if fixed else None,
+        max_length=data.max_length if fixed else None,
         pad_to_multiple_of=trainer["pad_to_multiple_of"],
     )
     loader = DataLoader(
@@ -80,9 +80,14 @@ def answer(
         collate_fn=padding,
     )
     model, loader = accelerator.prepare(model, loader)
-    collector = task.collect(model, loader, data, accelerator)
+    with eval_mode(model):
+        collector = task.collect(model, loader, data, accelerator)
+    settings = task.args
     predictions, nbest, _ = collector.answers(
-        data.eval_examples, task.version_2_with_negative, task.null_score_diff_threshold, True
+        data.eval_examples,
+        settings.version_2_with_negative,
+        settings.null_score_diff_threshold,
+        True,
     )
     return predictions, nbest
 
@@ -100,27 +105,23 @@ def _run_config(model_dir: Path) -> dict[str, Any]:
 def _task(
     model_dir: Path, saved: dict[str, Any] | None, n_best: int | None, threshold: float | None
 ) -> Any:
-    """The QA task as the run that saved ``model_dir`` had it (``saved``), else with
-    ``conf/task/qa.yaml``'s settings; ``n_best`` / ``threshold`` replace the run's."""
+    """The QA task as the run that saved ``model_dir`` had it (``saved``), else with the task's
+    defaults (``QaConfig``); ``n_best`` / ``threshold`` replace the run's."""
     from omegaconf import OmegaConf
 
-    from recipes.config import instantiate
+    from recipes.loop import build_task
+    from recipes.tasks.configs.qa import QaConfig
 
     if saved is not None and saved.get("_target_") != QA_TASK:
         raise SystemExit(f"error: {model_dir} was trained by {saved.get('_target_')}, not task=qa.")
-    if saved is None and not CONF_TASK.is_file():
-        raise SystemExit(
-            f"error: no config.yaml beside {model_dir} (a run's final/ has one) and no "
-            f"{CONF_TASK} to take the QA settings from."
-        )
-    settings = OmegaConf.load(CONF_TASK) if CONF_TASK.is_file() else OmegaConf.create(saved)
-    if saved is not None:
-        settings = OmegaConf.merge(settings, saved)
+    settings = OmegaConf.merge(OmegaConf.structured(QaConfig), saved or {})
     if n_best is not None:
         settings.n_best_size = n_best
     if threshold is not None:
         settings.null_score_diff_threshold = threshold
-    return instantiate(OmegaConf.create({"task": settings}), "task")
+    config = OmegaConf.to_object(settings)
+    config.validate()
+    return build_task(config)
 
 
 def read_questions(path: Path) -> Dataset:

@@ -550,7 +550,12 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
         filled.append(array)
     examples = data.eval_examples
     predictions, _ = reference_answers(
-        examples, data.eval_windows, filled[0], filled[1], task.n_best_size, task.max_answer_length
+        examples,
+        data.eval_windows,
+        filled[0],
+        filled[1],
+        task.args.n_best_size,
+        task.args.max_answer_length,
     )
     references = dict(zip(examples["id"], (a["text"] for a in examples["answers"]), strict=True))
     scores = squad_v1(predictions, references)
@@ -620,9 +625,9 @@ def run_postprocess(args: argparse.Namespace) -> None:
         batches.append((start, end, mask, idx))
 
     def ours(with_nbest: bool) -> dict:
-        collector = AnswerCollector(windows, task.n_best_size, task.max_answer_length)
+        collector = AnswerCollector(windows, task.args.n_best_size, task.args.max_answer_length)
         for start, end, mask, idx in batches:
-            found = top_candidates(start, end, mask, task.n_best_size)
+            found = top_candidates(start, end, mask, task.args.n_best_size)
             collector.add({k: v.numpy() for k, v in found.items()}, idx)
         return collector.answers(examples, False, 0.0, with_nbest=with_nbest)[0]
 
@@ -632,8 +637,8 @@ def run_postprocess(args: argparse.Namespace) -> None:
             windows,
             starts,
             ends,
-            task.n_best_size,
-            task.max_answer_length,
+            task.args.n_best_size,
+            task.args.max_answer_length,
             with_nbest=with_nbest,
         )[0]
 
@@ -653,7 +658,7 @@ def run_postprocess(args: argparse.Namespace) -> None:
     ratio = {job: b["straightforward"] / b["ours"] for job, b in best.items()}
     print(
         f"{len(examples)} questions, {len(windows)} windows of up to {args.block_size} tokens "
-        f"(stride {args.doc_stride}), n_best {task.n_best_size}, from {eval_file}; {source}\n"
+        f"(stride {args.doc_stride}), n_best {task.args.n_best_size}, from {eval_file}; {source}\n"
         "| job | ours s | straightforward s | speed-up |\n|---|---:|---:|---:|\n"
         + "".join(
             f"| {job} | {b['ours']:.3f} | {b['straightforward']:.3f} | {ratio[job]:.1f}x |\n"

@@ -29,10 +29,11 @@ from recipes.config import (
     ModelConfig,
     SchedulerConfig,
     compose_error,
-    instantiate,
     register_resolvers,
+    task_config,
     validate,
 )
+from recipes.loop import build_task
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -106,7 +107,7 @@ def test_every_recipe_composes_and_validates(recipe, debug):
             validate(cfg)
         return
     settings = validate(cfg)
-    task = instantiate(cfg, "task")
+    task = build_task(settings.task)
     assert settings.trainer.per_device_train_batch_size > 0
     assert type(task).__name__ == TASKS[recipe]
     if debug == "smoke":
@@ -115,7 +116,7 @@ def test_every_recipe_composes_and_validates(recipe, debug):
         assert Path(settings.data.path).is_relative_to(ASSETS)
         assert Path(settings.data.path).exists()
     if TASKS[recipe] == "QuestionAnswering":
-        assert task.version_2_with_negative == recipe.endswith("_v2")
+        assert task.args.version_2_with_negative == recipe.endswith("_v2")
 
 
 def test_bert_squad_is_the_reference_run():
@@ -410,13 +411,13 @@ def test_build_scheduler_repeats_no_default_of_the_schema():
 def test_bad_task_settings_name_the_key(recipe, override, message):
     cfg = _compose(f"recipe={recipe}", override)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        instantiate(cfg, "task")
+        task_config(cfg)
 
 
 def test_doc_stride_must_be_below_max_seq_length():
     cfg = _compose("recipe=bert_squad", "task.doc_stride=384")
     with pytest.raises(ConfigError, match=r"task\.doc_stride=384"):
-        instantiate(cfg, "task")
+        task_config(cfg)
 
 
 def test_the_optimizer_is_built_from_plain_settings():

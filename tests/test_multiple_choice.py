@@ -16,8 +16,10 @@ from conftest import ROOT, make_task, read_metrics, run_torchrun, run_train
 from torch.utils.data import DataLoader
 from transformers import AutoModelForMultipleChoice, AutoTokenizer
 
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
+from recipes.evaluation import evaluate
+from recipes.tasks.base import RunContext
 from recipes.tasks.multiple_choice import MultipleChoiceCollator, masked_logits
 
 ASSETS = ROOT / "recipes" / "assets"
@@ -181,10 +183,10 @@ def test_collator_pads_to_a_multiple_and_rounds_the_padding_choice(tokenizer):
 def test_accuracy_and_loss_against_a_direct_computation(tmp_path, model, tokenizer):
     rows = [json.loads(x) for x in (HELLASWAG / "dev.jsonl").read_text().splitlines()[:30]]
     task, data = _build(_rows(tmp_path / "d", rows), tmp_path / "c")
-    accelerator = Accelerator(cpu=True)
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
     loader = DataLoader(data.eval, batch_size=7, collate_fn=data.eval_collator)
-    scores = task.evaluate(model, loader, data, accelerator, None)
-    model.eval()  # evaluate() leaves the model in training mode
+    scores = evaluate(task, model, loader, data, run)
+    model.eval()
     with torch.no_grad():
         logits = torch.cat([model(**{k: v for k, v in b.items() if k not in ("labels",
                  "choice_mask")}).logits for b in loader])  # fmt: skip

@@ -20,6 +20,7 @@ from transformers import AutoModelForQuestionAnswering, AutoTokenizer, DataColla
 
 from recipes.config import ASSETS
 from recipes.data import SubBatchCollator, length_pieces
+from recipes.tasks.base import Averaging
 
 
 def _padded_tokens(lengths: list[int], groups: list[list[int]]) -> int:
@@ -142,8 +143,8 @@ def test_sub_batches_train_as_whole_batches_on_one_and_two_processes(
 @pytest.mark.parametrize("ignores_padding", [True, False])
 def test_the_qa_loss_does_not_depend_on_padding_unless_asked(ignores_padding):
     task = make_task("qa", loss_ignores_padding=ignores_padding)
-    assert task.splits_exactly is ignores_padding
-    assert "loss_ignores_padding" not in task.settings()  # shapes no feature: not in the cache key
+    assert (task.loss_shape().averaging == Averaging.row_mean) is ignores_padding
+    assert "loss_ignores_padding" not in task.features_key()  # shapes no feature: not in the key
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-bert")
     model = AutoModelForQuestionAnswering.from_pretrained(ASSETS / "tiny-bert").eval()
     features = [

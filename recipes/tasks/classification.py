@@ -10,27 +10,33 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import DataConfig
 from recipes.data import DataError
+from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.metrics.classification import classification_scores, regression_scores
-from recipes.tasks.base import Task, TaskData, row_ids, write_jsonl
+from recipes.tasks.base import (
+    Averaging,
+    LossShape,
+    RunContext,
+    Task,
+    TaskData,
+    row_ids,
+    write_jsonl,
+)
+from recipes.tasks.configs.classification import ClassificationConfig
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
-PROBLEM_TYPES = ("auto", "single_label_classification", "regression")
 
 
 @dataclass(frozen=True)
@@ -91,26 +97,18 @@ class SequenceClassification(Task[ClassificationData]):
     """
 
     auto_model_class = AutoModelForSequenceClassification
-    splits_exactly = True  # cross-entropy or squared error of the first token, averaged over rows
     greater_is_better = True
+    config_class = ClassificationConfig
+    args: ClassificationConfig
 
-    def __init__(
-        self,
-        *,
-        max_seq_length: int,
-        problem_type: str,
-        metric: str | None,
-    ) -> None:
-        if max_seq_length < 2:
-            raise ConfigError(f"task.max_seq_length={max_seq_length}: must be at least 2.")
-        if problem_type not in PROBLEM_TYPES:
-            raise ConfigError(
-                f"task.problem_type={problem_type!r}: choose one of {', '.join(PROBLEM_TYPES)}."
-            )
-        self.max_seq_length = max_seq_length
-        self.problem_type = problem_type
-        self.metric = metric
-        self.main_metric = metric or "accuracy"
+    def __init__(self, args: ClassificationConfig) -> None:
+        super().__init__(args)
+        # Until build_data settles it from the data (a GLUE task's own metric, or regression's).
+        self.main_metric = args.metric or "accuracy"
+
+    def loss_shape(self) -> LossShape:
+        """Cross-entropy or squared error of the first token, averaged over rows."""
+        return LossShape(Averaging.row_mean)
 
     # ----------------------------------------------------------------------------- data
 
@@ -120,8 +118,8 @@ class SequenceClassification(Task[ClassificationData]):
         train = splits["train"]
         text, pair, label = _columns(cfg, glue, train)
         values = train.examples[label]
-        regression = self.problem_type == "regression" or (
-            self.problem_type == "auto"
+        regression = self.args.problem_type == "regression" or (
+            self.args.problem_type == "auto"
             and (glue.labels is None if glue else _looks_continuous(values))
         )
         label_names: list[str] | None = None  # None: regression
@@ -129,7 +127,7 @@ class SequenceClassification(Task[ClassificationData]):
             label_names = list(glue.labels)
         elif not regression:
             label_names = sorted({str(v) for v in values})
-        self.main_metric = self.metric or (
+        self.main_metric = self.args.metric or (
             glue.metric if glue else ("pearson" if regression else "accuracy")
         )
         log.info(
@@ -146,7 +144,10 @@ class SequenceClassification(Task[ClassificationData]):
             _columns(cfg, glue, split)  # the same columns must exist in both splits
             features[role] = self._featurize(cfg, role, split, tokenizer, columns, label_names)
         return ClassificationData(
-            train=features["train"], eval=features["eval"], label_names=label_names
+            train=features["train"],
+            eval=features["eval"],
+            max_length=self.args.max_seq_length,
+            label_names=label_names,
         )
 
     def _featurize(
@@ -164,7 +165,7 @@ class SequenceClassification(Task[ClassificationData]):
             columns=columns,
             labels=label_names,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            length=self.max_seq_length,
+            task=self.features_key(),
             version=FEATURES_VERSION,
         )
 
@@ -208,7 +209,7 @@ class SequenceClassification(Task[ClassificationData]):
             batch[text],
             batch[pair] if pair else None,
             truncation=True,
-            max_length=self.max_seq_length,
+            max_length=self.args.max_seq_length,
         )
         if label is not None:  # None: rows to predict on
             encoded["labels"] = [_label_id(v, label_names, source, label) for v in batch[label]]
@@ -237,34 +238,26 @@ class SequenceClassification(Task[ClassificationData]):
         return ClassificationData(
             train=features.select([]),
             eval=features,
+            max_length=self.args.max_seq_length,
             row_ids=row_ids(examples),
         )
 
-    @torch.no_grad()
     def predict(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ClassificationData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        self, model: torch.nn.Module, loader: Iterable, data: ClassificationData, run: RunContext
     ) -> dict[str, Any]:
         """``predictions.jsonl``: per row (in file order) its id, the predicted label and every
         label's probability; for regression, the predicted score. Label names are the model's
         own (``id2label``, saved by the training run)."""
-        config = accelerator.unwrap_model(model).config
+        config = run.accelerator.unwrap_model(model).config
         regression = config.problem_type == "regression" or config.num_labels == 1
-        model.eval()
-        outputs = []
-        for batch in loader:
+
+        def step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict:
             logits = model(**batch).logits.float()
-            out = logits.squeeze(-1) if regression else logits.softmax(-1)
-            outputs.append(accelerator.gather_for_metrics(out).cpu().numpy())
-        model.train()
-        if accelerator.is_main_process:
-            values = np.concatenate(outputs)
+            return {"out": logits.squeeze(-1) if regression else logits.softmax(-1)}
+
+        rows = gather_rows(step, model, loader, run.accelerator)
+        if rows is not None:
+            values = rows["out"].numpy()
             names = [str(config.id2label[i]) for i in range(config.num_labels)]
             records = (
                 {"id": row, "score": float(value)}
@@ -276,7 +269,7 @@ class SequenceClassification(Task[ClassificationData]):
                 }
                 for row, value in zip(data.row_ids or [], values, strict=True)
             )
-            write_jsonl(output_dir / "predictions.jsonl", records)
+            write_jsonl(run.output_dir / "predictions.jsonl", records)
         return {"rows": len(data.eval), "file": "predictions.jsonl"}
 
     def model_kwargs(self, data: ClassificationData) -> dict[str, Any]:
@@ -291,42 +284,31 @@ class SequenceClassification(Task[ClassificationData]):
 
     # ----------------------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ClassificationData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Per row: the prediction (a label id, or a score where the labels are floats:
+        regression), the label and the row's loss."""
+        target = batch["labels"]
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        if target.is_floating_point():
+            predicted = logits.squeeze(-1)
+            loss = (predicted - target.float()) ** 2
+        else:
+            predicted = logits.argmax(-1)
+            loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        return {"predicted": predicted, "labels": target, "loss": loss}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: ClassificationData, run: RunContext
     ) -> dict[str, float]:
-        label_names = data.label_names
-        model.eval()
-        predictions, labels, losses = [], [], []
-        for batch in loader:
-            target = batch.pop("labels")
-            logits = model(**batch).logits.float()
-            if label_names is None:
-                predicted = logits.squeeze(-1)
-                loss = (predicted - target.float()) ** 2
-            else:
-                predicted = logits.argmax(-1)
-                loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
-            # Per example, gathered: the duplicates that pad the last batch are dropped.
-            predicted, target, loss = accelerator.gather_for_metrics((predicted, target, loss))
-            predictions.append(predicted.cpu().numpy())
-            labels.append(target.cpu().numpy())
-            losses.append(loss.cpu().numpy())
-        model.train()
-        metrics: dict[str, float] = {}
-        if accelerator.is_main_process:
-            y_hat, y = np.concatenate(predictions), np.concatenate(labels)
-            if label_names is None:
-                metrics = regression_scores(y_hat.astype(np.float64), y.astype(np.float64))
-            else:
-                metrics = classification_scores(y_hat, y.astype(np.int64), len(label_names))
-            metrics["loss"] = float(np.concatenate(losses).mean())
-        return broadcast_object_list([metrics])[0]
+        y_hat, y = rows["predicted"].numpy(), rows["labels"].numpy()
+        if data.label_names is None:
+            metrics = regression_scores(y_hat.astype(np.float64), y.astype(np.float64))
+        else:
+            metrics = classification_scores(y_hat, y.astype(np.int64), len(data.label_names))
+        metrics["loss"] = float(rows["loss"].numpy().mean())
+        return metrics
 
 
 def _label_id(value: Any, label_names: list[str] | None, source: str, column: str) -> float | int:

@@ -21,22 +21,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import AutoModelForMultipleChoice, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import DataConfig
 from recipes.data import DataError
+from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.tasks import base
-from recipes.tasks.base import Task, TaskData, write_jsonl
+from recipes.tasks.base import RunContext, Task, TaskData, write_jsonl
+from recipes.tasks.configs.multiple_choice import MultipleChoiceConfig
 
 log = get_logger(__name__)
 
@@ -88,19 +87,22 @@ class MultipleChoiceCollator:
     the model's input has something to attend to) and ``choice_mask`` marks it 0: the task's
     loss and argmax drop it. Tokens are padded to the batch's longest choice, rounded up to
     ``pad_to_multiple_of`` (set from trainer.pad_to_multiple_of by the loop), as transformers'
-    DataCollatorForMultipleChoice pads."""
+    DataCollatorForMultipleChoice pads; with ``padding="max_length"`` (trainer.padding), to at
+    least ``max_length``."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         ends = tokenizer("")["input_ids"]  # the special tokens alone: [CLS] [SEP] for BERT
         self.empty = list(ends) or [self.pad_id]
         self.pad_to_multiple_of: int | None = None
-        self.max_length: int | None = None  # trainer.padding=max_length: every choice this long
+        self.padding = "longest"
+        self.max_length: int | None = None  # padding=max_length: every choice this long
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         choices = max(len(f["input_ids"]) for f in features)
         longest = max(len(ids) for f in features for ids in f["input_ids"])
-        longest = max(longest, len(self.empty), self.max_length or 0)
+        fixed = (self.max_length or 0) if self.padding == "max_length" else 0
+        longest = max(longest, len(self.empty), fixed)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         rows = len(features)
@@ -157,23 +159,13 @@ class MultipleChoice(Task[ChoiceData]):
     auto_model_class = AutoModelForMultipleChoice
     main_metric = "accuracy"
     greater_is_better = True
-    # Cross-entropy over each row's own choices, averaged over rows: padding changes nothing.
-    # Still no sub-batches (trainer.sub_batches): the loop sorts rows into them by their
-    # features' length, which here is the number of choices, not tokens, so they would only
-    # run smaller batches and save no padding.
-    splits_exactly = False
+    config_class = MultipleChoiceConfig
+    args: MultipleChoiceConfig
 
-    def __init__(self, *, max_seq_length: int) -> None:
-        if max_seq_length < 8:
-            raise ConfigError(
-                f"task.max_seq_length={max_seq_length}: must be at least 8 (a context, a "
-                "choice and the special tokens); run_swag uses 128."
-            )
-        self.max_seq_length = max_seq_length
-
-    @property
-    def terms_per_example(self) -> int:
-        return 1
+    # loss_shape: the default mean. The cross-entropy over each row's own choices, averaged over
+    # rows, would not change with padding, but the loop sorts rows into sub-batches
+    # (trainer.sub_batches) by their features' length, which here is the number of choices,
+    # not tokens: they would only run smaller batches and save no padding.
 
     def model_kwargs(self, data: ChoiceData) -> dict[str, Any]:
         # The multiple-choice head scores one choice at a time (one output): a checkpoint's
@@ -206,6 +198,7 @@ class MultipleChoice(Task[ChoiceData]):
             eval=evaluation,
             train_collator=MultipleChoiceCollator(tokenizer),
             eval_collator=MultipleChoiceCollator(tokenizer),
+            max_length=self.args.max_seq_length,
             **kw,
         )
 
@@ -222,7 +215,7 @@ class MultipleChoice(Task[ChoiceData]):
             data=split.fingerprint,
             layout=layout,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            length=self.max_seq_length,
+            task=self.features_key(),
             version=FEATURES_VERSION,
         )
 
@@ -274,7 +267,7 @@ class MultipleChoice(Task[ChoiceData]):
             if label is not None:
                 labels.append(label)
         encoded = tokenizer(
-            firsts, seconds, truncation="longest_first", max_length=self.max_seq_length
+            firsts, seconds, truncation="longest_first", max_length=self.args.max_seq_length
         )
         out: dict[str, list] = {k: [] for k in encoded}
         start = 0
@@ -309,41 +302,31 @@ class MultipleChoice(Task[ChoiceData]):
             choice_texts=texts,
         )
 
-    @torch.no_grad()
     def predict(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChoiceData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        self, model: torch.nn.Module, loader: Iterable[dict], data: ChoiceData, run: RunContext
     ) -> dict[str, Any]:
         """``predictions.jsonl``: per row (in file order) its id, the chosen choice's index
         (``label``) and text (``choice``), and every choice's probability (``probabilities``, in
         the row's order; padding choices are not in it)."""
-        model.eval()
-        probabilities: list[list[float]] = []
-        for batch in loader:
+        # A batch holds as many choices as its widest row: padded to the widest of all to stack.
+        width = max((len(texts) for texts in data.choice_texts or []), default=0)
+
+        def step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict:
             probs = masked_logits(model, batch).softmax(-1)
-            # Batches of other processes can hold more choices: padded to one width to gather.
-            probs = accelerator.pad_across_processes(probs, dim=1, pad_index=0)
-            mask = accelerator.pad_across_processes(batch["choice_mask"], dim=1, pad_index=0)
-            probs, mask = accelerator.gather_for_metrics((probs, mask))
-            for p, m in zip(probs.cpu().tolist(), mask.cpu().tolist(), strict=True):
-                probabilities.append(p[: sum(m)])
-        model.train()
-        if accelerator.is_main_process:
+            return {"probs": torch.nn.functional.pad(probs, (0, width - probs.shape[1]))}
+
+        rows = gather_rows(step, model, loader, run.accelerator)
+        if rows is not None:
             records = []
-            for row, texts, probs in zip(
-                data.row_ids or [], data.choice_texts or [], probabilities, strict=True
+            for row, texts, padded in zip(
+                data.row_ids or [], data.choice_texts or [], rows["probs"].tolist(), strict=True
             ):
+                probs = padded[: len(texts)]
                 best = int(np.argmax(probs))
                 records.append(
                     {"id": row, "label": best, "choice": texts[best], "probabilities": probs}
                 )
-            write_jsonl(output_dir / "predictions.jsonl", records)
+            write_jsonl(run.output_dir / "predictions.jsonl", records)
         return {"rows": len(data.eval), "file": "predictions.jsonl"}
 
     # ----------------------------------------------------------------------------- training
@@ -352,37 +335,20 @@ class MultipleChoice(Task[ChoiceData]):
         """Cross-entropy over each row's own choices (padding choices at -inf), mean over rows."""
         return torch.nn.functional.cross_entropy(masked_logits(model, batch), batch["labels"])
 
-    @torch.no_grad()
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChoiceData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Per row: the chosen choice, the right one and the row's cross-entropy."""
+        logits = masked_logits(model, batch)
+        target = batch["labels"]
+        loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        return {"predicted": logits.argmax(-1), "labels": target, "loss": loss}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: ChoiceData, run: RunContext
     ) -> dict[str, float]:
-        model.eval()
-        predictions, labels, losses = [], [], []
-        for batch in loader:
-            logits = masked_logits(model, batch)
-            target = batch["labels"]
-            loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
-            # Per row, gathered: the duplicates that pad the last batch are dropped.
-            predicted, target, loss = accelerator.gather_for_metrics(
-                (logits.argmax(-1), target, loss)
-            )
-            predictions.append(predicted.cpu().numpy())
-            labels.append(target.cpu().numpy())
-            losses.append(loss.cpu().numpy())
-        model.train()
-        metrics: dict[str, float] = {}
-        if accelerator.is_main_process:
-            y_hat, y = np.concatenate(predictions), np.concatenate(labels)
-            metrics = {
-                "accuracy": float((y_hat == y).mean()),
-                "loss": float(np.concatenate(losses).mean()),
-            }
-        return broadcast_object_list([metrics])[0]
+        y_hat, y = rows["predicted"].numpy(), rows["labels"].numpy()
+        return {"accuracy": float((y_hat == y).mean()), "loss": float(rows["loss"].numpy().mean())}
 
 
 # --------------------------------------------------------------------------------- layouts

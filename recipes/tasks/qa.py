@@ -16,16 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import AutoModelForQuestionAnswering, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import squad_v1, squad_v2
-from recipes.tasks.base import Task, TaskData, write_json
+from recipes.tasks.base import Averaging, LossShape, RunContext, Task, TaskData, write_json
+from recipes.tasks.configs.qa import QaConfig
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 from recipes.tasks.qa_examples import check_disjoint, check_examples, read_squad_json
 
@@ -62,46 +62,8 @@ class QuestionAnswering(Task[QAData]):
     main_metric = "f1"
     greater_is_better = True
 
-    def __init__(
-        self,
-        *,
-        max_seq_length: int,
-        doc_stride: int,
-        max_query_length: int,
-        n_best_size: int,
-        max_answer_length: int,
-        version_2_with_negative: bool,
-        null_score_diff_threshold: float,
-        write_nbest: bool,
-        loss_ignores_padding: bool,
-    ) -> None:
-        if doc_stride >= max_seq_length:
-            raise ConfigError(
-                f"task.doc_stride={doc_stride} must be smaller than task.max_seq_length="
-                f"{max_seq_length} (windows would not advance); the reference uses 128 and 384."
-            )
-        if max_query_length >= max_seq_length - doc_stride:
-            raise ConfigError(
-                f"task.max_query_length={max_query_length} leaves no room for context in a "
-                f"{max_seq_length}-token window with doc_stride {doc_stride}; lower it."
-            )
-        for name, value in (
-            ("max_seq_length", max_seq_length),
-            ("n_best_size", n_best_size),
-            ("max_answer_length", max_answer_length),
-            ("doc_stride", doc_stride),
-        ):
-            if value < 1:
-                raise ConfigError(f"task.{name}={value}: must be at least 1.")
-        self.max_seq_length = max_seq_length
-        self.doc_stride = doc_stride
-        self.max_query_length = max_query_length
-        self.n_best_size = n_best_size
-        self.max_answer_length = max_answer_length
-        self.version_2_with_negative = version_2_with_negative
-        self.null_score_diff_threshold = null_score_diff_threshold
-        self.write_nbest = write_nbest
-        self.loss_ignores_padding = loss_ignores_padding
+    config_class = QaConfig
+    args: QaConfig
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The head's loss, (start + end cross-entropy) / 2 over the windows, with the padding's
@@ -110,7 +72,7 @@ class QuestionAnswering(Task[QAData]):
         not, so cutting a batch into sub-batches (``trainer.sub_batches``) changes no loss,
         and training sees the positions evaluation reads answers from.
         ``task.loss_ignores_padding=false``: the head's own loss, as the examples train."""
-        if not self.loss_ignores_padding:  # as the Hugging Face examples train
+        if not self.args.loss_ignores_padding:  # as the Hugging Face examples train
             return model(**batch).loss
         labels = ("start_positions", "end_positions")
         outputs = model(**{k: v for k, v in batch.items() if k not in labels})
@@ -123,13 +85,9 @@ class QuestionAnswering(Task[QAData]):
         ]
         return (losses[0] + losses[1]) / 2
 
-    @property
-    def splits_exactly(self) -> bool:  # type: ignore[override]
-        return self.loss_ignores_padding
-
-    def settings(self) -> dict[str, object]:
-        """Everything but the loss's setting, which shapes no feature."""
-        return {k: v for k, v in vars(self).items() if k != "loss_ignores_padding"}
+    def loss_shape(self) -> LossShape:
+        """A mean over windows that padding does not change, unless the head's own loss."""
+        return LossShape(Averaging.row_mean if self.args.loss_ignores_padding else Averaging.mean)
 
     # ----------------------------------------------------------------------------- data
 
@@ -139,7 +97,7 @@ class QuestionAnswering(Task[QAData]):
         splits = data_lib.load_splits(cfg, reader=read_squad_json)
         for role, split in splits.items():
             check_examples(
-                split.examples, f"{role} data {split.source}", self.version_2_with_negative
+                split.examples, f"{role} data {split.source}", self.args.version_2_with_negative
             )
         check_disjoint(splits["train"], splits["eval"])
         train = self._features(cfg, tokenizer, splits["train"], "train", self._train_features)
@@ -157,6 +115,7 @@ class QuestionAnswering(Task[QAData]):
         return QAData(
             train=train,
             eval=_longest_first(windows, tokenizer),
+            max_length=self.args.max_seq_length,
             eval_examples=eval_examples,
             eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
             left_padded=tokenizer.padding_side == "left",
@@ -197,6 +156,7 @@ class QuestionAnswering(Task[QAData]):
         return QAData(
             train=windows.select([]),
             eval=_longest_first(windows, tokenizer),
+            max_length=self.args.max_seq_length,
             eval_examples=examples,
             eval_windows=windows.select_columns(["offset_mapping", "example_index"]),
             left_padded=tokenizer.padding_side == "left",
@@ -215,7 +175,7 @@ class QuestionAnswering(Task[QAData]):
             role=role,
             data=split.fingerprint,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.settings(),
+            task=self.features_key(),
             version=FEATURES_VERSION,
         )
         examples = split.examples
@@ -242,7 +202,7 @@ class QuestionAnswering(Task[QAData]):
             questions,
             add_special_tokens=False,
             truncation=True,
-            max_length=self.max_query_length,
+            max_length=self.args.max_query_length,
             return_offsets_mapping=True,
         )
         questions = [
@@ -257,8 +217,8 @@ class QuestionAnswering(Task[QAData]):
             first,
             second,
             truncation="only_second" if pad_right else "only_first",
-            max_length=self.max_seq_length,
-            stride=self.doc_stride,
+            max_length=self.args.max_seq_length,
+            stride=self.args.doc_stride,
             return_overflowing_tokens=True,
             return_offsets_mapping=True,
             padding=False,
@@ -320,51 +280,26 @@ class QuestionAnswering(Task[QAData]):
 
     # ----------------------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
     def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: QAData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+        self, model: torch.nn.Module, loader: Iterable[dict], data: QAData, run: RunContext
     ) -> dict[str, float]:
         """Answer every evaluation question, score EM / F1, write the predictions files."""
-        collector = self.collect(model, loader, data, accelerator)
-        metrics: dict[str, float] = {}
-        if collector is not None:
-            metrics = self._score(collector, data.eval_examples, output_dir)
-        return broadcast_object_list([metrics])[0]
+        collector = self.collect(model, loader, data, run.accelerator)
+        if collector is None:
+            return {}
+        predictions, null_odds = self._answers(collector, data.eval_examples, run.output_dir)
+        return self._score(predictions, null_odds, data.eval_examples)
 
-    @torch.no_grad()
     def predict(
-        self,
-        model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: QAData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        self, model: torch.nn.Module, loader: Iterable[dict], data: QAData, run: RunContext
     ) -> dict[str, Any]:
         """``predictions.json`` ({id: answer}), and ``nbest_predictions.json`` with
         ``task.write_nbest``, ``null_odds.json`` for v2: evaluation's files, without scores."""
-        collector = self.collect(model, loader, data, accelerator)
+        collector = self.collect(model, loader, data, run.accelerator)
         if collector is not None:
-            predictions, nbest, null_odds = collector.answers(
-                data.eval_examples,
-                self.version_2_with_negative,
-                self.null_score_diff_threshold,
-                self.write_nbest,
-            )
-            write_json(output_dir / "predictions.json", predictions)
-            if self.write_nbest:
-                write_json(output_dir / "nbest_predictions.json", nbest)
-            if null_odds:
-                write_json(output_dir / "null_odds.json", null_odds)
+            self._answers(collector, data.eval_examples, run.output_dir)
         return {"rows": len(data.eval_examples), "file": "predictions.json"}
 
-    @torch.no_grad()
     def collect(
         self,
         model: torch.nn.Module,
@@ -374,11 +309,13 @@ class QuestionAnswering(Task[QAData]):
     ) -> AnswerCollector | None:
         """The top start / end candidates of every window of ``loader``, collected on the main
         process (None on the others): every process runs its share of the windows, and only
-        their top candidates are gathered."""
+        their top candidates are gathered. The caller puts the model in eval mode, without
+        autograd (:func:`recipes.evaluation.eval_mode`)."""
         collector = None
         if accelerator.is_main_process:
-            collector = AnswerCollector(data.eval_windows, self.n_best_size, self.max_answer_length)
-        model.eval()
+            collector = AnswerCollector(
+                data.eval_windows, self.args.n_best_size, self.args.max_answer_length
+            )
         # A long context is many windows: a bar (after a few seconds, main process) says so.
         windows, processes = len(data.eval_windows), accelerator.num_processes
         with data_lib.progress(total=windows, desc="answer: windows", unit=" windows") as bar:
@@ -390,7 +327,7 @@ class QuestionAnswering(Task[QAData]):
                     outputs.start_logits,
                     outputs.end_logits,
                     batch["attention_mask"],
-                    self.n_best_size,
+                    self.args.n_best_size,
                     data.left_padded,
                 )
                 candidates["feature_index"] = feature_index
@@ -399,21 +336,37 @@ class QuestionAnswering(Task[QAData]):
                     arrays = {k: v.cpu().numpy() for k, v in candidates.items()}
                     collector.add(arrays, arrays.pop("feature_index"))
                 bar.update(done)
-        model.train()
         return collector
 
-    def _score(
+    def _answers(
         self, collector: AnswerCollector, examples: Dataset, output_dir: Path | None
-    ) -> dict[str, float]:
-        with_nbest = self.write_nbest and output_dir is not None
+    ) -> tuple[dict[str, str], dict[str, float]]:
+        """Every question's answer and (v2) null odds; written into ``output_dir`` when there is
+        one: ``predictions.json``, ``nbest_predictions.json`` (``task.write_nbest``) and
+        ``null_odds.json`` (v2)."""
+        with_nbest = self.args.write_nbest and output_dir is not None
         predictions, nbest, null_odds = collector.answers(
-            examples, self.version_2_with_negative, self.null_score_diff_threshold, with_nbest
+            examples,
+            self.args.version_2_with_negative,
+            self.args.null_score_diff_threshold,
+            with_nbest,
         )
+        if output_dir is not None:
+            write_json(output_dir / "predictions.json", predictions)
+            if with_nbest:
+                write_json(output_dir / "nbest_predictions.json", nbest)
+            if null_odds:
+                write_json(output_dir / "null_odds.json", null_odds)
+        return predictions, null_odds
+
+    def _score(
+        self, predictions: dict[str, str], null_odds: dict[str, float], examples: Dataset
+    ) -> dict[str, float]:
         references = {
             qid: answers["text"]
             for qid, answers in zip(examples["id"], examples["answers"], strict=True)
         }
-        if self.version_2_with_negative:
+        if self.args.version_2_with_negative:
             # The main numbers score the predictions as made; null_odds only feed the search
             # for the best threshold (best_f1_thresh is in null_score_diff_threshold's units).
             scores = squad_v2(
@@ -421,12 +374,6 @@ class QuestionAnswering(Task[QAData]):
             )
         else:
             scores = squad_v1(predictions, references)
-        if output_dir is not None:
-            write_json(output_dir / "predictions.json", predictions)
-            if with_nbest:
-                write_json(output_dir / "nbest_predictions.json", nbest)
-            if null_odds:
-                write_json(output_dir / "null_odds.json", null_odds)
         return {k: float(v) for k, v in scores.items() if k != "total"}
 
 

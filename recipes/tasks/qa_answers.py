@@ -446,32 +446,20 @@ class _Spans:
 
     def nbest(self, context: str, a: int, b: int) -> list[dict]:
         """Rows ``a:b`` with v1's probabilities (already normalised per question)."""
-        return [
-            {"text": context[s:e], "start_logit": sl, "end_logit": el, "probability": p}
-            for s, e, sl, el, p in zip(
-                self.starts[a:b],
-                self.ends[a:b],
-                self.column("start_logit")[a:b],
-                self.column("end_logit")[a:b],
-                self.column("probability")[a:b],
-                strict=True,
-            )
-        ]
+        return self._records(context, a, b, ("start_logit", "end_logit", "probability"))
 
     def ranked(self, context: str, a: int, b: int) -> list[dict]:
         """Rows ``a:b`` with their scores (none when the question has no span)."""
         if not b:
             return []
+        return self._records(context, a, b, ("score", "start_logit", "end_logit"))
+
+    def _records(self, context: str, a: int, b: int, names: tuple[str, ...]) -> list[dict]:
+        """Rows ``a:b`` as {"text", *names}, in that order (the order written to JSON)."""
+        columns = [self.column(name)[a:b] for name in names]
         return [
-            {"text": context[s:e], "score": sc, "start_logit": sl, "end_logit": el}
-            for s, e, sc, sl, el in zip(
-                self.starts[a:b],
-                self.ends[a:b],
-                self.column("score")[a:b],
-                self.column("start_logit")[a:b],
-                self.column("end_logit")[a:b],
-                strict=True,
-            )
+            {"text": context[s:e], **dict(zip(names, values, strict=True))}
+            for s, e, *values in zip(self.starts[a:b], self.ends[a:b], *columns, strict=True)
         ]
 
 
