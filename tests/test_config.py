@@ -33,6 +33,7 @@ from recipes.config import (
     register_resolvers,
     validate,
 )
+from recipes.loop import build_task
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -106,7 +107,7 @@ def test_every_recipe_composes_and_validates(recipe, debug):
             validate(cfg)
         return
     settings = validate(cfg)
-    task = instantiate(cfg, "task")
+    task = build_task(settings.task)
     assert settings.trainer.per_device_train_batch_size > 0
     assert type(task).__name__ == TASKS[recipe]
     if debug == "smoke":
