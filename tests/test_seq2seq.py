@@ -12,8 +12,16 @@ from conftest import ROOT, make_task, read_metrics, run_torchrun, run_train
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForConditionalGeneration
 
-from recipes.config import ASSETS, ConfigError, DataConfig, instantiate
+from recipes.config import (
+    ASSETS,
+    ConfigError,
+    DataConfig,
+    GenerationConfig,
+    register_resolvers,
+    validate,
+)
 from recipes.data import DataError
+from recipes.loop import build_task
 from recipes.tasks.seq2seq import IGNORE_INDEX, Seq2SeqCollator
 
 TINY_T5 = ASSETS / "tiny-t5"
@@ -26,7 +34,7 @@ def tokenizer():
 
 
 def _task(**overrides):
-    return make_task("seq2seq", **{"generation": {}, **overrides})
+    return make_task("seq2seq", **overrides)
 
 
 def _write(folder: Path, name: str, rows: list[dict]) -> Path:
@@ -77,11 +85,10 @@ def test_dotted_columns_prefix_and_lengths(tmp_path, tokenizer):
 
 
 def test_settings_leave_decoding_and_metric_out_of_the_cache_key():
-    a = _task(metric="bleu", generation={"num_beams": 4})
-    b = _task(metric="rouge", generation={"num_beams": 1, "max_new_tokens": 9})
-    assert a.settings() == b.settings()
-    assert "generation" not in a.settings()
-    assert _task(max_target_length=9).settings() != a.settings()
+    a, b = _task(metric="bleu"), _task(metric="rouge")
+    assert a.features_key() == b.features_key()
+    assert "generation" not in a.features_key()
+    assert _task(max_target_length=9).features_key() != a.features_key()
 
 
 def test_a_list_target_trains_on_the_first_and_scores_against_all(tmp_path, tokenizer):
@@ -101,7 +108,7 @@ def test_a_list_target_trains_on_the_first_and_scores_against_all(tmp_path, toke
     data = _task().build_data(cfg, tokenizer)
     assert tokenizer.decode(data.train[0]["labels"], skip_special_tokens=True) == "First TLDR."
     assert data.references == [["First TLDR.", "Second one."], ["Only TLDR."]]
-    assert _task().score(["First TLDR.", "Only TLDR."], data.references)["rougeL"] == 100.0
+    assert _task().score_texts(["First TLDR.", "Only TLDR."], data.references)["rougeL"] == 100.0
 
 
 def test_squad_rows_become_question_context_and_first_answer(tmp_path, tokenizer):
@@ -121,7 +128,7 @@ def test_squad_rows_become_question_context_and_first_answer(tmp_path, tokenizer
     assert data.references[0] == [a["text"] for a in qa["answers"]]
     assert data.row_ids[0] == qa["id"]
     # EM / F1 take the best of every answer.
-    scores = task.score([qa["answers"][-1]["text"], "nothing"], data.references[:2])
+    scores = task.score_texts([qa["answers"][-1]["text"], "nothing"], data.references[:2])
     assert scores == {"exact_match": 50.0, "f1": 50.0}
 
 
@@ -158,24 +165,22 @@ def test_labels_pad_with_minus_100_and_the_model_builds_decoder_inputs(tokenizer
 )
 def test_each_metric_ranks_by_a_score_it_reports(metric, main, keys):
     task = _task(metric=metric)
-    perfect = task.score(["Tom is here now."], [["Tom is here now."]])
-    wrong = task.score(["Nothing alike at all."], [["Tom is here now."]])
+    perfect = task.score_texts(["Tom is here now."], [["Tom is here now."]])
+    wrong = task.score_texts(["Nothing alike at all."], [["Tom is here now."]])
     assert set(perfect) == keys and task.main_metric == main and task.greater_is_better
     assert perfect[main] == pytest.approx(100.0) and wrong[main] < 50.0
 
 
 def test_generation_settings_reach_the_models_generation_config():
     model = AutoModelForSeq2SeqLM.from_pretrained(TINY_T5)
-    task = _task(
-        max_target_length=20,
-        eval_max_target_length=40,
-        generation={"num_beams": 3, "length_penalty": 0.6, "max_new_tokens": None},
+    task = _task(max_target_length=20, eval_max_target_length=40)
+    task._set_generation(
+        model, GenerationConfig(num_beams=3, length_penalty=0.6, max_new_tokens=None)
     )
-    task._set_generation(model)
     config = model.generation_config
     assert (config.num_beams, config.length_penalty, config.max_new_tokens) == (3, 0.6, 40)
     assert config.decoder_start_token_id == 0 and config.do_sample is False
-    _task(generation={"max_new_tokens": 7, "num_beams": 1})._set_generation(model)
+    _task()._set_generation(model, GenerationConfig(max_new_tokens=7, num_beams=1))
     assert (model.generation_config.max_new_tokens, model.generation_config.num_beams) == (7, 1)
 
 
@@ -190,8 +195,11 @@ def test_generation_comes_from_the_runs_generation_keys():
                 "generation.length_penalty=0.8",
             ],
         )
-    task = instantiate(cfg, "task")
-    assert (task.generation.num_beams, task.generation.length_penalty) == (4, 0.8)
+    register_resolvers()
+    settings = validate(cfg)
+    task = build_task(settings.task)
+    assert (settings.generation.num_beams, settings.generation.length_penalty) == (4, 0.8)
+    assert not hasattr(settings.task, "generation")
     assert task.main_metric == "bleu" and cfg.data.source_column == "translation.en"
 
 
@@ -202,8 +210,6 @@ def test_generation_comes_from_the_runs_generation_keys():
         ({"max_source_length": 1}, "task.max_source_length"),
         ({"max_target_length": 0}, "task.max_target_length"),
         ({"eval_max_target_length": 1}, "task.eval_max_target_length"),
-        ({"generation": {"num_beams": 0}}, "generation.num_beams"),
-        ({"generation": {"beams": 2}}, "task.generation: unknown key(s) beams"),
     ],
 )
 def test_bad_task_settings_are_refused_naming_the_key(overrides, key):

@@ -19,9 +19,10 @@ from seqeval import scheme as seqeval_schemes
 from torch.utils.data import DataLoader
 from transformers import AutoModelForTokenClassification, AutoTokenizer, BertConfig
 
-from recipes.config import ConfigError, DataConfig
+from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError, read_conll
 from recipes.tasks import token_classification as ner
+from recipes.tasks.base import RunContext
 
 SMOKE_GAIN = 0.05  # debug=smoke must raise F1 at least this much
 WNUT = ROOT / "recipes" / "assets" / "wnut17"
@@ -210,7 +211,8 @@ def test_scores_over_words_equal_seqeval_on_real_rows(tmp_path, tokenizer, lengt
     data = task.build_data(cfg, tokenizer)
     model = _ByToken(tokenizer.vocab_size, len(data.label_names))
     loader = DataLoader(data.eval, batch_size=7, collate_fn=data.eval_collator)
-    scores = task.evaluate(model, loader, data, Accelerator(cpu=True), None)
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    scores = task.evaluate(model, loader, data, run)
     expected = []
     for words in data.words:
         row = []

@@ -17,13 +17,12 @@ import contextlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
@@ -35,14 +34,23 @@ from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.seq2seq import bleu_scores, rouge_scores
 from recipes.metrics.squad import squad_v1
-from recipes.tasks.base import SummedLoss, Task, TaskData, row_ids, write_jsonl
+from recipes.tasks.base import (
+    Averaging,
+    LossShape,
+    RunContext,
+    SummedLoss,
+    Task,
+    TaskData,
+    row_ids,
+    write_jsonl,
+)
+from recipes.tasks.configs.seq2seq import METRICS, Seq2SeqConfig
 from recipes.tasks.qa_examples import check_examples, read_squad_json
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
 IGNORE_INDEX = -100
-METRICS = {"rouge": "rougeL", "bleu": "bleu", "squad": "f1"}
 MAX_REPORTED = 5
 _MISSING = object()  # a dotted field a row lacks (already reported)
 
@@ -54,18 +62,19 @@ class Seq2SeqData(TaskData):
 
     references: list[list[str]] = field(default_factory=list)
     row_ids: list[Any] = field(default_factory=list)
-    tokenizer: Any = None  # decodes the generated ids
 
 
 class Seq2SeqCollator:
     """Pads ``input_ids`` / ``attention_mask`` on the right with the pad id and ``labels`` with
     -100 (DataCollatorForSeq2Seq's padding; the model shifts labels into decoder inputs);
-    ``row`` (evaluation rows' numbers) passes through."""
+    ``row`` (evaluation rows' numbers) passes through. With ``padding="max_length"`` sources
+    are padded to ``max_length`` (trainer.padding=max_length); targets keep their own length."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.max_length: int | None = None  # trainer.padding=max_length: sources this long
+        self.padding: str = "longest"
+        self.max_length: int | None = None
 
     def _width(self, rows: list[list[int]], at_least: int = 0) -> int:
         width = max(at_least, *(len(r) for r in rows))
@@ -78,7 +87,7 @@ class Seq2SeqCollator:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         ids = [f["input_ids"] for f in features]
-        fixed = self.max_length or 0
+        fixed = (self.max_length or 0) if self.padding == "max_length" else 0
         batch = {
             "input_ids": self._pad(ids, self.pad_token_id, fixed),
             "attention_mask": self._pad([[1] * len(r) for r in ids], 0, fixed),
@@ -91,76 +100,31 @@ class Seq2SeqCollator:
 
 
 class SequenceToSequence(Task[Seq2SeqData]):
-    """Encoder-decoder fine-tuning scored by generation (``task=seq2seq``).
-
-    Args:
-        metric: rouge (ROUGE-1/2/L/Lsum; ranks by rougeL), bleu (sacreBLEU and chrF; bleu) or
-            squad (EM / F1 against every answer; f1). squad with no data.source_column reads
-            SQuAD data (question, context, answers).
-        max_source_length: source tokens (prefix included); longer sources are cut.
-        max_target_length: target tokens the model trains on; longer targets are cut.
-        eval_max_target_length: evaluation targets' length (their loss) and, unless
-            generation.max_new_tokens is set, the length of generated answers; null: as
-            max_target_length (run_summarization's val_max_target_length).
-        generation: the run's ``generation.*`` (beams, length penalty, new tokens, sampling).
-    """
+    """Encoder-decoder fine-tuning scored by generation (``task=seq2seq``; settings in
+    :class:`Seq2SeqConfig`, decoding in the run's ``generation.*``)."""
 
     auto_model_class = AutoModelForSeq2SeqLM
-    sums_loss_terms = True
+    config_class = Seq2SeqConfig
+    args: Seq2SeqConfig
     greater_is_better = True
 
-    def __init__(
-        self,
-        *,
-        metric: str,
-        max_source_length: int,
-        max_target_length: int,
-        eval_max_target_length: int | None,
-        generation: Mapping[str, Any] | GenerationConfig | None,
-    ) -> None:
-        if metric not in METRICS:
-            raise ConfigError(
-                f"task.metric={metric!r}: choose rouge (summarization), bleu (translation) or "
-                "squad (generative QA, EM / F1)."
-            )
-        for key, value in (
-            ("max_source_length", max_source_length),
-            ("max_target_length", max_target_length),
-            ("eval_max_target_length", eval_max_target_length),
-        ):
-            if value is not None and (not isinstance(value, int) or value < 2):
-                raise ConfigError(
-                    f"task.{key}={value}: must be a whole number of tokens, at least 2 (a token "
-                    "and the end of sequence)."
-                )
-        self.metric = metric
-        self.main_metric = METRICS[metric]
-        self.max_source_length = max_source_length
-        self.max_seq_length = max_source_length  # trainer.padding=max_length's length
-        self.max_target_length = max_target_length
-        self.eval_max_target_length = eval_max_target_length
-        self.generation = generation_lib.typed(generation)
-
     @property
-    def terms_per_example(self) -> int:
-        return self.max_target_length  # loss terms are target tokens
+    def main_metric(self) -> str:
+        return METRICS[self.args.metric]
 
-    def settings(self) -> dict[str, Any]:
-        """What shapes the features; the metric and the decoding do not."""
-        return {
-            "max_source_length": self.max_source_length,
-            "max_target_length": self.max_target_length,
-            "eval_max_target_length": self.eval_max_target_length,
-        }
+    def loss_shape(self) -> LossShape:
+        """Summed target-token cross-entropy (:meth:`loss`); a row adds at most
+        ``max_target_length`` terms."""
+        return LossShape(Averaging.sum, terms_per_example=self.args.max_target_length)
 
     @property
     def _eval_target_length(self) -> int:
-        return self.eval_max_target_length or self.max_target_length
+        return self.args.eval_max_target_length or self.args.max_target_length
 
     # ------------------------------------------------------------------------------- data
 
     def _squad_layout(self, cfg: DataConfig) -> bool:
-        return self.metric == "squad" and cfg.source_column is None
+        return self.args.metric == "squad" and cfg.source_column is None
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Seq2SeqData:
         _check_tokenizer(tokenizer)
@@ -181,7 +145,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
             cfg.source_prefix,
             len(texts["train"][0]),
             len(texts["eval"][0]),
-            self.metric,
+            self.args.metric,
         )
         train = self._features(cfg, tokenizer, "train", splits["train"], texts["train"])
         eval_ = self._features(cfg, tokenizer, "eval", splits["eval"], texts["eval"])
@@ -193,9 +157,9 @@ class SequenceToSequence(Task[Seq2SeqData]):
             eval=eval_.select(order),
             train_collator=collator,
             eval_collator=collator,
+            max_length=self.args.max_source_length,
             references=texts["eval"][2],
             row_ids=texts["eval"][3],
-            tokenizer=tokenizer,
         )
 
     def _features(
@@ -207,13 +171,13 @@ class SequenceToSequence(Task[Seq2SeqData]):
         texts: tuple[list[str], list[str] | None, Any, Any],
     ) -> Dataset:
         sources, targets = texts[0], texts[1]
-        target_length = self.max_target_length if role == "train" else self._eval_target_length
+        target_length = self.args.max_target_length if role == "train" else self._eval_target_length
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
-            columns=(cfg.source_column, cfg.target_column, cfg.source_prefix, self.metric),
+            columns=(cfg.source_column, cfg.target_column, cfg.source_prefix, self.args.metric),
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.settings(),
+            task=self.features_key(),
             version=FEATURES_VERSION,
         )
 
@@ -222,21 +186,21 @@ class SequenceToSequence(Task[Seq2SeqData]):
                 tokenizer,
                 sources,
                 targets,
-                self.max_source_length,
+                self.args.max_source_length,
                 target_length,
                 role,
                 cfg.preprocessing_num_workers,
             )
 
         built = data_lib.cached(data_lib.cache_root(cfg) / f"s2s-{role}-{key}", build)
-        cut = int((data_lib.feature_lengths(built) >= self.max_source_length).sum())
+        cut = int((data_lib.feature_lengths(built) >= self.args.max_source_length).sum())
         if cut:
             log.warning(
                 "%s: %d of %d sources reach task.max_source_length=%d tokens (cut there)",
                 role,
                 cut,
                 len(built),
-                self.max_source_length,
+                self.args.max_source_length,
             )
         return built
 
@@ -253,13 +217,13 @@ class SequenceToSequence(Task[Seq2SeqData]):
             sources, _, _, ids = _squad_texts(split.examples, cfg.source_prefix, labelled=False)
         else:
             sources, _, _, ids = _column_texts(cfg, split, "predict", labelled=False)
-        features = _tokenized(tokenizer, sources, None, self.max_source_length, 0, "predict")
+        features = _tokenized(tokenizer, sources, None, self.args.max_source_length, 0, "predict")
         return Seq2SeqData(
             train=features.select([]),
             eval=features,
             eval_collator=Seq2SeqCollator(tokenizer.pad_token_id),
+            max_length=self.args.max_source_length,
             row_ids=ids,
-            tokenizer=tokenizer,
         )
 
     # ------------------------------------------------------------------------------ model
@@ -283,9 +247,9 @@ class SequenceToSequence(Task[Seq2SeqData]):
             )
         encoder = getattr(config, "encoder", None)
         positions = getattr(encoder or config, "max_position_embeddings", None)
-        if positions and self.max_source_length > positions:
+        if positions and self.args.max_source_length > positions:
             raise ConfigError(
-                f"task.max_source_length={self.max_source_length} is longer than the model's "
+                f"task.max_source_length={self.args.max_source_length} is longer than the model's "
                 f"{positions} positions; set task.max_source_length={positions} or less."
             )
 
@@ -297,14 +261,11 @@ class SequenceToSequence(Task[Seq2SeqData]):
         loss = model(**batch).loss
         return SummedLoss(loss * count, count.float())
 
-    def _set_generation(
-        self, model: torch.nn.Module, gen: GenerationConfig | None = None
-    ) -> dict[str, Any]:
+    def _set_generation(self, model: torch.nn.Module, gen: GenerationConfig) -> dict[str, Any]:
         """Write the decoding of ``gen`` (the run's ``generation.*``) into the unwrapped
         model's generation config, so that ``final/`` carries it; returns it, for the log."""
         base = _base_model(model)
         config = base.generation_config
-        gen = gen or self.generation
         updates: dict[str, Any] = {
             "max_new_tokens": gen.max_new_tokens or self._eval_target_length,
             "max_length": None,
@@ -335,14 +296,13 @@ class SequenceToSequence(Task[Seq2SeqData]):
         }
 
     def before_training(
-        self, model: torch.nn.Module, data: Seq2SeqData, accelerator: Accelerator, batch_size: int
+        self, model: torch.nn.Module, data: Seq2SeqData, run: RunContext, batch_size: int
     ) -> None:
-        decoding = self._set_generation(accelerator.unwrap_model(model))
+        decoding = self._set_generation(run.accelerator.unwrap_model(model), run.generation)
         log.info("evaluation decodes with %s (saved in final/generation_config.json)", decoding)
 
     # ------------------------------------------------------------------------- generation
 
-    @torch.no_grad()
     def _generate(
         self,
         model: torch.nn.Module,
@@ -385,7 +345,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
         streams = [generation_lib.row_stream(seed, row) for row in rows.tolist()]
         return generation_lib.sample_rows(model, streams, sampled)
 
-    @torch.no_grad()
     def _generated_texts(
         self,
         model: torch.nn.Module,
@@ -396,7 +355,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
     ) -> tuple[dict[int, str], dict[str, float]]:
         """Every row's generated text by its ``row`` number (main process; empty elsewhere),
         and the evaluation loss, mean generated length and generation time."""
-        model.eval()
         pad = tokenizer.pad_token_id
         totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
         rows, outputs = [], []
@@ -427,7 +385,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
             totals[2] += (generated[:, 1:] != pad).sum()  # the decoder start token left out
             rows.append(row.cpu())
             outputs.append(generated.cpu())
-        model.train()
         stats = {"generate_s": generate_s}
         nll, count, generated_tokens = totals.tolist()
         numbers = torch.cat(rows).tolist() if rows else []
@@ -446,43 +403,42 @@ class SequenceToSequence(Task[Seq2SeqData]):
             texts = {n: text.strip() for n, text in zip(numbers, decoded, strict=True)}
         return texts, stats
 
-    @torch.no_grad()
     def evaluate(
         self,
         model: torch.nn.Module,
         loader: Iterable[dict[str, torch.Tensor]],
         data: Seq2SeqData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+        run: RunContext,
     ) -> dict[str, float]:
-        texts, stats = self._generated_texts(model, data.tokenizer, loader, accelerator, True)
-        metrics: dict[str, float] = {}
-        if accelerator.is_main_process:
-            order = sorted(texts)
-            predictions = [texts[n] for n in order]
-            references = [data.references[n] for n in order]
-            metrics = self.score(predictions, references)
-            metrics |= {"loss": stats["loss"], "gen_len": stats["gen_len"]}
-            metrics["generate_s"] = stats["generate_s"]
-            if output_dir is not None:
-                write_jsonl(
-                    output_dir / "eval_predictions.jsonl",
-                    (
-                        {
-                            "id": data.row_ids[n],
-                            "generated": texts[n],
-                            "references": data.references[n],
-                        }
-                        for n in order
-                    ),
-                )
-        return broadcast_object_list([metrics])[0]
+        """Generate every evaluation row's answer and score it (main process), with the loss,
+        the mean generated length and the generation time; ``eval_predictions.jsonl`` in the
+        run folder holds each row's answer and references."""
+        texts, stats = self._generated_texts(model, run.tokenizer, loader, run.accelerator, True)
+        if not run.accelerator.is_main_process:
+            return {}
+        order = sorted(texts)
+        predictions = [texts[n] for n in order]
+        references = [data.references[n] for n in order]
+        metrics = self.score_texts(predictions, references)
+        metrics |= {"loss": stats["loss"], "gen_len": stats["gen_len"]}
+        metrics["generate_s"] = stats["generate_s"]
+        if run.output_dir is not None:
+            write_jsonl(
+                run.output_dir / "eval_predictions.jsonl",
+                (
+                    {"id": data.row_ids[n], "generated": texts[n], "references": data.references[n]}
+                    for n in order
+                ),
+            )
+        return metrics
 
-    def score(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict:
+    def score_texts(
+        self, predictions: Sequence[str], references: Sequence[Sequence[str]]
+    ) -> dict[str, float]:
         """The task's metric of ``predictions`` against each row's references."""
-        if self.metric == "rouge":
+        if self.args.metric == "rouge":
             return rouge_scores(predictions, references)
-        if self.metric == "bleu":
+        if self.args.metric == "bleu":
             return bleu_scores(predictions, references)
         scores = squad_v1(
             {str(i): p for i, p in enumerate(predictions)},
@@ -495,21 +451,18 @@ class SequenceToSequence(Task[Seq2SeqData]):
     def predict(
         self,
         model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
         loader: Iterable[dict[str, torch.Tensor]],
         data: Seq2SeqData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        run: RunContext,
     ) -> dict[str, Any]:
         """``predictions.jsonl``: per row (in file order) its id and the generated text, decoded
         as the evaluation decodes (the model's generation config; ``generation.*`` set on the
         command line wins)."""
-        self._set_generation(accelerator.unwrap_model(model), generation_lib.typed(generation))
-        texts, _ = self._generated_texts(model, tokenizer, loader, accelerator, False)
-        if accelerator.is_main_process:
+        self._set_generation(run.accelerator.unwrap_model(model), run.generation)
+        texts, _ = self._generated_texts(model, run.tokenizer, loader, run.accelerator, False)
+        if run.accelerator.is_main_process:
             write_jsonl(
-                output_dir / "predictions.jsonl",
+                run.output_dir / "predictions.jsonl",
                 ({"id": data.row_ids[n], "generated": texts[n]} for n in sorted(texts)),
             )
         return {"rows": len(data.eval), "file": "predictions.jsonl"}

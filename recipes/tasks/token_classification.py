@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from datasets import ClassLabel, Dataset
 from transformers import (
     AutoConfig,
@@ -32,29 +30,32 @@ from transformers import (
 )
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
+from recipes.evaluation import gather_rows
 from recipes.log import get_logger
-from recipes.tasks.base import SummedLoss, Task, TaskData, row_ids, write_jsonl
+from recipes.tasks.base import (
+    Averaging,
+    LossShape,
+    RunContext,
+    SummedLoss,
+    Task,
+    TaskData,
+    row_ids,
+    write_jsonl,
+)
+from recipes.tasks.configs.token_classification import (
+    SCHEME_PREFIXES,
+    TokenClassificationConfig,
+    prefix_error,
+)
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
 IGNORE = -100
-SCHEMES = ("IOB1", "IOB2", "IOE1", "IOE2", "IOBES", "BILOU")
-LONG_SENTENCES = ("window", "truncate")
 TOKEN_COLUMNS = ("tokens", "words")
 TAG_COLUMNS = ("ner_tags", "tags", "labels")
-# The tag prefixes each strict scheme allows, and those that must continue an entity of the same
-# type (an I- after O is a new entity in IOB1 / IOE1 / IOE2, an error in the others).
-SCHEME_PREFIXES = {
-    "IOB1": ("BI", ""),
-    "IOB2": ("BI", "I"),
-    "IOE1": ("IE", ""),
-    "IOE2": ("IE", ""),
-    "IOBES": ("BIES", "IE"),
-    "BILOU": ("BILU", "IL"),
-}
 # Words of a raw ``text`` to predict on: @mentions, #tags and words (with inner ' - .), and each
 # other non-space character alone, close to how WNUT-17 and CoNLL-2003 split their sentences.
 WORD = re.compile(r"[@#]?\w+(?:['’.\-]\w+)*|[^\w\s]")
@@ -78,64 +79,25 @@ class NerData(TaskData):
 
 class TokenClassification(Task[NerData]):
     """Tag every word of a sentence (``task=token_classification``; settings in
-    conf/task/token_classification.yaml)."""
+    :class:`TokenClassificationConfig`)."""
 
     auto_model_class = AutoModelForTokenClassification
+    config_class = TokenClassificationConfig
+    args: TokenClassificationConfig
     main_metric = "f1"
     greater_is_better = True
-    # Summed cross-entropy of the labelled sub-words and their count: the loop divides by the
-    # whole optimizer step's count on all processes, so every labelled sub-word weighs the same
-    # however they fall into micro-batches and processes (transformers' loss is a mean per
-    # micro-batch, which weighs a sub-word by 1/its batch's count). Sums of sub-batches add up
-    # exactly, so trainer.sub_batches changes nothing either.
-    sums_loss_terms = True
-    splits_exactly = True
 
-    def __init__(
-        self,
-        *,
-        max_seq_length: int,
-        label_all_tokens: bool,
-        long_sentences: str,
-        stride: int,
-        scheme: str | None,
-        label_list: Sequence[str] | None,
-    ) -> None:
-        if max_seq_length < 4:
-            raise ConfigError(f"task.max_seq_length={max_seq_length}: must be at least 4.")
-        if long_sentences not in LONG_SENTENCES:
-            raise ConfigError(f"task.long_sentences={long_sentences!r}: choose window or truncate.")
-        if not 0 <= stride <= max_seq_length // 2:
-            raise ConfigError(
-                f"task.stride={stride}: the sub-words shared by consecutive windows must be "
-                f"between 0 and half of task.max_seq_length ({max_seq_length // 2})."
-            )
-        if scheme is not None and str(scheme).upper() not in SCHEMES:
-            raise ConfigError(
-                f"task.scheme={scheme!r}: choose null (seqeval's lenient default, as run_ner) "
-                f"or one of {', '.join(SCHEMES)}."
-            )
-        if label_list is not None:
-            names = [str(n) for n in label_list]
-            if not names or len(set(names)) != len(names):
-                raise ConfigError(
-                    f"task.label_list={names}: give each tag once (or null: the tags of the "
-                    "training data)."
-                )
-            if scheme is not None:
-                bad = [n for n in names if _prefix_error(n, str(scheme).upper())]
-                if bad:
-                    raise ConfigError(
-                        f"task.label_list: {', '.join(bad)} do not fit task.scheme={scheme} "
-                        f"(it allows O and {', '.join(SCHEME_PREFIXES[str(scheme).upper()][0])}"
-                        "-<type>)."
-                    )
-        self.max_seq_length = max_seq_length
-        self.label_all_tokens = bool(label_all_tokens)
-        self.long_sentences = long_sentences
-        self.stride = stride
-        self.scheme = None if scheme is None else str(scheme).upper()
-        self.label_list = None if label_list is None else [str(n) for n in label_list]
+    def loss_shape(self) -> LossShape:
+        """Summed cross-entropy of the labelled sub-words and their count: the loop divides by
+        the whole optimizer step's count on all processes, so every labelled sub-word weighs the
+        same however they fall into micro-batches and processes (transformers' loss is a mean
+        per micro-batch, which weighs a sub-word by 1/its batch's count). A feature labels at
+        most ``max_seq_length`` sub-words."""
+        return LossShape(Averaging.sum, terms_per_example=self.args.max_seq_length)
+
+    @property
+    def scheme(self) -> str | None:
+        return self.args.strict_scheme
 
     # ----------------------------------------------------------------------------- data
 
@@ -165,12 +127,14 @@ class TokenClassification(Task[NerData]):
             eval=evaluation,
             train_collator=self._collator(tokenizer),
             eval_collator=self._collator(tokenizer),
+            max_length=self.args.max_seq_length,
             label_names=label_names,
             **info,
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> DataCollatorForTokenClassification:
-        # Pads labels with -100 (the loop sets pad_to_multiple_of from trainer.*).
+        # Pads labels with -100 (the loop sets pad_to_multiple_of, padding and max_length from
+        # trainer.*).
         return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE)
 
     def _model_order(self, names: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -186,7 +150,7 @@ class TokenClassification(Task[NerData]):
         saved = [str(config.id2label[i]) for i in range(config.num_labels)]
         if not set(names) <= set(saved) or saved == names:
             return names
-        if self.label_list is not None:
+        if self.args.label_list is not None:
             raise ConfigError(
                 f"task.label_list={names}: the model {tokenizer.name_or_path} was trained "
                 f"with the labels {saved} (in that order); give them so, or leave "
@@ -198,8 +162,8 @@ class TokenClassification(Task[NerData]):
     def _label_names(self, split: data_lib.Split, tags_column: str) -> list[str]:
         """task.label_list, else the data set's ClassLabel names, else the sorted set of the
         training tags (run_ner's order) with their partners (:func:`partners`)."""
-        if self.label_list is not None:
-            return list(self.label_list)
+        if self.args.label_list is not None:
+            return list(self.args.label_list)
         feature = split.examples.features[tags_column]
         inner = getattr(feature, "feature", None)
         if isinstance(inner, ClassLabel):
@@ -225,15 +189,15 @@ class TokenClassification(Task[NerData]):
         tags: list[list[int]],
         label_names: list[str],
     ) -> tuple[Dataset, dict]:
-        all_tokens = self.label_all_tokens and role == "train"
+        all_tokens = self.args.label_all_tokens and role == "train"
         key = data_lib.cache_key(
             role=role,
             data=split.fingerprint,
             labels=label_names,
             tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            length=self.max_seq_length,
-            long=self.long_sentences,
-            stride=self.stride,
+            length=self.args.max_seq_length,
+            long=self.args.long_sentences,
+            stride=self.args.stride,
             all_tokens=all_tokens,
             version=FEATURES_VERSION,
         )
@@ -260,15 +224,15 @@ class TokenClassification(Task[NerData]):
         rows, dropped = list(features["row"]), list(features["dropped"])
         windowed = len(rows) - len(set(rows))
         cut = sum(1 for d in dropped if d)
-        if self.long_sentences == "window" and windowed:
+        if self.args.long_sentences == "window" and windowed:
             log.warning(
                 "%d of %d %s sentences are longer than task.max_seq_length=%d sub-words: split "
                 "into overlapping windows (task.stride=%d), each word trained and scored once",
                 len({r for r, n in zip(rows, _repeats(rows), strict=True) if n > 1}),
                 sentences,
                 role,
-                self.max_seq_length,
-                self.stride,
+                self.args.max_seq_length,
+                self.args.stride,
             )
         if cut:
             log.warning(
@@ -279,7 +243,7 @@ class TokenClassification(Task[NerData]):
                 sum(dropped),
                 "past task.max_seq_length (task.long_sentences=truncate): not trained on, "
                 "and scored as O"
-                if self.long_sentences == "truncate"
+                if self.args.long_sentences == "truncate"
                 else "the tokenizer gives them no sub-word: scored as O",
             )
         info = {"feature_rows": rows, "feature_words": list(features["owned"])}
@@ -299,9 +263,9 @@ class TokenClassification(Task[NerData]):
         out["dropped"] = []
         for i, row in enumerate(batch["row"]):
             word_ids = encoded.word_ids(i)
-            slide = self.long_sentences == "window"
+            slide = self.args.long_sentences == "window"
             for window in windows(
-                word_ids, self.max_seq_length, self.stride, slide, len(batch["tokens"][i])
+                word_ids, self.args.max_seq_length, self.args.stride, slide, len(batch["tokens"][i])
             ):
                 for k in encoded:
                     out[k].append([encoded[k][i][p] for p in window.positions])
@@ -368,6 +332,7 @@ class TokenClassification(Task[NerData]):
             train=features.select([]),
             eval=features,
             eval_collator=self._collator(tokenizer),
+            max_length=self.args.max_seq_length,
             words=words,
             texts=texts,
             offsets=offsets,
@@ -400,84 +365,61 @@ class TokenClassification(Task[NerData]):
 
     # ----------------------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
-    def _word_outputs(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: NerData,
-        accelerator: Accelerator,
-    ) -> tuple[list[list[int]], list[list[float]], float]:
-        """Per sentence of ``data`` (on every process): each word's predicted label id and its
-        probability (-1 and 0 for a word no window scores), and the mean cross-entropy of the
-        labelled positions."""
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        predicted, probability = [], []
-        for batch in loader:
-            labels = batch.pop("labels")
-            logits = model(**batch).logits.float()
-            labelled = labels != IGNORE
-            nll = torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
-            )
-            sums = torch.stack([(nll * labelled).sum(1), labelled.sum(1)], 1).double()
-            total += accelerator.gather_for_metrics(sums).sum(0)
-            prob, best = logits.softmax(-1).max(-1)
-            best = best.masked_fill(~labelled, IGNORE)
-            # Batches differ in length across processes: pad before gathering.
-            best, prob = (
-                accelerator.pad_across_processes(t, dim=1, pad_index=IGNORE) for t in (best, prob)
-            )
-            best, prob = accelerator.gather_for_metrics((best, prob))
-            keep = best != IGNORE
-            for row in range(len(best)):
-                predicted.append(best[row][keep[row]].tolist())
-                probability.append(prob[row][keep[row]].tolist())
-        model.train()
-        words = [[-1] * len(w) for w in data.words]
-        scores = [[0.0] * len(w) for w in data.words]
-        for f, (labels, probs) in enumerate(zip(predicted, probability, strict=True)):
-            row = data.feature_rows[f]
-            for w, label, p in zip(data.feature_words[f], labels, probs, strict=True):
-                words[row][w], scores[row][w] = label, p
-        loss = float(total[0] / total[1]) if total[1] else 0.0
-        return words, scores, loss
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Per feature: the predicted label id and its probability at each labelled position,
+        moved to the front in position order and padded with -100 / 0 to ``max_seq_length``
+        (at most a feature's labelled positions), so rows of every batch stack; and the summed
+        cross-entropy of the labelled positions and their count."""
+        labels = batch["labels"]
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        labelled = labels != IGNORE
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
+        )
+        prob, best = logits.softmax(-1).max(-1)
+        width = self.args.max_seq_length
+        first = torch.argsort((~labelled).int(), dim=1, stable=True)[:, :width]
+        kept = labelled.gather(1, first)
+        pad = (0, width - kept.shape[1])
+        return {
+            "best": torch.nn.functional.pad(
+                best.gather(1, first).masked_fill(~kept, IGNORE), pad, value=IGNORE
+            ),
+            "prob": torch.nn.functional.pad(prob.gather(1, first) * kept, pad),
+            "nll": (nll * labelled).sum(1).double(),
+            "count": labelled.sum(1).double(),
+        }
 
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: NerData,
-        accelerator: Accelerator,
-        output_dir: Path | None,
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: NerData, run: RunContext
     ) -> dict[str, float]:
-        predicted, _, loss = self._word_outputs(model, loader, data, accelerator)
-        metrics: dict[str, float] = {}
-        if accelerator.is_main_process:
-            names = data.label_names
-            tags = [[names[i] if i >= 0 else "O" for i in row] for row in predicted]
-            metrics = ner_scores(data.tags, tags, self.scheme)
-            metrics["loss"] = loss
-        return broadcast_object_list([metrics])[0]
+        """seqeval's scores of each word's predicted tag (predicted O where no window scores
+        it), and the mean cross-entropy of the labelled positions."""
+        predicted, _ = _word_outputs(rows, data)
+        names = data.label_names
+        tags = [[names[i] if i >= 0 else "O" for i in row] for row in predicted]
+        metrics = ner_scores(data.tags, tags, self.scheme)
+        nll, count = rows["nll"].sum(), rows["count"].sum()
+        metrics["loss"] = float(nll / count) if count else 0.0
+        return metrics
 
     def predict(
         self,
         model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
         loader: Iterable[dict[str, torch.Tensor]],
         data: NerData,
-        accelerator: Accelerator,
-        output_dir: Path,
-        generation: GenerationConfig,
+        run: RunContext,
     ) -> dict[str, Any]:
         """``predictions.jsonl``: per row (in file order) its id, words, each word's tag and
         the entities: type, words, text, character start / end (in the row's text; words given
         as a list are joined by single spaces) and score, the mean over the entity's words of
         the probability of each word's predicted tag. Tag names are the model's (id2label)."""
-        predicted, scores, _ = self._word_outputs(model, loader, data, accelerator)
-        if accelerator.is_main_process:
-            config = accelerator.unwrap_model(model).config
+        rows = gather_rows(self.eval_step, model, loader, run.accelerator)
+        if rows is not None:
+            predicted, scores = _word_outputs(rows, data)
+            config = run.accelerator.unwrap_model(model).config
             names = [str(config.id2label[i]) for i in range(config.num_labels)]
             records = []
             for n, row_id in enumerate(data.row_ids):
@@ -494,8 +436,24 @@ class TokenClassification(Task[NerData]):
                         ],
                     }
                 )
-            write_jsonl(output_dir / "predictions.jsonl", records)
+            write_jsonl(run.output_dir / "predictions.jsonl", records)
         return {"rows": len(data.row_ids), "file": "predictions.jsonl"}
+
+
+def _word_outputs(
+    rows: Mapping[str, torch.Tensor], data: NerData
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Per sentence of ``data``, from every feature's :meth:`TokenClassification.eval_step`
+    rows: each word's predicted label id and its probability (-1 and 0 for a word no window
+    scores)."""
+    words = [[-1] * len(w) for w in data.words]
+    scores = [[0.0] * len(w) for w in data.words]
+    for f, (best, prob) in enumerate(zip(rows["best"], rows["prob"], strict=True)):
+        keep, row = best != IGNORE, data.feature_rows[f]
+        labels, probs = best[keep].tolist(), prob[keep].tolist()
+        for w, label, p in zip(data.feature_words[f], labels, probs, strict=True):
+            words[row][w], scores[row][w] = label, p
+    return words, scores
 
 
 def _entity(kind: str, start: int, end: int, data: NerData, row: int, scores: list[float]) -> dict:
@@ -642,19 +600,12 @@ def _where(source: str, lines: list[int] | None, n: int, i: int | None = None) -
     return f"{source} row {n + 1}" + (f", word {i + 1}" if i is not None else "")
 
 
-def _prefix_error(tag: str, scheme: str) -> bool:
-    if tag == "O":
-        return False
-    prefix, _, kind = tag.partition("-")
-    return not kind or len(prefix) != 1 or prefix not in SCHEME_PREFIXES[scheme][0]
-
-
 def scheme_error(tags: Sequence[str], scheme: str) -> tuple[int, str] | None:
     """The first tag of a sentence that breaks ``scheme``, and why; None if all follow it."""
     allowed, continuing = SCHEME_PREFIXES[scheme]
     previous = "O"
     for i, tag in enumerate(tags):
-        if _prefix_error(tag, scheme):
+        if prefix_error(tag, scheme):
             return i, f"is not O nor {'/'.join(allowed)}-<type>"
         prefix, _, kind = tag.partition("-")
         if prefix in continuing:
