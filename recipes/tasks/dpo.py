@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +47,7 @@ from recipes.tasks import chat_features, conversations, preference, reference
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
 from recipes.tasks.chat_features import ChatData, ChatFeatures
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
+from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
@@ -95,16 +94,6 @@ STATS = (
     "logps/rejected",
 )
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
-
-
-@dataclass
-class PreferenceData(ChatData):
-    """The pairs' (or rows') features; ``prompts`` are held-out prompts with their chosen
-    answer; ``feature_keys`` and ``cache`` say where precomputed reference log-probs are
-    cached."""
-
-    feature_keys: dict[str, str] = field(default_factory=dict)
-    cache: Path | None = None
 
 
 class DirectPreference(Task[PreferenceData]):
@@ -268,12 +257,7 @@ class DirectPreference(Task[PreferenceData]):
             data,
             self._reference_forward,
             precomputed=self.args.precompute_reference,
-            key={
-                "features": data.feature_keys,
-                "loss_type": self.args.loss_type,
-                "version": FEATURES_VERSION,
-            },
-            cache=data.cache,
+            key={"loss_type": self.args.loss_type, "version": FEATURES_VERSION},
             kind="dpo",
             batch_size=batch_size,
             rows="pairs",

@@ -22,6 +22,7 @@ import copy
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,8 +36,20 @@ from recipes import data as data_lib
 from recipes.config import ConfigError
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
+from recipes.tasks.chat_features import ChatData
 
 log = get_logger(__name__)
+
+
+@dataclass
+class PreferenceData(ChatData):
+    """The features of a task with a reference (DPO's pairs, KTO's rows); ``prompts`` are
+    held-out prompts with their preferred answer; ``feature_keys`` and ``cache`` say where
+    precomputed reference log-probs are cached (:func:`prepare`)."""
+
+    feature_keys: dict[str, str] = field(default_factory=dict)
+    cache: Path | None = None
+
 
 T = TypeVar("T")
 BATCH_LOGPS = "reference_logps"  # a batch's precomputed reference log-probs (its collator's)
@@ -81,6 +94,11 @@ class Reference:
         return cls(False, frozen, accelerator.autocast if autocast else nullcontext)
 
     @classmethod
+    def from_batches(cls) -> Reference:
+        """The reference whose values every batch carries (:data:`BATCH_LOGPS`, precomputed)."""
+        return cls(adapter_disabled=False, precomputed=True)
+
+    @classmethod
     def starting_weights(cls, model: torch.nn.Module, accelerator: Accelerator) -> Reference:
         """The policy as it is now (before training), its adapter disabled under LoRA: what
         :func:`precompute` computes the reference from, without a copy."""
@@ -115,12 +133,11 @@ class Reference:
 def prepare(
     model: torch.nn.Module,
     accelerator: Accelerator,
-    data: Any,
+    data: PreferenceData,
     forward: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor],
     *,
     precomputed: bool,
     key: Mapping[str, Any],
-    cache: Path | None,
     kind: str,
     batch_size: int,
     rows: str,
@@ -128,8 +145,8 @@ def prepare(
 ) -> Reference:
     """A task's reference for training on ``data`` (its collators add a precomputed table to
     their batches, as ``reference``): live (:meth:`Reference.build`), or with ``precomputed``
-    its ``forward`` on every row of both splits (:func:`precompute`, cached in ``cache`` as
-    ``<kind>-reference-<key>.pt``)."""
+    its ``forward`` on every row of both splits (:func:`precompute`, cached in ``data.cache``
+    as ``<kind>-reference-<key>.pt``, ``key`` with ``data.feature_keys``)."""
     if not precomputed:
         return Reference.build(model, accelerator, fsdp_refusal)
     splits = {"train": (data.train, data.train_collator), "eval": (data.eval, data.eval_collator)}
@@ -138,13 +155,13 @@ def prepare(
         accelerator,
         splits,
         forward,
-        key=key,
-        path=lambda digest: (cache or Path(".")) / f"{kind}-reference-{digest}.pt",
+        key={"features": data.feature_keys, **key},
+        path=lambda digest: (data.cache or Path(".")) / f"{kind}-reference-{digest}.pt",
         batch_size=batch_size,
         rows=rows,
     )
     data.train_collator.reference, data.eval_collator.reference = tables["train"], tables["eval"]
-    return Reference(adapter_disabled=False, precomputed=True)
+    return Reference.from_batches()
 
 
 def precompute(
