@@ -320,7 +320,8 @@ class ChatFeatures:
     ``settings``: the task's feature settings (part of the cache key); ``kind``: the cache's
     and progress bar's name of the features, ``version`` their builder's version (bumped to
     invalidate cached features); ``row_words``: what a row is, and what in it is learnt, in the
-    refusal of a split where none is kept."""
+    refusal of a split where none is kept; ``max_new_tokens``: the length of the answers to
+    held-out prompts (and of mode=predict's, without ``generation.max_new_tokens``)."""
 
     chat_template: str | None
     text_rows: str
@@ -330,6 +331,38 @@ class ChatFeatures:
     kind: str
     version: int
     row_words: tuple[str, str] = ("conversation", "its assistant turns")
+    max_new_tokens: int = 64
+
+    @classmethod
+    def of(cls, args: Any, kind: str, version: int, row_words: tuple[str, str]) -> ChatFeatures:
+        """The chat features of a task's settings (a :class:`ChatConfig`)."""
+        return cls(
+            args.chat_template,
+            args.text_rows,
+            args.max_seq_length,
+            args.truncation,
+            args.features_key(),
+            kind,
+            version,
+            row_words,
+            args.generation_max_new_tokens,
+        )
+
+    def predict_data(
+        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, fmt: str
+    ) -> ChatData:
+        """:func:`predict_data` in the task's template."""
+        return predict_data(cfg, tokenizer, self.chat_template, fmt)
+
+    def predict(self, model: torch.nn.Module, data: ChatData, run: RunContext) -> dict[str, Any]:
+        """:func:`predict` within ``max_seq_length``."""
+        return predict(model, data, run, self.max_new_tokens, self.max_seq_length)
+
+    def answer_held_out(
+        self, model: torch.nn.Module, data: ChatData, run: RunContext
+    ) -> dict[str, Any]:
+        """:func:`answer_held_out` within ``max_seq_length``."""
+        return answer_held_out(model, data, run, self.max_new_tokens, self.max_seq_length)
 
     def use_template(self, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate:
         """:func:`use_template` with the task's settings."""

@@ -105,16 +105,7 @@ class DirectPreference(Task[PreferenceData]):
 
     def __init__(self, args: DpoConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures(
-            args.chat_template,
-            args.text_rows,
-            args.max_seq_length,
-            args.truncation,
-            self.features_key(),
-            kind="dpo",
-            version=FEATURES_VERSION,
-            row_words=("pair", "both its replies"),
-        )
+        self.chat = ChatFeatures.of(args, "dpo", FEATURES_VERSION, ("pair", "both its replies"))
         loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
@@ -221,7 +212,7 @@ class DirectPreference(Task[PreferenceData]):
         return out
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return chat_features.predict_data(cfg, tokenizer, self.args.chat_template, self.args.format)
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
 
     def predict(
         self,
@@ -230,9 +221,7 @@ class DirectPreference(Task[PreferenceData]):
         data: ChatData,
         run: RunContext,
     ) -> dict[str, Any]:
-        return chat_features.predict(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.predict(model, data, run)
 
     # ------------------------------------------------------------------------------ model
 
@@ -393,9 +382,7 @@ class DirectPreference(Task[PreferenceData]):
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
-        return chat_features.answer_held_out(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.answer_held_out(model, data, run)
 
 
 class PairCollator:

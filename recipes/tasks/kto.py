@@ -106,16 +106,7 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def __init__(self, args: KtoConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures(
-            args.chat_template,
-            args.text_rows,
-            args.max_seq_length,
-            args.truncation,
-            self.features_key(),
-            kind="kto",
-            version=FEATURES_VERSION,
-            row_words=("row", "its completion"),
-        )
+        self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = reference.Reference.from_batches()
         self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
@@ -164,7 +155,7 @@ class KahnemanTversky(Task[PreferenceData]):
         return UnpairedCollator(tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl)
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return chat_features.predict_data(cfg, tokenizer, self.args.chat_template, self.args.format)
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
 
     def predict(
         self,
@@ -173,9 +164,7 @@ class KahnemanTversky(Task[PreferenceData]):
         data: ChatData,
         run: RunContext,
     ) -> dict[str, Any]:
-        return chat_features.predict(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.predict(model, data, run)
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
         desirable = sum(built["label"])
@@ -415,9 +404,7 @@ class KahnemanTversky(Task[PreferenceData]):
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
-        return chat_features.answer_held_out(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.answer_held_out(model, data, run)
 
 
 class UnpairedCollator:

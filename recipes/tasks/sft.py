@@ -45,14 +45,8 @@ class SupervisedFineTuning(Task[ChatData]):
 
     def __init__(self, args: SftConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures(
-            args.chat_template,
-            args.text_rows,
-            args.max_seq_length,
-            args.truncation,
-            self.features_key(),
-            kind="sft",
-            version=FEATURES_VERSION,
+        self.chat = ChatFeatures.of(
+            args, "sft", FEATURES_VERSION, ("conversation", "its assistant turns")
         )
 
     def loss_shape(self) -> LossShape:
@@ -92,7 +86,7 @@ class SupervisedFineTuning(Task[ChatData]):
         )
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return chat_features.predict_data(cfg, tokenizer, self.args.chat_template, self.args.format)
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
 
     def predict(
         self,
@@ -101,9 +95,7 @@ class SupervisedFineTuning(Task[ChatData]):
         data: ChatData,
         run: RunContext,
     ) -> dict[str, Any]:
-        return chat_features.predict(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.predict(model, data, run)
 
     def _features(
         self,
@@ -217,9 +209,7 @@ class SupervisedFineTuning(Task[ChatData]):
         self, model: torch.nn.Module, data: ChatData, run: RunContext
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
-        return chat_features.answer_held_out(
-            model, data, run, self.args.generation_max_new_tokens, self.args.max_seq_length
-        )
+        return self.chat.answer_held_out(model, data, run)
 
 
 def held_out_prompts(dialogues: Iterable[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:
