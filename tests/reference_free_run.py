@@ -1,8 +1,8 @@
 """``python tests/reference_free_run.py REPORT train.py-overrides...``: train.py, watched for a
 reference model (tests/test_dpo_reference_free.py).
 
-In the run, ``copy.deepcopy`` inside ``recipes.tasks.dpo`` (how the DPO task makes its frozen
-reference) and peft's ``disable_adapter`` (its LoRA reference) fail the run; after the task's
+In the run, ``copy.deepcopy`` inside ``recipes.tasks.reference`` (how the DPO task makes its
+frozen reference) and peft's ``disable_adapter`` (its LoRA reference) fail the run; after the task's
 ``before_training`` and at every loss, the task's reference and the models alive in the process
 are recorded. REPORT (JSON) is written at exit.
 """
@@ -21,7 +21,7 @@ import peft
 import torch
 from transformers import PreTrainedModel
 
-from recipes.tasks import dpo
+from recipes.tasks import dpo, reference
 
 REPORT = Path(sys.argv[1])
 report: dict = {"losses": 0, "references": [], "deepcopies": 0, "adapter_disabled": 0}
@@ -32,7 +32,7 @@ def _no_copy(*args, **kwargs):
     raise AssertionError("task=dpo copied the model (a reference)")
 
 
-dpo.copy = types.SimpleNamespace(deepcopy=_no_copy)
+reference.copy = types.SimpleNamespace(deepcopy=_no_copy)
 
 
 def _no_disabling(self, *args, **kwargs):
@@ -60,14 +60,15 @@ def _parameters(models: list[torch.nn.Module]) -> int:
 before_training = dpo.DirectPreference.before_training
 
 
-def _watched_before_training(self, model, data, accelerator, batch_size):
+def _watched_before_training(self, model, data, run, batch_size):
+    accelerator = run.accelerator
     report["models_before"] = len(_models())
-    before_training(self, model, data, accelerator, batch_size)
+    before_training(self, model, data, run, batch_size)
     models = _models()
     report["models_after"] = len(models)
     report["parameters_alive"] = _parameters(models)
     report["parameters_policy"] = _parameters([accelerator.unwrap_model(model)])
-    report["reference_after_setup"] = self._reference is not None
+    report["reference_after_setup"] = self.reference is not None
 
 
 loss = dpo.DirectPreference.loss
@@ -75,7 +76,7 @@ loss = dpo.DirectPreference.loss
 
 def _watched_loss(self, model, batch):
     report["losses"] += 1
-    report["references"].append(self._reference is not None or "reference_logps" in batch)
+    report["references"].append(self.reference is not None or "reference_logps" in batch)
     return loss(self, model, batch)
 
 

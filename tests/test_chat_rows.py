@@ -18,7 +18,7 @@ from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
 from recipes.tasks import conversations
-from recipes.tasks.sft import _held_out_prompts
+from recipes.tasks.sft import held_out_prompts
 
 CONVERSATIONS = ROOT / "recipes/assets/conversations/squad"
 USER = {"role": "user", "content": "Write a haiku about a pond."}
@@ -470,7 +470,7 @@ def test_held_out_prompts_pass_rows_without_a_prompt_and_keep_tools(tmp_path):
         TOOL_ROW,
         {"messages": [USER, REPLY, USER, {"role": "assistant", "content": " "}]},
     ]
-    prompts = _held_out_prompts(read_rows(tmp_path, rows), 3)
+    prompts = held_out_prompts(read_rows(tmp_path, rows), 3)
     references = [TOOL_ROW["messages"][3]["content"], REPLY["content"]]
     assert [p["reference"] for p in prompts] == references
     assert json.loads(prompts[0]["tools"]) == [WEATHER]

@@ -25,6 +25,7 @@ from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
 from recipes.tasks import conversations, preference
+from recipes.tasks.reference import Reference
 
 PAIRS = ROOT / "recipes/assets/preferences/squad"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -152,7 +153,7 @@ def test_lora_reference_is_the_base_model(tmp_path, tokenizer):
             if "lora_B" in name:
                 weight.normal_(std=0.5)  # a trained adapter
         trained = dpo._logps_of(model, batch)[0]
-        reference = dpo._adapter_disabled(model, batch)
+        reference = Reference(adapter_disabled=True).logps(model, batch, dpo._reference_forward)
     assert not torch.allclose(trained, expected, atol=1e-3)
     torch.testing.assert_close(reference, expected)
 

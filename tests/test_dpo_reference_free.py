@@ -122,7 +122,7 @@ def _trl_loss(trainer_class, settings, model, batch, pad_token_id):
 def test_loss_and_gradient_equal_trls(tmp_path, case):
     task, trainer_class, settings = CASES[case]
     dpo, data, tokenizer, model = _ours(tmp_path, **task)
-    assert dpo._reference is None and dpo.reference_free
+    assert dpo.reference is None and dpo.reference_free
     collate = data.train_collator
     pairs = [data.train[i] for i in range(len(data.train))]
 
@@ -154,8 +154,8 @@ def test_loss_and_gradient_equal_trls(tmp_path, case):
     assert all(weight.grad.abs().max() > 0 for weight in ours.parameters())  # all trained
 
     # The metrics, summed over pairs by the loss, are TRL's per-pair metrics summed.
-    assert set(dpo.logged_stats) <= set(trl_metrics[0])
-    for name in dpo.logged_stats:
+    assert set(dpo.stats) <= set(trl_metrics[0])
+    for name in dpo.stats:
         expected = sum(m[name] for m in trl_metrics)
         assert float(summed.stats[name]) == pytest.approx(expected, rel=1e-4, abs=1e-5), name
 
@@ -171,7 +171,7 @@ def test_whole_batch_terms_and_metrics_equal_trls(tmp_path, case):
         loss, metrics = _trl_loss(trainer_class, settings, model, batch, tokenizer.pad_token_id)
         policy, tokens, nll = dpo._policy_terms(model, batch, dpo.with_nll)
         losses, stats = dpo.pair_losses(policy, None, tokens, nll)
-    means = dict(zip(dpo.logged_stats, stats.mean(0).tolist(), strict=True))
+    means = dict(zip(dpo.stats, stats.mean(0).tolist(), strict=True))
     ours_nll = float(nll.mean()) if nll is not None else 0.0
     their_nll = metrics.get("nll_loss", 0.0) if case == "orpo" else 0.0
     assert float(losses.mean()) - ours_nll == pytest.approx(float(loss) - their_nll, rel=1e-5)

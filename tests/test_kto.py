@@ -24,6 +24,7 @@ from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import fit_to_tokenizer, load_tokenizer
 from recipes.tasks import conversations, unpaired
+from recipes.tasks.reference import Reference
 from recipes.tasks.token_loss import token_losses
 
 PAIRS = ROOT / "recipes/assets/preferences/squad/dev.jsonl"
@@ -160,7 +161,7 @@ def test_loss_metrics_and_gradient_equal_trls(tmp_path, loss_type, desirable, un
     trl_loss.backward()
 
     ours = copy.deepcopy(policy).train()
-    kto._reference = lambda _, b: kto._logps_of(reference, b)[0]  # the frozen copy's forward
+    kto.reference = Reference(adapter_disabled=False, frozen=reference)  # the frozen copy
     out = kto.loss(ours, batch)
     (out.total / out.count).backward()
 

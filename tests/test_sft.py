@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat_features, conversations
 from recipes.tasks.sft import token_losses
 
 CONVERSATIONS = ROOT / "recipes/assets/conversations/squad"
@@ -279,7 +279,7 @@ def test_packed_conversations_score_as_they_do_alone(tokenizer, attn):
     collate = conversations.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     batch = collate(list(packed))
     with torch.no_grad():
-        logits = task.forward(model, batch).logits
+        logits = chat_features.forward(model, batch).logits
     # Per token loss, summed by conversation (a conversation starts where position_ids is 0).
     labels = batch["labels"]
     losses = torch.nn.functional.cross_entropy(
@@ -405,7 +405,7 @@ def test_bad_row_fails_the_run_with_one_line(tmp_path):
 
 
 def test_generation_scores_use_squad_normalisation():
-    from recipes.tasks.sft import generation_scores
+    from recipes.tasks.chat_features import generation_scores
 
     records = [
         {"generated": " The Melt ", "reference": "melt"},

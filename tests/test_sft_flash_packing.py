@@ -13,12 +13,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_task
 from datasets import Dataset
 from test_sft import _conversation_features, _tiny_llama, tokenizer  # noqa: F401
 
 from recipes.tasks import conversations
-from recipes.tasks.sft import padding_free, token_losses
+from recipes.tasks.chat_features import forward, padding_free
+from recipes.tasks.token_loss import token_losses
 
 fa = pytest.importorskip("transformers.modeling_flash_attention_utils")
 if not hasattr(fa, "_is_packed_sequence") or not hasattr(fa, "prepare_fa_kwargs_from_position_ids"):
@@ -78,11 +78,10 @@ def test_the_flash_path_reads_each_conversation_as_a_sequence(tokenizer):  # noq
 
 def test_packed_conversations_score_as_they_do_alone_under_varlen_attention(tokenizer):  # noqa: F811
     features, batch = _packed_batch(tokenizer)
-    task = make_task("sft", packing=True, max_seq_length=512)
     model = _tiny_llama("varlen_causal")
-    task._attn = "flash_attention_2"  # what check_model reads from a model loaded with flash
-    with torch.no_grad():
-        nll, count = token_losses(task.forward(model, batch).logits, batch["labels"])
+    with torch.no_grad():  # as a model loaded with flash attention runs it
+        out = forward(model, batch, attention="flash_attention_2")
+        nll, count = token_losses(out.logits, batch["labels"])
     collate = conversations.ChatCollator(tokenizer.pad_token_id)
     alone_nll, alone_count = torch.zeros(()), torch.zeros(())
     for feature in features:

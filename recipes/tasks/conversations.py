@@ -77,13 +77,9 @@ from transformers import PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import ConfigError, first_line
 from recipes.data import DataError
+from recipes.tasks.configs.sft import FORMATS, TEXT_ROWS, TRUNCATION  # noqa: F401  (re-exported)
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
-FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly", "prompt_completion")
-TRUNCATION = ("truncate", "drop")
-# task.text_rows: rows whose prompt and replies are plain strings (TRL's "standard" rows), as
-# chat turns rendered with the template, or as text the way TRL tokenizes them.
-TEXT_ROWS = ("chat", "raw")
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # an assistant's reasoning
 # The row fields a template may read, as whole names (``enable_thinking`` is not ``thinking``).
@@ -969,23 +965,34 @@ class ChatCollator:
         self.pad_to_multiple_of = pad_to_multiple_of  # the loop sets trainer.pad_to_multiple_of
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        longest = padded_length(rows, self.pad_to_multiple_of)
         batch = {
-            "input_ids": _pad(rows, "input_ids", self.pad_token_id, longest),
-            "labels": _pad(rows, "labels", IGNORE_INDEX, longest),
+            "input_ids": pad_rows(rows, "input_ids", self.pad_token_id, longest),
+            "labels": pad_rows(rows, "labels", IGNORE_INDEX, longest),
         }
         if "position_ids" in rows[0]:
-            batch["position_ids"] = _pad(rows, "position_ids", 0, longest)
+            batch["position_ids"] = pad_rows(rows, "position_ids", 0, longest)
         else:
-            ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
-            batch["attention_mask"] = _pad(ones, "m", 0, longest)
+            batch["attention_mask"] = attention_mask(rows, longest)
         return batch
 
 
-def _pad(rows: list[dict[str, Any]], key: str, value: int, length: int) -> torch.Tensor:
+def padded_length(rows: Sequence[Mapping[str, Any]], multiple: int | None) -> int:
+    """The longest row's ``input_ids``, rounded up to a multiple of ``multiple`` (if set)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    return -(-longest // multiple) * multiple if multiple else longest
+
+
+def pad_rows(rows: Sequence[Mapping[str, Any]], key: str, value: int, length: int) -> torch.Tensor:
+    """Column ``key`` of ``rows`` padded with ``value`` to ``length``, as one tensor."""
     return torch.tensor([list(r[key]) + [value] * (length - len(r[key])) for r in rows])
+
+
+def attention_mask(rows: Sequence[Mapping[str, Any]], length: int) -> torch.Tensor:
+    """Ones over each row's ``input_ids``, zeros over the padding to ``length``."""
+    return torch.tensor(
+        [[1] * len(r["input_ids"]) + [0] * (length - len(r["input_ids"])) for r in rows]
+    )
 
 
 # ------------------------------------------------------------------- block-diagonal masks

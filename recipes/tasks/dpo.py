@@ -1,6 +1,7 @@
 """Direct preference optimisation of a causal LM on preference pairs (``task=dpo``).
 
-What the task adds to the shared loop, beside SFT's chat rendering it reuses:
+What the task adds to the shared loop, beside the chat features it holds
+(:mod:`recipes.tasks.chat_features`):
 
 * pairs read in the layouts users have (:mod:`recipes.tasks.preference`), each side rendered
   with the chat template and labelled on its completion only (the prompt, its earlier replies
@@ -13,10 +14,10 @@ What the task adds to the shared loop, beside SFT's chat rendering it reuses:
 * two losses without a reference model, on the policy's average (per-token) log-probabilities
   of each completion, as TRL 1.16 defines them (see :data:`REFERENCE_FREE`): ``orpo`` and
   ``simpo``;
-* the reference (not for ``orpo`` / ``simpo``): under LoRA the same model with its adapter
-  disabled (no second copy); with full fine-tuning a frozen copy of the starting weights; or,
-  with ``precompute_reference``, its log-probabilities computed once before training (and
-  cached with the features), which needs neither;
+* the reference (not for ``orpo`` / ``simpo``, :mod:`recipes.tasks.reference`): under LoRA the
+  same model with its adapter disabled (no second copy); with full fine-tuning a frozen copy of
+  the starting weights; or, with ``precompute_reference``, its log-probabilities computed once
+  before training (and cached with the features), which needs neither;
 * TRL's metrics, in training and evaluation: ``rewards/chosen``, ``rewards/rejected``,
   ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO adds
   ``nll_loss``, ``log_odds_ratio`` and ``log_odds_chosen``, SimPO with an NLL term ``nll_loss``.
@@ -30,33 +31,23 @@ saves the padding of a short side to a long one.
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
 from datasets import Dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import adapters
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import DataConfig
 from recipes.log import get_logger
-from recipes.tasks import conversations, preference
-from recipes.tasks.base import SummedLoss
-from recipes.tasks.sft import (
-    ChatData,
-    SupervisedFineTuning,
-    _add_template_tokens,
-    _answerable,
-    _end_of_turn,
-)
+from recipes.tasks import chat_features, conversations, preference, reference
+from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
+from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
+from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
@@ -92,8 +83,7 @@ FEATURES_VERSION = 2
 # one pair and keeps accumulation and process counts giving the full batch's mean. TRL's
 # logits/chosen and logits/rejected (the mean raw logit over every position and the vocabulary,
 # padding included) are not logged; its other metrics are, under its names.
-REFERENCE_FREE = ("orpo", "simpo")
-LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)
+# REFERENCE_FREE and LOSS_TYPES: recipes.tasks.configs.dpo.
 SIDES = ("chosen", "rejected")
 STATS = (
     "rewards/chosen",
@@ -106,150 +96,46 @@ STATS = (
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-@dataclass
-class PreferenceData(ChatData):
-    """The pairs' features; ``prompts`` are held-out prompts with their chosen answer;
-    ``feature_keys`` and ``cache`` say where precomputed reference log-probs are cached."""
+class DirectPreference(Task[PreferenceData]):
+    """DPO (``task=dpo``); its settings: :class:`recipes.tasks.configs.dpo.DpoConfig`."""
 
-    feature_keys: dict[str, str] = field(default_factory=dict)
-    cache: Path | None = None
+    auto_model_class = AutoModelForCausalLM
+    config_class = DpoConfig
+    args: DpoConfig
 
-
-class DirectPreference(SupervisedFineTuning):
-    """DPO (``task=dpo``).
-
-    Args:
-        format: layout of the rows: auto (detected per row), explicit, implicit, ultrafeedback.
-        chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
-        text_rows: plain-string pairs as chat turns (chat) or as text, as TRL (raw).
-        max_seq_length: tokens of prompt and completion, per side.
-        truncation: truncate (cut the end of a long side) or drop the pair.
-        beta: strength of the pull to the reference (TRL's beta); ORPO: the weight of the
-            odds-ratio term; SimPO: the scale of the average log-prob margin.
-        loss_type: sigmoid (DPO), ipo, robust; orpo or simpo (no reference model).
-        label_smoothing: robust: the share of pairs assumed mislabelled; simpo: TRL's
-            conservative label smoothing.
-        simpo_gamma: SimPO's target reward margin (simpo only; TRL's default 0.5).
-        nll_weight: weight of the chosen side's NLL added to SimPO (TRL's cpo_alpha; 0: pure
-            SimPO, 1: CPO-SimPO). ORPO's NLL term is part of the loss (weight 1, as TRL).
-        precompute_reference: compute the reference's log-probabilities once before training
-            (not with orpo / simpo, which have no reference).
-        padding_free: each pair in one row, chosen then rejected (no padding between them).
-        disable_dropout: no dropout in the model (TRL's default: policy and reference agree).
-        num_generations: held-out prompts answered greedily after training (0: none).
-        generation_max_new_tokens: length limit of those answers.
-    """
-
-    sums_loss_terms = True
-    logged_stats: tuple[str, ...] = STATS  # per instance: the loss type adds its own
-    terms_per_example = 1  # one term per pair
-    main_metric = "loss"
-    greater_is_better = False
-    _row_words = ("pair", "both its replies")
-
-    def __init__(
-        self,
-        *,
-        format: str,
-        chat_template: str | None,
-        max_seq_length: int,
-        truncation: str,
-        beta: float,
-        loss_type: str,
-        label_smoothing: float,
-        simpo_gamma: float,
-        nll_weight: float,
-        precompute_reference: bool,
-        padding_free: bool,
-        disable_dropout: bool,
-        num_generations: int,
-        generation_max_new_tokens: int,
-        generation: Mapping[str, Any] | GenerationConfig | None,
-        text_rows: str,
-    ) -> None:
-        if format not in preference.FORMATS:
-            raise ConfigError(f"task.format={format!r}: choose {', '.join(preference.FORMATS)}.")
-        if loss_type not in LOSS_TYPES:
-            raise ConfigError(f"task.loss_type={loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
-        if not beta > 0:
-            raise ConfigError(f"task.beta={beta}: must be > 0 (TRL's default is 0.1).")
-        if not 0 <= label_smoothing < 0.5:
-            raise ConfigError(
-                f"task.label_smoothing={label_smoothing}: must be in [0, 0.5) (the share of "
-                "pairs assumed mislabelled)."
-            )
-        if label_smoothing and loss_type not in ("robust", "simpo"):
-            raise ConfigError(
-                f"task.label_smoothing={label_smoothing} is for task.loss_type=robust (robust "
-                "DPO) or simpo, where TRL applies it; set it there, or to 0."
-            )
-        if not 0 <= simpo_gamma < math.inf:
-            raise ConfigError(
-                f"task.simpo_gamma={simpo_gamma}: must be a finite number >= 0 (SimPO's target "
-                "reward margin; TRL's default is 0.5)."
-            )
-        if not 0 <= nll_weight < math.inf:
-            raise ConfigError(f"task.nll_weight={nll_weight}: must be a finite number >= 0.")
-        if nll_weight and loss_type != "simpo":
-            raise ConfigError(
-                f"task.nll_weight={nll_weight} is for task.loss_type=simpo (TRL's cpo_alpha); "
-                "ORPO's NLL term is always in its loss; set it to 0."
-            )
-        if precompute_reference and loss_type in REFERENCE_FREE:
-            raise ConfigError(
-                f"task.precompute_reference=true: task.loss_type={loss_type} uses no reference "
-                "model; set task.precompute_reference=false."
-            )
-        super().__init__(
-            format="auto",
-            chat_template=chat_template,
-            max_seq_length=max_seq_length,
-            truncation=truncation,
-            train_on_prompt=False,
-            packing=padding_free,
-            num_generations=num_generations,
-            generation_max_new_tokens=generation_max_new_tokens,
-            generation=generation,
-            text_rows=text_rows,
-        )
-        self.format = format
-        self.beta = beta
-        self.loss_type = loss_type
-        self.label_smoothing = label_smoothing
-        self.simpo_gamma = simpo_gamma
-        self.nll_weight = nll_weight
+    def __init__(self, args: DpoConfig) -> None:
+        super().__init__(args)
+        self.chat = ChatFeatures.of(args, "dpo", FEATURES_VERSION, ("pair", "both its replies"))
+        loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
         # SimPO's (nll_weight > 0), over its completion.
         self.sequence_nll = loss_type == "orpo"
-        self.with_nll = loss_type == "orpo" or (loss_type == "simpo" and nll_weight > 0)
-        self.logged_stats = STATS + (
-            ORPO_STATS if loss_type == "orpo" else ("nll_loss",) if self.with_nll else ()
-        )
-        self.precompute_reference = precompute_reference
-        self.padding_free = padding_free
-        self.disable_dropout = disable_dropout
-        # The reference forward, set in before_training: the model with its adapter disabled,
-        # a frozen copy, or None where the batches carry precomputed log-probabilities.
-        self._reference: Callable[[torch.nn.Module, Mapping], torch.Tensor] | None = None
+        self.with_nll = loss_type == "orpo" or (loss_type == "simpo" and args.nll_weight > 0)
+        extra = ORPO_STATS if loss_type == "orpo" else ("nll_loss",) if self.with_nll else ()
+        self.stats = STATS + extra  # TRL's metrics of this loss type, per pair
+        # Built in before_training from the starting weights; None for orpo / simpo.
+        self.reference: reference.Reference | None = None
 
-    def settings(self) -> dict[str, Any]:
-        keys = ("format", "chat_template", "max_seq_length", "truncation", "padding_free")
-        return {k: getattr(self, k) for k in keys} | {"text_rows": self.text_rows}
+    def loss_shape(self) -> LossShape:
+        """One summed term per pair, TRL's metrics summed beside it."""
+        return LossShape(Averaging.sum, terms_per_example=1, stats=self.stats)
 
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        template = self._template(tokenizer)
-        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
-        tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
-        splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, self.format))
+        chat = self.chat.use_template(tokenizer)
+        fmt = self.args.format
+        splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, fmt))
         features, pairs, keys = {}, {}, {}
         for role, split in splits.items():
-            pairs[role] = preference.normalise(split.examples, self.format, split.source)
+            pairs[role] = preference.normalise(split.examples, fmt, split.source)
             keys[role], features[role] = self._pair_features(
-                cfg, tokenizer, template, role, split, pairs[role]
+                cfg, tokenizer, chat.template, role, split, pairs[role]
             )
+        held_out = chat_features.held_out_prompts(
+            pairs["eval"], self.args.num_generations, _with_chosen_reply
+        )
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
@@ -257,36 +143,37 @@ class DirectPreference(SupervisedFineTuning):
             eval=features["eval"],
             train_collator=self._collator(tokenizer),
             eval_collator=self._collator(tokenizer),
-            template=template,
-            prompts=_answerable(_held_out_prompts(pairs["eval"], self.num_generations), template),
-            new_tokens=new_tokens,
-            stop_tokens=_end_of_turn(tokenizer, template),
+            max_length=self.args.max_seq_length,
+            template=chat.template,
+            prompts=chat_features.answerable(held_out, chat.template),
+            new_tokens=chat.new_tokens,
+            stop_tokens=chat.stop_tokens,
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
-        return PairCollator(tokenizer.pad_token_id, self.padding_free, self.sequence_nll)
+        return PairCollator(tokenizer.pad_token_id, self.args.padding_free, self.sequence_nll)
 
     def _pair_features(
         self,
         cfg: DataConfig,
         tokenizer: PreTrainedTokenizerBase,
-        template: str,
+        template: str | None,
         role: str,
         split: data_lib.Split,
         pairs: Dataset,
     ) -> tuple[str, Dataset]:
         """Both sides' token ids and completion labels, length policy applied (cached), and
         their cache key."""
-        key, built = self._tokenized(
-            cfg, tokenizer, template, role, split, pairs, "dpo", FEATURES_VERSION
+        key, built = self.chat.tokenized(
+            cfg, tokenizer, template, role, split, pairs, self._tokenize
         )
         log.info(
             "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
             role,
             len(pairs),
             len(built),
-            self.max_seq_length,
-            "cut at its end" if self.truncation == "truncate" else "dropped with its pair",
+            self.args.max_seq_length,
+            "cut at its end" if self.args.truncation == "truncate" else "dropped with its pair",
         )
         # Positions in the split (for precomputed reference log-probabilities).
         return key, built.add_column("index", list(range(len(built))))
@@ -304,168 +191,74 @@ class DirectPreference(SupervisedFineTuning):
         for prompt, chosen, rejected, tools, text, place in zip(
             *(batch[k] for k in columns), strict=True
         ):
-            if text and self.text_rows == "raw":
+            if text and self.args.text_rows == "raw":
                 completions = [side[0]["content"] for side in (chosen, rejected)]
                 wholes = conversations.tokenize_text(tokenizer, prompt[0]["content"], completions)
             else:
                 wholes = [
-                    self._templated_reply(
+                    chat_features.templated_reply(
                         tokenizer, template, prompt, c, tools, f"{source} {place}"
                     )
                     for c in (chosen, rejected)
                 ]
-            sides = [
-                conversations.fit_length(w, self.max_seq_length, self.truncation) for w in wholes
-            ]
+            sides = [self.chat.fit(w) for w in wholes]
             if None in sides:
                 continue
             for side, fitted in zip(SIDES, sides, strict=True):
                 out[f"{side}_input_ids"].append(fitted["input_ids"])
                 out[f"{side}_labels"].append(fitted["labels"])
             lengths = [len(s["input_ids"]) for s in sides]
-            out["length"].append(sum(lengths) if self.padding_free else max(lengths))
+            out["length"].append(sum(lengths) if self.args.padding_free else max(lengths))
         return out
 
-    def _templated_reply(
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
+
+    def predict(
         self,
-        tokenizer: PreTrainedTokenizerBase,
-        template: str,
-        prompt: list,
-        completion: list,
-        tools: Any,
-        where: str,
-    ) -> dict[str, list[int]]:
-        """``prompt`` then ``completion`` rendered with the template, labelled on the completion;
-        a row the template cannot render is refused naming ``where``."""
-        self._check_has_template(template, where)
-        try:
-            return conversations.tokenize_conversation(
-                tokenizer, template, prompt + completion, tools=tools, label_from=len(prompt)
-            )
-        except (conversations.TemplateMismatch, conversations.RowError) as err:
-            raise conversations.refusal(err, where) from None
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ChatData,
+        run: RunContext,
+    ) -> dict[str, Any]:
+        return self.chat.predict(model, data, run)
 
     # ------------------------------------------------------------------------------ model
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        self.chat.check_model(model, packing=self.args.padding_free)
+
     def before_training(
-        self,
-        model: torch.nn.Module,
-        data: PreferenceData,
-        accelerator: Accelerator,
-        batch_size: int,
+        self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
     ) -> None:
         """Choose the reference (see the module's docstring) from the starting weights; none
         for ``orpo`` / ``simpo``: no copy, no reference pass with the adapter disabled."""
-        unwrapped = accelerator.unwrap_model(model)
-        if self.disable_dropout:
-            _disable_dropout(unwrapped)
+        accelerator = run.accelerator
+        if self.args.disable_dropout:
+            reference.disable_dropout(accelerator.unwrap_model(model))
         if self.reference_free:
-            self._reference = None
-            log.info("task.loss_type=%s: no reference model (none is built)", self.loss_type)
+            self.reference = None
+            log.info("task.loss_type=%s: no reference model (none is built)", self.args.loss_type)
             return
-        peft = adapters.is_peft_model(unwrapped)
-        if self.precompute_reference:
-            tables = self._precomputed(model, data, accelerator, batch_size)
-            data.train_collator.reference, data.eval_collator.reference = tables
-            self._reference = None
-            return
-        if peft:
-            self._reference = self._adapter_disabled
-            log.info("DPO reference: the model with its LoRA adapter disabled (no copy)")
-            return
-        if accelerator.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
+        self.reference = reference.prepare(
+            model,
+            accelerator,
+            data,
+            self._reference_forward,
+            precomputed=self.args.precompute_reference,
+            key={"loss_type": self.args.loss_type, "version": FEATURES_VERSION},
+            kind="dpo",
+            batch_size=batch_size,
+            rows="pairs",
+            fsdp_refusal=(
                 "task=dpo with full fine-tuning under FSDP: the frozen reference copy cannot be "
                 "sharded here; set task.precompute_reference=true (the reference's log-probs "
                 "computed once before training), or train LoRA adapters (peft=lora)."
-            )
-        frozen = copy.deepcopy(unwrapped).eval().requires_grad_(False)
-        autocast = accelerator.autocast
-        log.info("DPO reference: a frozen copy of the starting weights")
-
-        def frozen_copy(_: torch.nn.Module, batch: Mapping) -> torch.Tensor:
-            with autocast():
-                return self._logps_of(frozen, batch)[0]
-
-        self._reference = frozen_copy
-
-    def _adapter_disabled(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
-        """The base model's log-probabilities: the policy with its LoRA adapter disabled."""
-        with _peft_model(model).disable_adapter():
-            return self._logps_of(model, batch)[0]
-
-    def _precomputed(
-        self,
-        model: torch.nn.Module,
-        data: PreferenceData,
-        accelerator: Accelerator,
-        batch_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference log-probs of the train and eval pairs: read from the feature cache,
-        keyed by the features, the starting weights (:func:`_weights_fingerprint`) and the
-        precision, or computed once and cached there."""
-        key = data_lib.cache_key(
-            features=data.feature_keys,
-            weights=_weights_fingerprint(model, accelerator),
-            precision=accelerator.mixed_precision,
-            loss_type=self.loss_type,
-            version=FEATURES_VERSION,
+            ),
         )
-        path = (data.cache or Path(".")) / f"dpo-reference-{key}.pt"
-        if path.exists():
-            tables = torch.load(path)
-            log.info("DPO reference: precomputed log-probs read from the cache, %s", path)
-            return tables["train"], tables["eval"]
-        unwrapped = accelerator.unwrap_model(model)
-        peft = adapters.is_peft_model(unwrapped)
-        reference = self._adapter_disabled if peft else (lambda m, b: self._logps_of(m, b)[0])
-        tables = {
-            role: self._precompute(model, reference, split, collator, accelerator, batch_size)
-            for role, split, collator in (
-                ("train", data.train, data.train_collator),
-                ("eval", data.eval, data.eval_collator),
-            )
-        }
-        if accelerator.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{accelerator.process_index}")
-            torch.save(tables, tmp)
-            tmp.replace(path)
-            log.info("DPO reference: precomputed log-probs cached in %s", path)
-        accelerator.wait_for_everyone()
-        return tables["train"], tables["eval"]
 
-    @torch.no_grad()
-    def _precompute(
-        self,
-        model: torch.nn.Module,
-        reference: Callable[[torch.nn.Module, Mapping], torch.Tensor],
-        split: Dataset,
-        collator: PairCollator,
-        accelerator: Accelerator,
-        batch_size: int,
-    ) -> torch.Tensor:
-        """The reference log-probabilities of every pair of ``split``, (pairs, 2), the same on
-        every process: each computes a strided share (all the same number of batches, as FSDP
-        needs), then they are gathered."""
-        rank, world = accelerator.process_index, accelerator.num_processes
-        share = math.ceil(len(split) / world)
-        mine = [min(rank + world * i, len(split) - 1) for i in range(share)]
-        model.eval()
-        values, indices = [], []
-        for start in range(0, share, batch_size):
-            chunk = mine[start : start + batch_size]
-            batch = collator([split[i] for i in chunk])
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            values.append(reference(model, batch).float())
-            indices.append(batch["index"])
-        model.train()
-        values = accelerator.gather(torch.cat(values))
-        indices = accelerator.gather(torch.cat(indices))
-        table = torch.zeros(len(split), 2, dtype=torch.float32)
-        table[indices.cpu()] = values.cpu()
-        log.info("DPO reference: log-probs of %d pairs computed before training", len(split))
-        return table
+    def _reference_forward(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        return self._logps_of(model, batch)[0]
 
     # ------------------------------------------------------------------------------- loss
 
@@ -485,7 +278,7 @@ class DirectPreference(SupervisedFineTuning):
         inputs = {
             k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
         }
-        logits = self.forward(model, inputs).logits
+        logits = chat_features.forward(model, inputs).logits
         pairs = len(batch["index"])
         logps, tokens = [], []
         for side in SIDES:
@@ -502,12 +295,9 @@ class DirectPreference(SupervisedFineTuning):
         return logps, tokens, nll.view(-1, pairs).sum(0) / count.view(-1, pairs).sum(0).clamp(1)
 
     def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor | None:
-        if self.reference_free:
+        if self.reference is None:
             return None
-        if "reference_logps" in batch:
-            return batch["reference_logps"]
-        with torch.no_grad():
-            return self._reference(model, batch)
+        return self.reference.logps(model, batch, self._reference_forward)
 
     def pair_losses(
         self,
@@ -519,20 +309,22 @@ class DirectPreference(SupervisedFineTuning):
         """Per pair: the loss, from the (pairs, 2) summed log-probs of the policy and the
         reference (None for orpo / simpo) and the completions' tokens, and for orpo (and simpo
         with ``nll_weight``) the chosen side's NLL, (pairs,); and TRL's metrics
-        (:attr:`logged_stats`), (pairs, len(logged_stats))."""
+        (:attr:`stats`), (pairs, len(stats))."""
         if self.reference_free:
             return self._reference_free_losses(policy, tokens, nll)
         ratios = policy - reference  # log pi / pi_ref of chosen, rejected
-        if self.loss_type == "ipo":  # per token (TRL's normalisation, confirmed by IPO's authors)
+        if (
+            self.args.loss_type == "ipo"
+        ):  # per token (TRL's normalisation, confirmed by IPO's authors)
             per_token = ratios / tokens.clamp(min=1)
-            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.beta)) ** 2
+            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.args.beta)) ** 2
         else:
-            scaled = self.beta * (ratios[:, 0] - ratios[:, 1])
+            scaled = self.args.beta * (ratios[:, 0] - ratios[:, 1])
             losses = -F.logsigmoid(scaled)
-            if self.loss_type == "robust":  # unbiased under a share of flipped labels
-                flip = self.label_smoothing
+            if self.args.loss_type == "robust":  # unbiased under a share of flipped labels
+                flip = self.args.label_smoothing
                 losses = (losses * (1 - flip) + F.logsigmoid(-scaled) * flip) / (1 - 2 * flip)
-        return losses, _reward_stats(self.beta * ratios, policy)
+        return losses, _reward_stats(self.args.beta * ratios, policy)
 
     def _reference_free_losses(
         self, policy: torch.Tensor, tokens: torch.Tensor, nll: torch.Tensor | None
@@ -541,28 +333,26 @@ class DirectPreference(SupervisedFineTuning):
         average = policy.float() / tokens.clamp(min=1)  # per completion token, (pairs, 2)
         chosen, rejected = average[:, 0], average[:, 1]
         extra: list[torch.Tensor] = []
-        if self.loss_type == "orpo":
+        if self.args.loss_type == "orpo":
             log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
             ratio = F.logsigmoid(log_odds)
-            losses = nll - self.beta * ratio
+            losses = nll - self.args.beta * ratio
             extra = [nll.detach(), ratio.detach(), log_odds.detach()]
         else:  # simpo
-            margin = self.beta * (chosen - rejected) - self.simpo_gamma
-            smoothing = self.label_smoothing
+            margin = self.args.beta * (chosen - rejected) - self.args.simpo_gamma
+            smoothing = self.args.label_smoothing
             losses = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
             if self.with_nll:
-                losses = losses + self.nll_weight * nll
+                losses = losses + self.args.nll_weight * nll
                 extra = [nll.detach()]
-        stats = _reward_stats(self.beta * average, average)
+        stats = _reward_stats(self.args.beta * average, average)
         return losses, torch.cat([stats, *(value[:, None] for value in extra)], dim=1)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
         losses, stats = self._batch_losses(model, batch)
         count = torch.tensor(float(len(losses)), device=losses.device)
-        return SummedLoss(
-            losses.sum(), count, dict(zip(self.logged_stats, stats.sum(0), strict=True))
-        )
+        return SummedLoss(losses.sum(), count, dict(zip(self.stats, stats.sum(0), strict=True)))
 
     def _batch_losses(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
@@ -571,28 +361,28 @@ class DirectPreference(SupervisedFineTuning):
         policy, tokens, nll = self._policy_terms(model, batch, self.with_nll)
         return self.pair_losses(policy, reference, tokens, nll)
 
-    @torch.no_grad()
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Any,
-        data: PreferenceData,
-        accelerator: Accelerator,
-        output_dir: Any,
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        losses, stats = self._batch_losses(model, batch)
+        return {"loss": losses, "stats": stats}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: PreferenceData, run: RunContext
     ) -> dict[str, float]:
-        """The mean loss and metrics over the held-out pairs, on all processes."""
-        model.eval()
-        names = self.logged_stats
-        totals = torch.zeros(2 + len(names), dtype=torch.float64, device=accelerator.device)
-        for batch in loader:
-            losses, stats = self._batch_losses(model, batch)
-            per_pair = torch.cat([losses[:, None], torch.ones_like(losses)[:, None], stats], dim=1)
-            totals += accelerator.gather_for_metrics(per_pair).sum(dim=0).double()
-        model.train()
-        loss, pairs, *sums = totals.tolist()
-        metrics = {"loss": loss / max(pairs, 1.0), "pairs": pairs}
-        metrics |= {name: value / max(pairs, 1.0) for name, value in zip(names, sums, strict=True)}
-        return broadcast_object_list([metrics])[0]
+        """The mean loss and TRL's metrics over the held-out pairs."""
+        pairs = float(len(rows["loss"]))
+        sums = rows["stats"].double().sum(0).tolist()
+        metrics = {"loss": rows["loss"].double().sum().item() / max(pairs, 1.0), "pairs": pairs}
+        return metrics | {
+            name: value / max(pairs, 1.0) for name, value in zip(self.stats, sums, strict=True)
+        }
+
+    def after_training(
+        self, model: torch.nn.Module, data: PreferenceData, run: RunContext
+    ) -> dict[str, Any]:
+        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        return self.chat.answer_held_out(model, data, run)
 
 
 class PairCollator:
@@ -625,30 +415,24 @@ class PairCollator:
                 for side, other in (("chosen", "rejected"), ("rejected", "chosen"))
                 for p in pairs
             ]
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        longest = conversations.padded_length(rows, self.pad_to_multiple_of)
+        ignore = conversations.IGNORE_INDEX
         batch = {
-            "input_ids": conversations._pad(rows, "input_ids", self.pad_token_id, longest),
-            "chosen_labels": conversations._pad(
-                rows, "chosen_labels", conversations.IGNORE_INDEX, longest
-            ),
-            "rejected_labels": conversations._pad(
-                rows, "rejected_labels", conversations.IGNORE_INDEX, longest
-            ),
+            "input_ids": conversations.pad_rows(rows, "input_ids", self.pad_token_id, longest),
+            "chosen_labels": conversations.pad_rows(rows, "chosen_labels", ignore, longest),
+            "rejected_labels": conversations.pad_rows(rows, "rejected_labels", ignore, longest),
             "index": torch.tensor([p["index"] for p in pairs]),
         }
         if self.sequence_nll:
-            batch["chosen_sequence_labels"] = conversations._pad(
-                rows, "chosen_sequence_labels", conversations.IGNORE_INDEX, longest
+            batch["chosen_sequence_labels"] = conversations.pad_rows(
+                rows, "chosen_sequence_labels", ignore, longest
             )
         if self.padding_free:
-            batch["position_ids"] = conversations._pad(rows, "position_ids", 0, longest)
+            batch["position_ids"] = conversations.pad_rows(rows, "position_ids", 0, longest)
         else:
-            ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
-            batch["attention_mask"] = conversations._pad(ones, "m", 0, longest)
+            batch["attention_mask"] = conversations.attention_mask(rows, longest)
         if self.reference is not None:
-            batch["reference_logps"] = self.reference[batch["index"]]
+            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
 
     @staticmethod
@@ -663,21 +447,6 @@ class PairCollator:
             "chosen_sequence_labels": list(chosen) + [conversations.IGNORE_INDEX] * len(rejected),
             "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
         }
-
-
-def _weights_fingerprint(model: torch.nn.Module, accelerator: Accelerator) -> list[float]:
-    """Sums of the starting weights the reference is computed from (LoRA's own weights left
-    out: the reference disables them), the same on every process: under FSDP each holds a
-    shard, so the shards' sums are added up."""
-    sums = []
-    for name, param in accelerator.unwrap_model(model).named_parameters():
-        if "lora_" not in name:
-            local = param.to_local() if hasattr(param, "to_local") else param
-            sums.append(local.detach().double().sum())
-    total = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        total = accelerator.reduce(total.to(accelerator.device), reduction="sum")
-    return [float(f"{value:.9g}") for value in total.tolist()]
 
 
 def _reward_stats(rewards: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
@@ -702,32 +471,6 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
-def _peft_model(model: torch.nn.Module) -> Any:
-    """The peft model inside a DDP wrapper (FSDP keeps it as its own module)."""
-    inner = getattr(model, "module", model)
-    return inner if hasattr(inner, "disable_adapter") else model
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    """Every dropout to 0 (TRL's ``disable_dropout``): the policy's log-probabilities are then
-    those the reference sees, not a noisy draw of them."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout) and module.p:
-            module.p = 0.0
-            count += 1
-    for config in {id(c): c for c in (getattr(model, "config", None),) if c is not None}.values():
-        for key in ("attention_dropout", "hidden_dropout", "dropout"):
-            if getattr(config, key, 0):
-                setattr(config, key, 0.0)
-                count += 1
-    if count:
-        log.info("task.disable_dropout: %d dropout module(s) and setting(s) set to 0", count)
-
-
-def _held_out_prompts(pairs: Dataset, count: int) -> list[dict[str, Any]]:
-    """The first ``count`` evaluation prompts, with their chosen reply as the reference."""
-    return [
-        {"messages": row["prompt"], "tools": row["tools"], "reference": row["chosen"][0]["content"]}
-        for row in pairs.select(range(min(count, len(pairs))))
-    ]
+def _with_chosen_reply(row: Mapping[str, Any]) -> tuple[list, str]:
+    """A held-out prompt, with its chosen reply as the reference."""
+    return row["prompt"], row["chosen"][0]["content"]

@@ -10,10 +10,9 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
 * Rows (:mod:`recipes.tasks.unpaired`): TRL's ``prompt`` / ``completion`` / ``label``, text or
   messages, or preference pairs unpaired as TRL unpairs them. Each row is rendered with the chat
   template as DPO renders a side and labelled on its completion only.
-* The reference, exactly as DPO's (:meth:`DirectPreference.before_training`): under LoRA the
-  model with its adapter disabled, else a frozen copy of the starting weights, or (for
-  ``apo_zero_unpaired`` only) its log-probabilities precomputed once. Its log lines read
-  "DPO reference" (they are DPO's).
+* The reference, as DPO's (:mod:`recipes.tasks.reference`): under LoRA the model with its
+  adapter disabled, else a frozen copy of the starting weights, or (for ``apo_zero_unpaired``
+  only) its log-probabilities precomputed once.
 * The KL estimate (``loss_type=kto``): each row's prompt is paired with the completion of the
   row before it in the micro-batch, the first with the last's, as TRL's
   ``add_kl_completion_ids`` rotates completions by one within each batch:
@@ -38,7 +37,8 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
   ``count/rejected`` (their shares of the rows): ``rewards/chosen_sum / count/chosen`` is TRL's
   ``rewards/chosen`` over the window, as TRL 0.x computed it from the same names. Evaluation
   gives TRL's own means as well: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
-  ``logps/chosen``, ``logps/rejected``, and ``kl`` averaged over the evaluation batches.
+  ``logps/chosen``, ``logps/rejected``, and ``kl`` averaged over the evaluation batches (each
+  row carries its batch's share, so the batches' mean comes out of the gathered rows).
 
 Where this differs from TRL: TRL fixes the KL pairs when it prepares the data (chunks of
 ``per_device_train_batch_size`` in dataset order) and therefore trains in dataset order; here the
@@ -54,29 +54,28 @@ after it, as llama3's; zephyr's newline after EOS is TRL's only extra token).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import gather
 from datasets import Dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import adapters
 from recipes import data as data_lib
-from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
-from recipes.tasks import conversations, unpaired
-from recipes.tasks.base import SummedLoss
-from recipes.tasks.dpo import DirectPreference, PreferenceData
-from recipes.tasks.sft import _add_template_tokens, _answerable, _end_of_turn
+from recipes.tasks import chat_features, conversations, reference, unpaired
+from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
+from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
+from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
-LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # Summed over rows, logged divided by the rows (SummedLoss.stats); see the module's docstring.
 STATS = (
     "kl",
@@ -98,128 +97,74 @@ _ONE_ROW = (
 )
 
 
-class KahnemanTversky(DirectPreference):
-    """KTO (``task=kto``).
+class KahnemanTversky(Task[PreferenceData]):
+    """KTO (``task=kto``); its settings: :class:`recipes.tasks.configs.kto.KtoConfig`."""
 
-    Args:
-        format: layout of the rows: auto (detected per row), unpaired (TRL's prompt /
-            completion / label), or a pair layout (explicit, implicit, ultrafeedback) unpaired.
-        chat_template: null (the tokenizer's), a name (chatml, llama3, zephyr) or a Jinja file.
-        text_rows: plain-string rows as chat turns (chat) or as text, as TRL (raw).
-        max_seq_length: tokens of prompt and completion per row (a KL row is cut to it too).
-        truncation: truncate (cut the end of a long row) or drop the row.
-        beta: strength of the pull to the reference (TRL's default 0.1).
-        loss_type: kto (with the KL estimate) or apo_zero_unpaired (without).
-        desirable_weight: weight of a desirable row's loss (TRL's default 1.0).
-        undesirable_weight: weight of an undesirable row's loss (TRL's default 1.0).
-        precompute_reference: the reference's log-probs computed once (apo_zero_unpaired only).
-        disable_dropout: no dropout in the model (TRL's default).
-        num_generations: held-out prompts answered greedily after training (0: none).
-        generation_max_new_tokens: length limit of those answers.
-    """
+    auto_model_class = AutoModelForCausalLM
+    config_class = KtoConfig
+    args: KtoConfig
 
-    logged_stats = STATS
-    _row_words = ("row", "its completion")
-
-    def __init__(
-        self,
-        *,
-        format: str,
-        chat_template: str | None,
-        max_seq_length: int,
-        truncation: str,
-        beta: float,
-        loss_type: str,
-        desirable_weight: float,
-        undesirable_weight: float,
-        precompute_reference: bool,
-        disable_dropout: bool,
-        num_generations: int,
-        generation_max_new_tokens: int,
-        generation: Mapping[str, Any] | GenerationConfig | None,
-        text_rows: str,
-    ) -> None:
-        if format not in unpaired.FORMATS:
-            raise ConfigError(f"task.format={format!r}: choose {', '.join(unpaired.FORMATS)}.")
-        if loss_type not in LOSS_TYPES:
-            raise ConfigError(f"task.loss_type={loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
-        for name, weight in (("desirable", desirable_weight), ("undesirable", undesirable_weight)):
-            if not weight >= 0:
-                raise ConfigError(
-                    f"task.{name}_weight={weight}: must be >= 0 (TRL's default is 1.0)."
-                )
-        if not desirable_weight + undesirable_weight > 0:
-            raise ConfigError("task.desirable_weight and task.undesirable_weight are both 0.")
-        if precompute_reference and loss_type == "kto":
-            raise ConfigError(
-                "task.precompute_reference=true with task.loss_type=kto: the KL estimate pairs "
-                "each row's prompt with another completion of its micro-batch, drawn anew each "
-                "epoch, so the reference's log-probs of those pairs cannot be computed beforehand; "
-                "keep the reference live (the LoRA adapter disabled, or a frozen copy), or use "
-                "task.loss_type=apo_zero_unpaired (no KL term)."
-            )
-        super().__init__(
-            format="auto",
-            chat_template=chat_template,
-            max_seq_length=max_seq_length,
-            truncation=truncation,
-            beta=beta,
-            loss_type="sigmoid",  # DPO's own setting, unused here
-            label_smoothing=0.0,
-            simpo_gamma=0.0,
-            nll_weight=0.0,
-            precompute_reference=precompute_reference,
-            padding_free=False,
-            disable_dropout=disable_dropout,
-            num_generations=num_generations,
-            generation_max_new_tokens=generation_max_new_tokens,
-            generation=generation,
-            text_rows=text_rows,
-        )
-        self.format = format
-        self.loss_type = loss_type
-        self.logged_stats = STATS  # DirectPreference sets its own for its loss type
-        self.desirable_weight = desirable_weight
-        self.undesirable_weight = undesirable_weight
-        self._accelerator: Accelerator | None = None  # set in before_training: the KL's gather
+    def __init__(self, args: KtoConfig) -> None:
+        super().__init__(args)
+        self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
+        # Chosen in before_training; until then, batches carry their reference's log-probs.
+        self.reference = reference.Reference.from_batches()
         self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
 
     @property
     def uses_kl(self) -> bool:
-        return self.loss_type == "kto"
+        return self.args.loss_type == "kto"
+
+    def loss_shape(self) -> LossShape:
+        """One summed term per row, :data:`STATS` summed beside it."""
+        return LossShape(Averaging.sum, terms_per_example=1, stats=STATS)
 
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        template = self._template(tokenizer)
-        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
-        tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
-        splits = data_lib.load_splits(cfg, lambda path: unpaired.read_unpaired(path, self.format))
+        chat = self.chat.use_template(tokenizer)
+        fmt = self.args.format
+        splits = data_lib.load_splits(cfg, lambda path: unpaired.read_unpaired(path, fmt))
         features, rows, keys = {}, {}, {}
         for role, split in splits.items():
-            rows[role] = unpaired.normalise(split.examples, self.format, split.source)
-            keys[role], built = self._tokenized(
-                cfg, tokenizer, template, role, split, rows[role], "kto", FEATURES_VERSION
+            rows[role] = unpaired.normalise(split.examples, fmt, split.source)
+            keys[role], built = self.chat.tokenized(
+                cfg, tokenizer, chat.template, role, split, rows[role], self._tokenize
             )
             self._report(role, rows[role], built)
             features[role] = built.add_column("index", list(range(len(built))))
         self._check_weights(features["train"])
+        held_out = chat_features.held_out_prompts(
+            rows["eval"], self.args.num_generations, _desirable_reply
+        )
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
             train=features["train"],
             eval=features["eval"],
-            train_collator=UnpairedCollator(
-                tokenizer.pad_token_id, self.max_seq_length, self.uses_kl
-            ),
-            eval_collator=UnpairedCollator(
-                tokenizer.pad_token_id, self.max_seq_length, self.uses_kl
-            ),
-            template=template,
-            prompts=_answerable(_held_out_prompts(rows["eval"], self.num_generations), template),
-            new_tokens=new_tokens,
-            stop_tokens=_end_of_turn(tokenizer, template),
+            train_collator=self._collator(tokenizer),
+            eval_collator=self._collator(tokenizer),
+            max_length=self.args.max_seq_length,
+            template=chat.template,
+            prompts=chat_features.answerable(held_out, chat.template),
+            new_tokens=chat.new_tokens,
+            stop_tokens=chat.stop_tokens,
         )
+
+    def _collator(self, tokenizer: PreTrainedTokenizerBase) -> UnpairedCollator:
+        return UnpairedCollator(tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl)
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ChatData,
+        run: RunContext,
+    ) -> dict[str, Any]:
+        return self.chat.predict(model, data, run)
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
         desirable = sum(built["label"])
@@ -231,8 +176,8 @@ class KahnemanTversky(DirectPreference):
             len(built),
             desirable,
             len(built) - desirable,
-            self.max_seq_length,
-            "cut at its end" if self.truncation == "truncate" else "dropped",
+            self.args.max_seq_length,
+            "cut at its end" if self.args.truncation == "truncate" else "dropped",
         )
 
     def _check_weights(self, train: Dataset) -> None:
@@ -242,13 +187,13 @@ class KahnemanTversky(DirectPreference):
         undesirable = max(len(train) - desirable, 1)
         if desirable == undesirable:
             return
-        ratio_d = undesirable * self.undesirable_weight / desirable
-        ratio_u = desirable * self.desirable_weight / undesirable
+        ratio_d = undesirable * self.args.undesirable_weight / desirable
+        ratio_u = desirable * self.args.desirable_weight / undesirable
         d_range = (round(ratio_d, 2), round(ratio_d * 1.33, 2))
         u_range = (round(ratio_u / 1.33, 2), round(ratio_u, 2))
         if not (
-            d_range[0] <= self.desirable_weight <= d_range[1]
-            or u_range[0] <= self.undesirable_weight <= u_range[1]
+            d_range[0] <= self.args.desirable_weight <= d_range[1]
+            or u_range[0] <= self.args.undesirable_weight <= u_range[1]
         ):
             log.warning(
                 "train: %d desirable and %d undesirable rows, and the weights do not balance "
@@ -272,15 +217,15 @@ class KahnemanTversky(DirectPreference):
         for prompt, completion, label, tools, text, place in zip(
             *(batch[k] for k in columns), strict=True
         ):
-            if text and self.text_rows == "raw":
+            if text and self.args.text_rows == "raw":
                 whole = conversations.tokenize_text(
                     tokenizer, prompt[0]["content"], [completion[0]["content"]]
                 )[0]
             else:
-                whole = self._templated_reply(
+                whole = chat_features.templated_reply(
                     tokenizer, template, prompt, completion, tools, f"{source} {place}"
                 )
-            fitted = conversations.fit_length(whole, self.max_seq_length, self.truncation)
+            fitted = self.chat.fit(whole)
             if fitted is None:
                 continue
             labelled = [
@@ -297,42 +242,53 @@ class KahnemanTversky(DirectPreference):
 
     # ------------------------------------------------------------------------------ model
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        self.chat.check_model(model)
+
     def before_training(
-        self,
-        model: torch.nn.Module,
-        data: PreferenceData,
-        accelerator: Accelerator,
-        batch_size: int,
+        self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
     ) -> None:
-        """DPO's choice of reference (see :meth:`DirectPreference.before_training`)."""
-        self._accelerator = accelerator
+        """The reference, as DPO's (:mod:`recipes.tasks.reference`), from the starting
+        weights."""
         if self.uses_kl and batch_size < 2:
             raise ConfigError(_ONE_ROW.format(key="trainer.per_device_eval_batch_size"))
-        peft = adapters.is_peft_model(accelerator.unwrap_model(model))
-        fsdp = accelerator.distributed_type == DistributedType.FSDP
-        if fsdp and not peft and not self.precompute_reference:
-            raise ConfigError(
+        if self.args.disable_dropout:
+            reference.disable_dropout(run.accelerator.unwrap_model(model))
+        self.reference = reference.prepare(
+            model,
+            run.accelerator,
+            data,
+            self._reference_forward,
+            precomputed=self.args.precompute_reference,
+            key={"loss_type": self.args.loss_type, "version": FEATURES_VERSION},
+            kind="kto",
+            batch_size=batch_size,
+            rows="rows",
+            fsdp_refusal=(
                 "task=kto with full fine-tuning under FSDP: the frozen reference copy cannot be "
                 "sharded here; train LoRA adapters (peft=lora), or with "
                 "task.loss_type=apo_zero_unpaired set task.precompute_reference=true."
-            )
-        super().before_training(model, data, accelerator, batch_size)
+            ),
+        )
+
+    def _reference_forward(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        return self._logps_of(model, batch)[0]
 
     def _logps_of(
         self, model: torch.nn.Module, batch: Mapping
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the summed log-probability of its completion and of its KL completion
         (another row's, without gradient, as TRL; 0 without a KL term), and their tokens: two
-        (rows, 2) tensors (the layout DPO's reference machinery keeps)."""
+        (rows, 2) tensors (the layout the precomputed reference keeps)."""
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
-        nll, count = token_losses(self.forward(model, inputs).logits, batch["labels"])
+        nll, count = token_losses(chat_features.forward(model, inputs).logits, batch["labels"])
         if "KL_input_ids" in batch:
             with torch.no_grad():
                 kl_inputs = {
                     "input_ids": batch["KL_input_ids"],
                     "attention_mask": batch["KL_attention_mask"],
                 }
-                logits = self.forward(model, kl_inputs).logits
+                logits = chat_features.forward(model, kl_inputs).logits
                 kl_nll, kl_count = token_losses(logits, batch["KL_labels"])
         else:
             kl_nll, kl_count = torch.zeros_like(nll), torch.zeros_like(count)
@@ -349,9 +305,11 @@ class KahnemanTversky(DirectPreference):
         if not self.uses_kl:
             return torch.zeros((), device=policy.device)
         kl = (policy[:, 1] - reference[:, 1]).mean().detach()
-        accelerator = accelerator or self._accelerator
-        if accelerator is not None and accelerator.num_processes > 1:
-            kl = accelerator.gather(kl.reshape(1)).mean()
+        if accelerator is not None:
+            if accelerator.num_processes > 1:
+                kl = accelerator.gather(kl.reshape(1)).mean()
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            kl = gather(kl.reshape(1)).mean()  # the run's processes (accelerate's state)
         return kl.clamp(min=0)
 
     def row_losses(
@@ -364,24 +322,25 @@ class KahnemanTversky(DirectPreference):
         """Per row: the weighted loss, from the summed log-probs of the policy and the reference
         of its completion, its label and the batch's KL; and its :data:`STATS`, (rows, 7)."""
         ratios = policy - reference
-        if self.loss_type == "kto":  # Eq. (7) of the KTO paper, as TRL
+        beta = self.args.beta
+        if self.args.loss_type == "kto":  # Eq. (7) of the KTO paper, as TRL
             losses = torch.where(
                 desirable,
-                1 - torch.sigmoid(self.beta * (ratios - kl)),
-                1 - torch.sigmoid(self.beta * (kl - ratios)),
+                1 - torch.sigmoid(beta * (ratios - kl)),
+                1 - torch.sigmoid(beta * (kl - ratios)),
             )
         else:  # apo_zero_unpaired: the unpaired variant of Eq. (7) of the APO paper
             losses = torch.where(
                 desirable,
-                1 - torch.sigmoid(self.beta * ratios),
-                torch.sigmoid(self.beta * ratios),
+                1 - torch.sigmoid(beta * ratios),
+                torch.sigmoid(beta * ratios),
             )
         weights = torch.where(
             desirable,
-            torch.full_like(losses, self.desirable_weight),
-            torch.full_like(losses, self.undesirable_weight),
+            torch.full_like(losses, self.args.desirable_weight),
+            torch.full_like(losses, self.args.undesirable_weight),
         )
-        rewards = (self.beta * ratios).detach()
+        rewards = (beta * ratios).detach()
         chosen, rejected = desirable.float(), (~desirable).float()
         logps = policy.detach()
         stats = torch.stack(
@@ -401,7 +360,7 @@ class KahnemanTversky(DirectPreference):
     def _row_terms(
         self, model: torch.nn.Module, batch: Mapping, accelerator: Accelerator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        reference = self._reference_logps(model, batch)
+        reference = self.reference.logps(model, batch, self._reference_forward)
         policy, _ = self._logps_of(model, batch)
         kl = self.batch_kl(policy, reference, accelerator)
         return self.row_losses(policy[:, 0], reference[:, 0], batch["label"], kl)
@@ -415,37 +374,37 @@ class KahnemanTversky(DirectPreference):
         count = torch.tensor(float(len(losses)), device=losses.device)
         return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
 
-    @torch.no_grad()
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Any,
-        data: PreferenceData,
-        accelerator: Accelerator,
-        output_dir: Any,
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        losses, stats = self._row_terms(model, batch)
+        # Each row's share of its batch: the batches' mean KL from the gathered rows.
+        share = torch.full_like(losses, 1 / len(losses))
+        return {"loss": losses, "stats": stats, "share": share}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: PreferenceData, run: RunContext
     ) -> dict[str, float]:
-        """The mean loss over the held-out rows on all processes, TRL's means of the desirable
-        and undesirable rows' rewards and log-probs, and the KL averaged over the batches."""
-        model.eval()
-        totals = torch.zeros(2 + len(STATS), dtype=torch.float64, device=accelerator.device)
-        kls = []
-        for batch in loader:
-            losses, stats = self._row_terms(model, batch, accelerator)
-            kls.append(float(stats[0, 0]))
-            per_row = torch.cat([losses[:, None], torch.ones_like(losses)[:, None], stats], dim=1)
-            totals += accelerator.gather_for_metrics(per_row).sum(dim=0).double()
-        model.train()
-        loss, rows, _, *sums = totals.tolist()
-        named = dict(zip(STATS[1:], sums, strict=True))
-        metrics = {"loss": loss / max(rows, 1.0), "rows": rows}
-        metrics["kl"] = sum(kls) / max(len(kls), 1)
-        metrics |= {name: value / max(rows, 1.0) for name, value in named.items()}
+        """The mean loss over the held-out rows, TRL's means of the desirable and undesirable
+        rows' rewards and log-probs, and the KL averaged over the batches."""
+        count = float(len(rows["loss"]))
+        stats, share = rows["stats"].double(), rows["share"].double()
+        named = dict(zip(STATS[1:], stats[:, 1:].sum(0).tolist(), strict=True))
+        metrics = {"loss": rows["loss"].double().sum().item() / max(count, 1.0), "rows": count}
+        metrics["kl"] = (stats[:, 0] * share).sum().item() / max(share.sum().item(), 1e-12)
+        metrics |= {name: value / max(count, 1.0) for name, value in named.items()}
         for side in ("chosen", "rejected"):
-            count = named[f"count/{side}"]
+            chosen = named[f"count/{side}"]
             for what in ("rewards", "logps"):
-                metrics[f"{what}/{side}"] = named[f"{what}/{side}_sum"] / max(count, 1.0)
+                metrics[f"{what}/{side}"] = named[f"{what}/{side}_sum"] / max(chosen, 1.0)
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        return broadcast_object_list([metrics])[0]
+        return metrics
+
+    def after_training(
+        self, model: torch.nn.Module, data: PreferenceData, run: RunContext
+    ) -> dict[str, Any]:
+        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        return self.chat.answer_held_out(model, data, run)
 
 
 class UnpairedCollator:
@@ -481,32 +440,21 @@ class UnpairedCollator:
         batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
         batch["index"] = torch.tensor([r["index"] for r in rows])
         if self.reference is not None:
-            batch["reference_logps"] = self.reference[batch["index"]]
+            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
 
     def _padded(self, rows: list[dict[str, Any]], prefix: str) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        ones = [{"m": [1] * len(r["input_ids"])} for r in rows]
+        longest = conversations.padded_length(rows, self.pad_to_multiple_of)
+        ignore = conversations.IGNORE_INDEX
         return {
-            f"{prefix}input_ids": conversations._pad(rows, "input_ids", self.pad_token_id, longest),
-            f"{prefix}attention_mask": conversations._pad(ones, "m", 0, longest),
-            f"{prefix}labels": conversations._pad(
-                rows, "labels", conversations.IGNORE_INDEX, longest
+            f"{prefix}input_ids": conversations.pad_rows(
+                rows, "input_ids", self.pad_token_id, longest
             ),
+            f"{prefix}attention_mask": conversations.attention_mask(rows, longest),
+            f"{prefix}labels": conversations.pad_rows(rows, "labels", ignore, longest),
         }
 
 
-def _held_out_prompts(rows: Dataset, count: int) -> list[dict[str, Any]]:
-    """The first ``count`` desirable evaluation rows' prompts, their completion the reference."""
-    prompts = []
-    for row in rows:
-        if len(prompts) >= count:
-            break
-        if row["label"]:
-            reference = row["completion"][0]["content"]
-            prompts.append(
-                {"messages": row["prompt"], "tools": row["tools"], "reference": reference}
-            )
-    return prompts
+def _desirable_reply(row: Mapping[str, Any]) -> tuple[list, str] | None:
+    """A desirable held-out row's prompt, its completion the reference (None: undesirable)."""
+    return (row["prompt"], row["completion"][0]["content"]) if row["label"] else None

@@ -33,11 +33,12 @@ from datasets import Dataset
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks import conversations
+from recipes.tasks.configs.dpo import PAIR_FORMATS
 from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
-FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
+FORMATS = PAIR_FORMATS
 # text: the row was TRL's standard (plain-text) pair, prompt, chosen and rejected all strings.
 COLUMNS = ("prompt", "chosen", "rejected", "tools", "text", "place")
 

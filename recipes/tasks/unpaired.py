@@ -33,11 +33,12 @@ from datasets import Dataset
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks import conversations, preference
+from recipes.tasks.configs.kto import UNPAIRED_FORMATS
 from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
-FORMATS = ("auto", "unpaired", *preference.FORMATS[1:])
+FORMATS = UNPAIRED_FORMATS
 # text: the row was TRL's standard (plain-text) row, prompt and completion strings.
 COLUMNS = ("prompt", "completion", "label", "tools", "text", "place")
 

@@ -1,0 +1,490 @@
+"""The chat features of the tasks that train a causal LM on chat rows (SFT, DPO, KTO, GRPO).
+
+Each such task holds a :class:`ChatFeatures` (built from its settings) and calls the functions
+here; none inherits them from another task. What they share:
+
+* the chat template: resolved from ``task.chat_template`` or the tokenizer, its special tokens
+  added to the tokenizer where it lacks them, set on the tokenizer (saved with it, so final/
+  renders prompts as trained), and the token that ends an assistant turn (:func:`use_template`);
+* rows rendered and tokenized once per split, cached on disk by the data, the tokenizer, the
+  template and the task's feature settings, and refused when no row is kept
+  (:meth:`ChatFeatures.tokenized`); a reply rendered after its prompt (:func:`templated_reply`);
+* the held-out prompts answered greedily after training, scored against their reference
+  (:func:`held_out_prompts`, :func:`answerable`, :func:`answer_held_out`), and mode=predict's
+  answers to the prompts of a file (:func:`predict_data`, :func:`predict`);
+* the model's limits (:meth:`ChatFeatures.check_model`) and its forward on a batch, packed rows
+  included (:func:`forward`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from recipes import data as data_lib
+from recipes import generation as generation_lib
+from recipes.config import ConfigError, DataConfig, GenerationConfig
+from recipes.data import DataError
+from recipes.log import get_logger
+from recipes.metrics.squad import exact_match_score, f1_score
+from recipes.tasks import conversations
+from recipes.tasks.base import RunContext, TaskData, write_jsonl
+
+log = get_logger(__name__)
+
+# Special tokens the named templates write (task.chat_template=<name>). A tokenizer without them
+# gets them added, and the model embedding rows for them, as TRL's clone_chat_template does: else
+# "<|im_end|>" is seven ordinary tokens and the model never learns one token that ends a turn.
+TEMPLATE_TOKENS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+}
+
+# What ChatFeatures.tokenized maps over a split, batched: (batch, tokenizer, template, source)
+# -> the feature columns of the rows it keeps.
+Tokenize = Callable[[Mapping[str, list], PreTrainedTokenizerBase, "str | None", str], dict]
+
+
+@dataclass
+class ChatData(TaskData):
+    """A chat task's features, and the prompts answered after training or in mode=predict
+    (``{"messages", "tools", "reference"}``, asked in ``template``)."""
+
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------- template
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template a task renders with (None: plain-text rows without one), the token ids it
+    added to the tokenizer, and the tokens that end an assistant turn (TaskData's fields)."""
+
+    template: str | None
+    new_tokens: list[int] = field(default_factory=list)
+    stop_tokens: list[int] = field(default_factory=list)
+
+
+def resolve_template(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, text_rows: str = "chat"
+) -> str | None:
+    """The chat template ``task.chat_template`` names, or the tokenizer's; with
+    ``text_rows=raw`` and none to be had (a base model), None: plain-text rows need none, and a
+    row of messages is refused when it is met (:func:`require_template`)."""
+    if text_rows == "raw" and not chat_template and not tokenizer.chat_template:
+        return None
+    return conversations.resolve_chat_template(tokenizer, chat_template)
+
+
+def use_template(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, text_rows: str = "chat"
+) -> ChatTemplate:
+    """Resolve the template (:func:`resolve_template`), add its special tokens to ``tokenizer``
+    (:func:`add_template_tokens`) and set it there: saved with the tokenizer, final/ renders
+    prompts as the model was trained on them."""
+    template = resolve_template(tokenizer, chat_template, text_rows)
+    new_tokens = add_template_tokens(tokenizer, chat_template)
+    tokenizer.chat_template = template
+    return ChatTemplate(template, new_tokens, end_of_turn(tokenizer, template))
+
+
+def add_template_tokens(tokenizer: PreTrainedTokenizerBase, choice: str | None) -> list[int]:
+    """Add the special tokens of the named template ``choice`` that ``tokenizer`` lacks (or
+    has only as several tokens); returns their ids."""
+    missing = [
+        t
+        for t in TEMPLATE_TOKENS.get(choice or "", ())
+        if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1
+    ]
+    if not missing:
+        return []
+    tokenizer.add_tokens(missing, special_tokens=True)
+    ids = tokenizer.convert_tokens_to_ids(missing)
+    log.info(
+        "task.chat_template=%s: added %s to the tokenizer as special tokens (ids %s); the model "
+        "gets new embedding rows for them, trained under LoRA too",
+        choice,
+        " ".join(missing),
+        ids,
+    )
+    return ids
+
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[int]:
+    """The special token that ends an assistant turn under ``template`` (the last labelled token
+    of a probe conversation's reply that is not whitespace: a template's markers may wrap the
+    newline after it), if it is a special token; [] otherwise, and without a template."""
+    if template is None:
+        return []
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    labels = conversations.tokenize_conversation(tokenizer, template, probe)["labels"]
+    labelled = [t for t in labels if t != conversations.IGNORE_INDEX]
+    while labelled and not tokenizer.decode(labelled[-1]).strip():
+        labelled.pop()
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    return [labelled[-1]] if labelled and labelled[-1] in special else []
+
+
+def require_template(template: str | None, place: str) -> None:
+    """Refuse a row of messages (at ``place``) when there is no chat template to render it."""
+    if template is None:
+        raise ConfigError(
+            f"{place} holds messages, which need a chat template, and the tokenizer has none "
+            "(task.text_rows=raw reads only plain-string rows without one); name one with "
+            f"task.chat_template={'|'.join(conversations.CHAT_TEMPLATES)} or a Jinja file."
+        )
+
+
+def templated_reply(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    prompt: list,
+    completion: list,
+    tools: Any,
+    where: str,
+) -> dict[str, list[int]]:
+    """``prompt`` then ``completion`` rendered with the template, labelled on the completion
+    (a preference pair's side, an unpaired row); a row the template cannot render is refused
+    naming ``where``."""
+    require_template(template, where)
+    try:
+        return conversations.tokenize_conversation(
+            tokenizer, template, prompt + completion, tools=tools, label_from=len(prompt)
+        )
+    except (conversations.TemplateMismatch, conversations.RowError) as err:
+        raise conversations.refusal(err, where) from None
+
+
+# ---------------------------------------------------------------------- held-out prompts
+
+
+def held_out_prompts(
+    rows: Iterable[Mapping[str, Any]],
+    count: int,
+    ask: Callable[[Mapping[str, Any]], tuple[list, str] | None],
+) -> list[dict[str, Any]]:
+    """The first ``count`` prompts that ``ask`` finds in ``rows``: each row's (messages to
+    answer, reference answer), or None to pass the row; with the row's ``tools``."""
+    prompts: list[dict[str, Any]] = []
+    for row in rows:
+        if len(prompts) >= count:
+            break
+        found = ask(row)
+        if found is not None:
+            messages, reference = found
+            prompts.append(
+                {"messages": messages, "tools": row.get("tools"), "reference": reference}
+            )
+    return prompts
+
+
+def answerable(prompts: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """Held-out prompts to answer after training: none without a chat template to render them
+    with (plain-text rows on a base model, task.text_rows=raw)."""
+    if prompts and template is None:
+        log.info("no held-out answers after training: there is no chat template to ask with")
+        return []
+    return prompts
+
+
+def answer(
+    model: torch.nn.Module,
+    data: ChatData,
+    run: RunContext,
+    generation: GenerationConfig,
+    max_new_tokens: int,
+    max_length: int,
+) -> list[str]:
+    """The answer to each of ``data.prompts``, rendered with its template (every process
+    answering its share; the answers of all on every process)."""
+    tokenizer = run.tokenizer
+    prompts = [
+        conversations.render(tokenizer, data.template, p["messages"], True, p["tools"])
+        for p in data.prompts
+    ]
+    return generation_lib.complete(
+        model,
+        prompts,
+        tokenizer,
+        generation,
+        max_new_tokens,
+        max_length=max_length,
+        accelerator=run.accelerator,
+    )
+
+
+def answer_held_out(
+    model: torch.nn.Module, data: ChatData, run: RunContext, max_new_tokens: int, max_length: int
+) -> dict[str, Any]:
+    """Greedy answers to the held-out prompts, in ``generations.jsonl`` and the log, and their
+    scores against the references (:func:`generation_scores`)."""
+    if not data.prompts:
+        return {}
+    greedy = GenerationConfig(batch_size=run.generation.batch_size)
+    answers = answer(model, data, run, greedy, max_new_tokens, max_length)
+    records = [
+        {"messages": p["messages"], "reference": p["reference"], "generated": answer}
+        for p, answer in zip(data.prompts, answers, strict=True)
+    ]
+    if run.accelerator.is_main_process:
+        write_jsonl(run.output_dir / "generations.jsonl", records)
+    for record in records[:4]:
+        log.info("greedy answer: %r (reference %r)", record["generated"], record["reference"])
+    scores = generation_scores(records)
+    log.info(
+        "greedy answers to %d held-out prompts: exact match %.2f, F1 %.2f (SQuAD v1.1 scoring)",
+        len(records),
+        scores["generation/exact_match"],
+        scores["generation/f1"],
+    )
+    return {**scores, "sample/generations": json.dumps(records[:16], ensure_ascii=False)}
+
+
+def generation_scores(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Exact match and F1 of the greedy answers against the reference answers, with the
+    official SQuAD v1.1 normalisation (the project's QA metric), as percentages."""
+    pairs = [(r["generated"].strip(), r["reference"]) for r in records]
+    return {
+        "generation/exact_match": 100.0
+        * sum(exact_match_score(g, r) for g, r in pairs)
+        / len(pairs),
+        "generation/f1": 100.0 * sum(f1_score(g, r) for g, r in pairs) / len(pairs),
+        "generation/count": float(len(pairs)),
+    }
+
+
+def predict_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, fmt: str
+) -> ChatData:
+    """mode=predict: the prompts of ``data.predict_file``: conversations (any layout training
+    reads, in ``fmt`` where it names one, the answer's field optional) or TRL's prompt-only
+    rows; a conversation that ends with an assistant reply is asked what comes before it, and
+    the reply is kept as its reference."""
+    chat = use_template(tokenizer, chat_template)
+    fmt = fmt if fmt in conversations.FORMATS else "auto"  # a pair's or row's layout: auto
+    split = data_lib.load_predict_file(
+        cfg, lambda path: conversations.read_conversations(path, fmt, prompt=True)
+    )
+    prompts = []
+    for row in conversations.normalise(split.examples, fmt, split.source, prompt=True):
+        messages, reference = row["messages"], None
+        if messages[-1]["role"] == "assistant":
+            messages, reference = messages[:-1], messages[-1]["content"]
+        prompts.append({"messages": messages, "tools": row["tools"], "reference": reference})
+    empty = Dataset.from_dict({"input_ids": []})
+    return ChatData(
+        train=empty,
+        eval=empty,
+        template=chat.template,
+        prompts=prompts,
+        new_tokens=chat.new_tokens,
+        stop_tokens=chat.stop_tokens,
+    )
+
+
+def predict(
+    model: torch.nn.Module, data: ChatData, run: RunContext, max_new_tokens: int, max_length: int
+) -> dict[str, Any]:
+    """mode=predict's ``generations.jsonl``: per prompt, its messages, the answer generated
+    with the chat template (greedy, or sampled with ``generation.do_sample``;
+    ``generation.max_new_tokens``, else ``max_new_tokens``) and the reference, if any."""
+    generation = run.generation
+    new_tokens = generation.max_new_tokens or max_new_tokens
+    answers = answer(model, data, run, generation, new_tokens, max_length)
+    if run.accelerator.is_main_process:
+        records = (
+            {"messages": p["messages"], "generated": answer}
+            | ({"reference": p["reference"]} if p["reference"] is not None else {})
+            for p, answer in zip(data.prompts, answers, strict=True)
+        )
+        write_jsonl(run.output_dir / "generations.jsonl", records)
+    return {"rows": len(answers), "file": "generations.jsonl"}
+
+
+# ------------------------------------------------------------------------------ features
+
+
+@dataclass(frozen=True)
+class ChatFeatures:
+    """A chat task's feature building: rows rendered, tokenized, fitted to ``max_seq_length``
+    (``truncation``) and cached; and the checks of the model that reads them.
+
+    ``settings``: the task's feature settings (part of the cache key); ``kind``: the cache's
+    and progress bar's name of the features, ``version`` their builder's version (bumped to
+    invalidate cached features); ``row_words``: what a row is, and what in it is learnt, in the
+    refusal of a split where none is kept; ``max_new_tokens``: the length of the answers to
+    held-out prompts (and of mode=predict's, without ``generation.max_new_tokens``)."""
+
+    chat_template: str | None
+    text_rows: str
+    max_seq_length: int
+    truncation: str
+    settings: Mapping[str, Any]
+    kind: str
+    version: int
+    row_words: tuple[str, str] = ("conversation", "its assistant turns")
+    max_new_tokens: int = 64
+
+    @classmethod
+    def of(cls, args: Any, kind: str, version: int, row_words: tuple[str, str]) -> ChatFeatures:
+        """The chat features of a task's settings (a :class:`ChatConfig`)."""
+        return cls(
+            args.chat_template,
+            args.text_rows,
+            args.max_seq_length,
+            args.truncation,
+            args.features_key(),
+            kind,
+            version,
+            row_words,
+            args.generation_max_new_tokens,
+        )
+
+    def predict_data(
+        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, fmt: str
+    ) -> ChatData:
+        """:func:`predict_data` in the task's template."""
+        return predict_data(cfg, tokenizer, self.chat_template, fmt)
+
+    def predict(self, model: torch.nn.Module, data: ChatData, run: RunContext) -> dict[str, Any]:
+        """:func:`predict` within ``max_seq_length``."""
+        return predict(model, data, run, self.max_new_tokens, self.max_seq_length)
+
+    def answer_held_out(
+        self, model: torch.nn.Module, data: ChatData, run: RunContext
+    ) -> dict[str, Any]:
+        """:func:`answer_held_out` within ``max_seq_length``."""
+        return answer_held_out(model, data, run, self.max_new_tokens, self.max_seq_length)
+
+    def use_template(self, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate:
+        """:func:`use_template` with the task's settings."""
+        return use_template(tokenizer, self.chat_template, self.text_rows)
+
+    def fit(self, whole: dict[str, list[int]]) -> dict[str, list[int]] | None:
+        """A tokenized row within ``max_seq_length`` tokens, or None where it is dropped."""
+        return conversations.fit_length(whole, self.max_seq_length, self.truncation)
+
+    def tokenized(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
+        role: str,
+        split: data_lib.Split,
+        rows: Dataset,
+        tokenize: Tokenize,
+    ) -> tuple[str, Dataset]:
+        """``rows`` mapped by ``tokenize`` (batched), cached on disk by the data, the tokenizer,
+        the template and the task's settings; and that cache key. A split of which no row is
+        kept is refused (:meth:`none_kept`)."""
+        key = data_lib.cache_key(
+            role=role,
+            data=split.fingerprint,
+            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+            template=template,
+            task=dict(self.settings),
+            version=self.version,
+        )
+
+        def build() -> Dataset:
+            with data_lib.map_progress(len(rows)):
+                built = rows.map(
+                    tokenize,
+                    batched=True,
+                    remove_columns=rows.column_names,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "template": template,
+                        "source": split.source,
+                    },
+                    num_proc=cfg.preprocessing_num_workers,
+                    desc=f"{role}: render and tokenize ({self.kind})",
+                )
+            if len(built) == 0:  # refused here: an empty split cannot be cached
+                raise DataError(self.none_kept(role, split.source, len(rows)))
+            return built
+
+        cached = data_lib.cached(data_lib.cache_root(cfg) / f"{self.kind}-{role}-{key}", build)
+        return key, cached
+
+    def none_kept(self, role: str, source: str, rows: int) -> str:
+        """Why no row of a split was kept, and the fix (``rows``: how many there were)."""
+        what, reply = self.row_words
+        if self.truncation == "drop":
+            why = (
+                f"as longer than task.max_seq_length={self.max_seq_length} (task.truncation="
+                "drop); raise task.max_seq_length, or set task.truncation=truncate to cut them"
+            )
+        else:
+            why = (
+                f"after a cut to task.max_seq_length={self.max_seq_length} tokens (task.truncation="
+                f"truncate), none kept a token of {reply}; raise task.max_seq_length"
+            )
+        return f"{role} data {source}: every {what} ({rows}) was dropped {why}."
+
+    def check_model(self, model: torch.nn.Module, packing: bool = False) -> None:
+        """Refuse a ``max_seq_length`` beyond the model's positions, and packed rows under an
+        attention implementation that cannot keep them apart."""
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions and self.max_seq_length > positions:
+            raise ConfigError(
+                f"task.max_seq_length={self.max_seq_length} is longer than the model's "
+                f"{positions} positions; set task.max_seq_length={positions} or less."
+            )
+        if packing and (reason := conversations.packing_unsupported_reason(attention_of(model))):
+            raise ConfigError(
+                f"task.packing=true: {reason}; use model.attn_implementation=sdpa (or eager), "
+                "or task.packing=false."
+            )
+
+
+# ------------------------------------------------------------------------------- forward
+
+
+def attention_of(model: torch.nn.Module) -> str:
+    """The attention implementation ``model`` was loaded with (under DDP's or FSDP's wrapper)."""
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def forward(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], attention: str | None = None
+) -> Any:
+    """The model on a batch without its labels or a KV cache. Packed rows (``position_ids``)
+    get their block-diagonal mask, or under flash attention run as one row
+    (:func:`padding_free`); ``attention``: the model's attention implementation (read from
+    its config by default)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if "position_ids" not in inputs:
+        return model(**inputs, use_cache=False)
+    attention = attention or attention_of(model)
+    if attention in conversations.POSITION_ID_ATTENTION:
+        rows, length = inputs["input_ids"].shape
+        out = model(**padding_free(inputs), use_cache=False)
+        out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
+        return out
+    dtype = next(model.parameters()).dtype
+    inputs["attention_mask"] = conversations.block_causal_mask(
+        inputs["position_ids"], attention, dtype
+    )
+    return model(**inputs, use_cache=False)
+
+
+def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Packed rows as the one row flash attention reads as packed, TRL's padding-free layout.
+
+    Flash kernels get no mask: transformers finds where conversations start from
+    ``position_ids`` restarting at 0, but only in a batch of one row (``_is_packed_sequence``);
+    a (2, L) batch would read as two plain sequences, and attention would cross the
+    dialogues packed in each. Row padding (position 0) becomes one-token sequences with no
+    label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
+    return {k: v.reshape(1, -1) for k, v in inputs.items()}

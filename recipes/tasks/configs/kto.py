@@ -1,0 +1,69 @@
+"""``task=kto``: Kahneman-Tversky optimisation on unpaired rows judged desirable or not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes.config import ConfigError
+from recipes.tasks.configs import at_least, feature
+from recipes.tasks.configs.dpo import PAIR_FORMATS
+from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
+
+# TRL's unpaired rows, or preference pairs unpaired (recipes.tasks.unpaired reads them).
+UNPAIRED_FORMATS = ("auto", "unpaired", *PAIR_FORMATS[1:])
+LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+@dataclass
+class KtoConfig(ChatConfig):
+    """Kahneman-Tversky optimisation on unpaired rows (a prompt, one completion and whether it
+    is desirable), after SFT: TRL's KTOTrainer losses and metrics."""
+
+    NAME = "kto"
+    FORMATS = UNPAIRED_FORMATS
+    RANGES = (
+        *CHAT_RANGES,
+        ("beta", lambda v: v is not None and v > 0, "must be > 0 (TRL's default is 0.1)"),
+        ("desirable_weight", at_least(0), "must be >= 0 (TRL's default is 1.0)"),
+        ("undesirable_weight", at_least(0), "must be >= 0 (TRL's default is 1.0)"),
+    )
+
+    _target_: str = "recipes.tasks.kto.KahnemanTversky"
+    # Row layout: auto (detected per row), unpaired (prompt/completion/label), or a pair layout
+    # (explicit, implicit, ultrafeedback) unpaired into a desirable and an undesirable row.
+    format: str = feature("auto")
+    # Plain-string rows: chat (a user turn and a reply, templated) or raw (text as TRL: prompt
+    # + completion + EOS, no template).
+    text_rows: str = feature("chat")
+    # Tokens of prompt + completion per row (TRL's max_length); at most the model's positions.
+    max_seq_length: int = feature(1024)
+    # A longer row: truncate (cut its end) or drop (leave it out).
+    truncation: str = feature("truncate")
+    beta: float = 0.1  # pull towards the reference (TRL's default)
+    loss_type: str = "kto"  # kto (with the batch's KL estimate) or apo_zero_unpaired (no KL term)
+    # Weight of a desirable row's loss (TRL's default); balance unequal counts (the log suggests
+    # a range).
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0  # weight of an undesirable row's loss (TRL's default)
+    # true (apo_zero_unpaired only): the reference's log-probs computed once before training.
+    precompute_reference: bool = False
+    # No dropout, as TRL: the policy's log-probs are those the reference sees.
+    disable_dropout: bool = True
+    # Held-out prompts (of desirable rows) answered greedily after training.
+    num_generations: int = 4
+
+    def check(self) -> None:
+        self.check_format()
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"task.loss_type={self.loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
+        if not self.desirable_weight + self.undesirable_weight > 0:
+            raise ConfigError("task.desirable_weight and task.undesirable_weight are both 0.")
+        if self.precompute_reference and self.loss_type == "kto":
+            raise ConfigError(
+                "task.precompute_reference=true with task.loss_type=kto: the KL estimate pairs "
+                "each row's prompt with another completion of its micro-batch, drawn anew each "
+                "epoch, so the reference's log-probs of those pairs cannot be computed "
+                "beforehand; keep the reference live (the LoRA adapter disabled, or a frozen "
+                "copy), or use task.loss_type=apo_zero_unpaired (no KL term)."
+            )
+        self.check_rows()

@@ -1,0 +1,89 @@
+"""``task=sft``: supervised fine-tuning on conversations; and the chat settings that SFT, DPO and
+KTO share (:class:`ChatConfig`): how rows are read and rendered, their length policy and the
+held-out prompts answered after training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from recipes.config import ConfigError
+from recipes.tasks.configs import TaskConfig, at_least, feature
+
+# The row layouts of conversations (recipes.tasks.conversations reads them).
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly", "prompt_completion")
+TRUNCATION = ("truncate", "drop")
+# task.text_rows: rows whose prompt and replies are plain strings (TRL's "standard" rows), as
+# chat turns rendered with the template, or as text the way TRL tokenizes them.
+TEXT_ROWS = ("chat", "raw")
+CHAT_RANGES = (
+    ("max_seq_length", at_least(2), "must be at least 2"),
+    ("num_generations", at_least(0), "must be >= 0"),
+)
+
+
+@dataclass
+class ChatConfig(TaskConfig):
+    """The settings of a task on chat rows (no task of its own: SFT, DPO and KTO extend it)."""
+
+    FORMATS: ClassVar[tuple[str, ...]] = FORMATS
+    RANGES = CHAT_RANGES
+
+    format: str = feature("auto")  # row layout (each task's own choices)
+    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models)
+    chat_template: str | None = feature(None)
+    # Plain-string rows: chat (user turns and replies, templated) or raw (text as TRL, no
+    # template).
+    text_rows: str = feature("chat")
+    max_seq_length: int = feature(1024)  # tokens per row; at most the model's positions
+    truncation: str = feature("truncate")  # a longer row: truncate (cut its end) or drop
+    # Held-out prompts answered greedily after training (generations.jsonl, EM and F1); the
+    # run's generation.batch_size answers them together.
+    num_generations: int = 4
+    generation_max_new_tokens: int = 64
+
+    def check_format(self) -> None:
+        if self.format not in self.FORMATS:
+            raise ConfigError(f"task.format={self.format!r}: choose {', '.join(self.FORMATS)}.")
+
+    def check_rows(self) -> None:
+        if self.text_rows not in TEXT_ROWS:
+            raise ConfigError(
+                f"task.text_rows={self.text_rows!r}: choose chat (plain-string rows as a user "
+                "turn and an assistant reply, rendered with the chat template) or raw (as text, "
+                "as TRL)."
+            )
+        if self.truncation not in TRUNCATION:
+            raise ConfigError(
+                f"task.truncation={self.truncation!r}: choose truncate (cut the end of a long "
+                "conversation) or drop (leave it out)."
+            )
+
+
+@dataclass
+class SftConfig(ChatConfig):
+    """Supervised fine-tuning on conversations: chat template, loss on the assistant's tokens
+    only."""
+
+    NAME = "sft"
+
+    _target_: str = "recipes.tasks.sft.SupervisedFineTuning"
+    # Row layout: auto (detected per row), messages, sharegpt, alpaca, dolly, prompt_completion.
+    format: str = feature("auto")
+    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models);
+    # {% generation %} markers decide the labelled tokens.
+    chat_template: str | None = feature(None)
+    # Plain-string prompt/completion rows: chat (a user turn and a reply, templated) or raw (text
+    # as TRL: prompt + completion + EOS, no template).
+    text_rows: str = feature("chat")
+    # Tokens per conversation (and per packed row); at most the model's positions.
+    max_seq_length: int = feature(2048)
+    # Longer conversations: truncate (cut the end) or drop; the log counts both.
+    truncation: str = feature("truncate")
+    train_on_prompt: bool = feature(False)  # true: system and user tokens carry loss too
+    # true: several conversations per row, no attention between them (faster).
+    packing: bool = feature(False)
+
+    def check(self) -> None:
+        self.check_rows()
+        self.check_format()
