@@ -109,7 +109,7 @@ def _task(
     defaults (``QaConfig``); ``n_best`` / ``threshold`` replace the run's."""
     from omegaconf import OmegaConf
 
-    from recipes.loop import build_task
+    from recipes.modes import build_task
     from recipes.tasks.configs.qa import QaConfig
 
     if saved is not None and saved.get("_target_") != QA_TASK:

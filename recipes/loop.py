@@ -139,8 +139,7 @@ class Trainer:
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
         varied = lengths is not None and len(lengths) > 0 and lengths.min() < lengths.max()
-        splits = self.loss_shape.averaging == Averaging.row_mean
-        if varied and trainer_cfg.sub_batches > 1 and splits:
+        if varied and trainer_cfg.sub_batches > 1 and self.loss_shape.splits_exactly:
             self.collator = data_lib.SubBatchCollator(
                 self.collator, trainer_cfg.sub_batches, trainer_cfg.pad_to_multiple_of
             )

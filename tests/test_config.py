@@ -33,7 +33,8 @@ from recipes.config import (
     task_config,
     validate,
 )
-from recipes.loop import build_task
+from recipes.modes import build_task
+from recipes.tasks.configs import config_classes
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -384,13 +385,20 @@ def _keyword_settings(func) -> dict[str, inspect.Parameter]:
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "task").glob("*.yaml")))
-def test_task_defaults_live_in_their_yaml_only(name):
-    """conf/task/<name>.yaml gives every setting of its task (so each can be overridden on the
-    command line), and the constructor defaults none of them (a second copy that could drift)."""
-    task_cfg = OmegaConf.load(CONF / "task" / f"{name}.yaml")
-    settings = _keyword_settings(get_class(task_cfg._target_).__init__)
-    assert set(settings) == set(task_cfg) - {"_target_"}
-    assert [n for n, p in settings.items() if p.default is not p.empty] == []
+def test_task_defaults_live_in_their_typed_config_only(name):
+    """conf/task/<name>.yaml extends its task's typed config (recipes/tasks/configs) and writes
+    no default of its own (a second copy that could drift); the config builds the class that
+    names it as its config_class, and every setting can be overridden on the command line."""
+    task_yaml = OmegaConf.load(CONF / "task" / f"{name}.yaml")
+    assert list(task_yaml) == ["defaults"] and list(task_yaml.defaults) == [
+        f"base_{name}",
+        "_self_",
+    ]
+    config = config_classes()[name]
+    assert get_class(config._target_).config_class is config
+    cfg = _compose(f"task={name}")
+    settable = {f.name for f in fields(config) if not f.name.startswith("_")}
+    assert settable and settable == set(cfg.task) - {"_target_"}
 
 
 def test_build_scheduler_repeats_no_default_of_the_schema():

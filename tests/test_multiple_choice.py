@@ -191,9 +191,11 @@ def test_accuracy_and_loss_against_a_direct_computation(tmp_path, model, tokeniz
         logits = torch.cat([model(**{k: v for k, v in b.items() if k not in ("labels",
                  "choice_mask")}).logits for b in loader])  # fmt: skip
     labels = torch.tensor([r["label"] for r in rows])
-    assert scores["accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+    assert scores["eval/accuracy"] == pytest.approx(
+        (logits.argmax(-1) == labels).float().mean().item()
+    )
     want = torch.nn.functional.cross_entropy(logits, labels).item()
-    assert scores["loss"] == pytest.approx(want, rel=1e-5)
+    assert scores["eval/loss"] == pytest.approx(want, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- refusals

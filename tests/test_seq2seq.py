@@ -21,7 +21,7 @@ from recipes.config import (
     validate,
 )
 from recipes.data import DataError
-from recipes.loop import build_task
+from recipes.modes import build_task
 from recipes.tasks.seq2seq import IGNORE_INDEX, Seq2SeqCollator
 
 TINY_T5 = ASSETS / "tiny-t5"

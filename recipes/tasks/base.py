@@ -177,6 +177,17 @@ class LossShape:
     terms_per_example: int = 1
     # sum: the names of SummedLoss.stats, logged as train/<name>.
     stats: tuple[str, ...] = ()
+    # sum: each row's terms depend on that row alone (token classification; not KTO, whose KL
+    # pairs rows of a micro-batch), so trainer.sub_batches may split a batch by rows, as it
+    # may a row_mean.
+    splits_by_row: bool = False
+
+    @property
+    def splits_exactly(self) -> bool:
+        """Whether a micro-batch may run as sub-batches of its rows with the same gradient."""
+        return self.averaging == Averaging.row_mean or (
+            self.averaging == Averaging.sum and self.splits_by_row
+        )
 
 
 @dataclass

@@ -93,7 +93,9 @@ class TokenClassification(Task[NerData]):
         same however they fall into micro-batches and processes (transformers' loss is a mean
         per micro-batch, which weighs a sub-word by 1/its batch's count). A feature labels at
         most ``max_seq_length`` sub-words."""
-        return LossShape(Averaging.sum, terms_per_example=self.args.max_seq_length)
+        return LossShape(
+            Averaging.sum, terms_per_example=self.args.max_seq_length, splits_by_row=True
+        )
 
     @property
     def scheme(self) -> str | None:
