@@ -309,6 +309,23 @@ def predict(
     return {"rows": len(answers), "file": "generations.jsonl"}
 
 
+class AnswersPrompts:
+    """``mode=predict`` of a chat task (SFT, DPO, KTO) that holds its :class:`ChatFeatures` as
+    ``self.chat``: the prompts of ``data.predict_file`` answered in the task's template
+    (:func:`predict_data`, :func:`predict`). Listed before ``Task`` in the task's bases."""
+
+    chat: ChatFeatures
+    args: Any
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        return self.chat.predict_data(cfg, tokenizer, self.args.format)
+
+    def predict(
+        self, model: torch.nn.Module, loader: Any, data: ChatData, run: RunContext
+    ) -> dict[str, Any]:
+        return self.chat.predict(model, data, run)
+
+
 # ------------------------------------------------------------------------------ features
 
 

@@ -32,7 +32,7 @@ saves the padding of a short side to a long one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations, preference, reference
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
 from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
@@ -96,7 +96,7 @@ STATS = (
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-class DirectPreference(Task[PreferenceData]):
+class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     """DPO (``task=dpo``); its settings: :class:`recipes.tasks.configs.dpo.DpoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
@@ -211,18 +211,6 @@ class DirectPreference(Task[PreferenceData]):
             out["length"].append(sum(lengths) if self.args.padding_free else max(lengths))
         return out
 
-    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return self.chat.predict_data(cfg, tokenizer, self.args.format)
-
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChatData,
-        run: RunContext,
-    ) -> dict[str, Any]:
-        return self.chat.predict(model, data, run)
-
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -245,22 +233,21 @@ class DirectPreference(Task[PreferenceData]):
             accelerator,
             data,
             self._reference_forward,
-            precomputed=self.args.precompute_reference,
-            key={"loss_type": self.args.loss_type, "version": FEATURES_VERSION},
+            self.args,
             kind="dpo",
+            version=FEATURES_VERSION,
             batch_size=batch_size,
             rows="pairs",
-            fsdp_refusal=(
-                "task=dpo with full fine-tuning under FSDP: the frozen reference copy cannot be "
-                "sharded here; set task.precompute_reference=true (the reference's log-probs "
-                "computed once before training), or train LoRA adapters (peft=lora)."
+            fsdp_fix=(
+                "set task.precompute_reference=true (the reference's log-probs computed once before "
+                "training), or train LoRA adapters (peft=lora)."
             ),
         )
 
+    # ------------------------------------------------------------------------------- loss
+
     def _reference_forward(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         return self._logps_of(model, batch)[0]
-
-    # ------------------------------------------------------------------------------- loss
 
     def _logps_of(
         self, model: torch.nn.Module, batch: Mapping

@@ -54,7 +54,7 @@ after it, as llama3's; zephyr's newline after EOS is TRL's only extra token).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations, reference, unpaired
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
 from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
@@ -97,7 +97,7 @@ _ONE_ROW = (
 )
 
 
-class KahnemanTversky(Task[PreferenceData]):
+class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     """KTO (``task=kto``); its settings: :class:`recipes.tasks.configs.kto.KtoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
@@ -153,18 +153,6 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> UnpairedCollator:
         return UnpairedCollator(tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl)
-
-    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return self.chat.predict_data(cfg, tokenizer, self.args.format)
-
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChatData,
-        run: RunContext,
-    ) -> dict[str, Any]:
-        return self.chat.predict(model, data, run)
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
         desirable = sum(built["label"])
@@ -259,15 +247,14 @@ class KahnemanTversky(Task[PreferenceData]):
             run.accelerator,
             data,
             self._reference_forward,
-            precomputed=self.args.precompute_reference,
-            key={"loss_type": self.args.loss_type, "version": FEATURES_VERSION},
+            self.args,
             kind="kto",
+            version=FEATURES_VERSION,
             batch_size=batch_size,
             rows="rows",
-            fsdp_refusal=(
-                "task=kto with full fine-tuning under FSDP: the frozen reference copy cannot be "
-                "sharded here; train LoRA adapters (peft=lora), or with "
-                "task.loss_type=apo_zero_unpaired set task.precompute_reference=true."
+            fsdp_fix=(
+                "train LoRA adapters (peft=lora), or with task.loss_type=apo_zero_unpaired set "
+                "task.precompute_reference=true."
             ),
         )
 

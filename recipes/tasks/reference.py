@@ -135,18 +135,27 @@ def prepare(
     accelerator: Accelerator,
     data: PreferenceData,
     forward: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor],
+    args: Any,
     *,
-    precomputed: bool,
-    key: Mapping[str, Any],
     kind: str,
+    version: int,
     batch_size: int,
     rows: str,
-    fsdp_refusal: str,
+    fsdp_fix: str,
 ) -> Reference:
-    """A task's reference for training on ``data`` (its collators add a precomputed table to
-    their batches, as ``reference``): live (:meth:`Reference.build`), or with ``precomputed``
-    its ``forward`` on every row of both splits (:func:`precompute`, cached in ``data.cache``
-    as ``<kind>-reference-<key>.pt``, ``key`` with ``data.feature_keys``)."""
+    """The reference of task ``kind`` (settings ``args``: its ``precompute_reference`` and
+    ``loss_type``) for training on ``data`` (its collators add a precomputed table to their
+    batches, as ``reference``): live (:meth:`Reference.build`; under FSDP without LoRA refused,
+    with ``fsdp_fix`` as the way out), or with ``precompute_reference`` its ``forward`` on every
+    row of both splits (:func:`precompute`, cached in ``data.cache`` as
+    ``<kind>-reference-<key>.pt``, keyed by the loss type, the builder's ``version`` and
+    ``data.feature_keys``)."""
+    precomputed = args.precompute_reference
+    fsdp_refusal = (
+        f"task={kind} with full fine-tuning under FSDP: the frozen reference copy cannot be "
+        f"sharded here; {fsdp_fix}"
+    )
+    key = {"loss_type": args.loss_type, "version": version}
     if not precomputed:
         return Reference.build(model, accelerator, fsdp_refusal)
     splits = {"train": (data.train, data.train_collator), "eval": (data.eval, data.eval_collator)}

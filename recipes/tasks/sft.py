@@ -27,7 +27,7 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
 )
-from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.chat_features import AnswersPrompts, ChatData, ChatFeatures
 from recipes.tasks.configs.sft import SftConfig
 from recipes.tasks.token_loss import token_losses
 
@@ -36,7 +36,7 @@ log = get_logger(__name__)
 FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
 
 
-class SupervisedFineTuning(Task[ChatData]):
+class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     """Chat SFT (``task=sft``); its settings: :class:`recipes.tasks.configs.sft.SftConfig`."""
 
     auto_model_class = AutoModelForCausalLM
@@ -84,18 +84,6 @@ class SupervisedFineTuning(Task[ChatData]):
             new_tokens=chat.new_tokens,
             stop_tokens=chat.stop_tokens,
         )
-
-    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return self.chat.predict_data(cfg, tokenizer, self.args.format)
-
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChatData,
-        run: RunContext,
-    ) -> dict[str, Any]:
-        return self.chat.predict(model, data, run)
 
     def _features(
         self,
