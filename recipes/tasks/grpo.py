@@ -61,7 +61,7 @@ from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations
 from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
 from recipes.tasks.chat_features import ChatData, ChatFeatures
-from recipes.tasks.configs.grpo import LOSS_TYPES, SCALE_REWARDS, GrpoConfig  # noqa: F401
+from recipes.tasks.configs.grpo import GrpoConfig
 from recipes.tasks.reference import Reference
 
 log = get_logger(__name__)
@@ -285,6 +285,8 @@ class GroupRelativePolicy(Task[GrpoData]):
         return conversations.render(tokenizer, template, prompt, True)
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        """mode=predict: the prompts of ``data.predict_file`` in any conversation layout, or
+        TRL's prompt-only rows (:func:`chat_features.predict_data`)."""
         return self.chat.predict_data(cfg, tokenizer, "auto")
 
     def predict(
@@ -294,6 +296,8 @@ class GroupRelativePolicy(Task[GrpoData]):
         data: ChatData,
         run: RunContext,
     ) -> dict[str, Any]:
+        """Each prompt's answer, within ``max_completion_length`` new tokens unless
+        ``generation.max_new_tokens`` says otherwise (:func:`chat_features.predict`)."""
         return self.chat.predict(model, data, run)
 
     # ------------------------------------------------------------------------------ model
