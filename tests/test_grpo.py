@@ -111,7 +111,7 @@ def test_unscorable_completions_get_no_advantage_and_scaling_options():
     assert advantages[0] == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4))
     assert stats["rewards/answer_f1/mean"] == pytest.approx(0.5)
     assert stats["frac_reward_zero_std"] == 0.0  # the NaN group's std is NaN, not zero
-    task.scale_rewards = "none"
+    task.args.scale_rewards = "none"
     assert task.advantages(table)[0][0] == pytest.approx(0.5)
 
 
@@ -154,13 +154,13 @@ def test_prompt_rows_from_trl_prompts_and_conversations():
 
 def test_row_seeds_depend_on_the_row_and_epoch_not_the_batch():
     collate = grpo.PromptCollator(0)
-    collate.seed = 7
+    collate.start_epoch(7, 0)
     rows = [{"input_ids": [1, 2, 3], "index": 5}, {"input_ids": [4], "index": 9}]
     together = collate(rows)
     alone = collate(rows[1:])
     assert together["row_seed"][1] == alone["row_seed"][0]
     assert together["input_ids"].tolist() == [[1, 2, 3], [0, 0, 4]]  # left-padded
-    collate.epoch = 1
+    collate.start_epoch(7, 1)
     assert collate(rows[1:])["row_seed"][0] != alone["row_seed"][0]
 
 

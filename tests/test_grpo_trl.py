@@ -53,7 +53,6 @@ def _setup(loss_type: str, beta: float):
         beta=beta,
         rewards=REWARDS,
     )
-    task.bind_tokenizer(tokenizer, [])
     model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -90,7 +89,7 @@ def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions
         per_device_train_batch_size=GROUP * PROMPTS,
         num_generations=GROUP,
         max_completion_length=MAX_COMPLETION,
-        loss_type=task.loss_type,
+        loss_type=task.args.loss_type,
         beta=beta,
         report_to="none",
         use_cpu=True,
@@ -128,7 +127,7 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta):
 
     # Rewards and advantages: ours from the same functions on the same completions.
     row_list = [r for r in rows for _ in range(GROUP)]
-    table = task._rewards(row_list, completions)
+    table = task._rewards(tokenizer, row_list, completions)
     advantages, stats = task.advantages(table)
     torch.testing.assert_close(advantages, theirs["advantages"].float(), rtol=1e-5, atol=1e-6)
     for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/answer_f1/mean"):

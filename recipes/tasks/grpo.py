@@ -31,44 +31,47 @@ each checkpoint (:class:`RolloutBuffer`). Logged, as TRL names them: ``reward``,
 ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, ``kl`` (with ``beta``), and the
 generation's own ``generation/tokens_per_second`` and ``generation/seconds``. Evaluation is the
 held-out prompts' rewards of greedy completions (``eval/reward`` ranks checkpoints).
+
+What the task keeps between the loop's calls is declared: its loss samples completions, so it
+needs the run's tokenizer and accelerator, the training prompts' rows, the reference and the
+rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathers them in one
+:class:`Rollouts`, whose buffer is checkpointed.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object
+from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import adapters
 from recipes import data as data_lib
 from recipes import generation as generation_lib
 from recipes import rewards as reward_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import conversations
-from recipes.tasks.base import SummedLoss
-from recipes.tasks.dpo import _peft_model
-from recipes.tasks.sft import (
-    ChatData,
-    SupervisedFineTuning,
-    _add_template_tokens,
-    _end_of_turn,
-)
+from recipes.tasks import chat_features, conversations
+from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
+from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.configs.grpo import GrpoConfig
+from recipes.tasks.reference import Reference
 
 log = get_logger(__name__)
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
+FEATURES_VERSION = 1
+FSDP_REFUSAL = (
+    "task=grpo under FSDP: each process samples its own prompts' completions, which a sharded "
+    "model cannot do alone; use DDP (conf/accelerate/multi_musa.yaml) with peft=lora for models "
+    "that fit one device."
+)
 
 
 @dataclass
@@ -99,9 +102,9 @@ class RolloutBuffer:
     prompts' rows; saved with each checkpoint (``accelerator.register_for_checkpointing``), every
     process's own, so a resumed run steps on the completions and old log-probs it had."""
 
-    def __init__(self) -> None:
+    def __init__(self, accelerator: Accelerator | None = None) -> None:
         self.entries: dict[tuple, Rollout] = {}
-        self.accelerator: Accelerator | None = None
+        self.accelerator = accelerator
 
     def state_dict(self) -> dict[str, Any]:
         mine = {key: _to_cpu(value) for key, value in self.entries.items()}
@@ -133,79 +136,51 @@ def _moved(rollout: Rollout, device: torch.device) -> Rollout:
     return Rollout(**values)
 
 
-class GroupRelativePolicy(SupervisedFineTuning):
-    """GRPO (``task=grpo``); see the module's docstring and conf/task/grpo.yaml."""
+class Rollouts:
+    """What GRPO's loss reads besides its batch, built once in ``before_training``: the run
+    (the tokenizer and accelerator it samples with, ``generation.batch_size``), the training
+    prompts' rows (the rewards read their columns), the tokens that end a completion, the
+    reference policy (``beta`` > 0) and the :class:`RolloutBuffer` (checkpointed)."""
 
+    def __init__(self, run: RunContext, data: GrpoData, reference: Reference | None) -> None:
+        self.run = run
+        self.rows = data.rows["train"]
+        self.reference = reference
+        self.buffer = RolloutBuffer(run.accelerator)
+        tokenizer = run.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        eos = tokenizer.eos_token_id
+        self.stops = {*data.stop_tokens, *([eos] if eos is not None else [])}
+
+
+class GroupRelativePolicy(Task[GrpoData]):
+    """GRPO (``task=grpo``); see the module's docstring. Its settings:
+    :class:`recipes.tasks.configs.grpo.GrpoConfig`.
+
+    ``rollouts`` is the state its loss keeps between calls (:class:`Rollouts`, None until
+    :meth:`before_training`)."""
+
+    auto_model_class = AutoModelForCausalLM
+    config_class = GrpoConfig
     main_metric = "reward"
     greater_is_better = True
-    _row_words = ("prompt", "its completions")
+    args: GrpoConfig
 
-    def __init__(
-        self,
-        *,
-        chat_template: str | None,
-        text_rows: str,
-        max_prompt_length: int,
-        max_completion_length: int,
-        num_generations: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        loss_type: str,
-        beta: float,
-        epsilon: float,
-        epsilon_high: float | None,
-        num_iterations: int,
-        scale_rewards: str,
-        mask_truncated_completions: bool,
-        rewards: Sequence[Mapping[str, Any]],
-        num_held_out_answers: int,
-        generation: Mapping[str, Any] | GenerationConfig | None,
-    ) -> None:
-        checks = (
-            (loss_type in LOSS_TYPES, f"task.loss_type={loss_type!r}: choose {', '.join(LOSS_TYPES)} (TRL's; dapo is its default)."),
-            (scale_rewards in SCALE_REWARDS, f"task.scale_rewards={scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}."),
-            (num_generations >= 2, f"task.num_generations={num_generations}: must be >= 2 (advantages compare completions of one prompt; TRL's default is 8)."),
-            (num_iterations >= 1, f"task.num_iterations={num_iterations}: must be >= 1."),
-            (beta >= 0, f"task.beta={beta}: must be >= 0 (0: no KL term, TRL's default)."),
-            (epsilon > 0, f"task.epsilon={epsilon}: must be > 0 (TRL's default is 0.2)."),
-            (epsilon_high is None or epsilon_high > 0, f"task.epsilon_high={epsilon_high}: must be > 0, or null for task.epsilon."),
-            (temperature > 0, f"task.temperature={temperature}: must be > 0 (completions are sampled)."),
-            (0 < top_p <= 1, f"task.top_p={top_p}: must be in (0, 1]."),
-            (max_prompt_length >= 1, f"task.max_prompt_length={max_prompt_length}: must be >= 1."),
-            (max_completion_length >= 1, f"task.max_completion_length={max_completion_length}: must be >= 1."),
-            (bool(rewards), "task.rewards is empty: name at least one reward function (docs/configuration.md#reinforcement-learning-with-verifiable-rewards-taskgrpo)."),
-        )  # fmt: skip
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        super().__init__(
-            format="auto",
-            chat_template=chat_template,
-            max_seq_length=max_prompt_length + max_completion_length,
+    def __init__(self, args: GrpoConfig) -> None:
+        super().__init__(args)
+        # Prompts and held-out answers: prompt and completion fit max_seq_length.
+        self.chat = ChatFeatures(
+            args.chat_template,
+            args.text_rows,
+            max_seq_length=args.max_prompt_length + args.max_completion_length,
             truncation="truncate",
-            train_on_prompt=False,
-            packing=False,
-            num_generations=num_held_out_answers,
-            generation_max_new_tokens=max_completion_length,
-            generation=generation,
-            text_rows=text_rows,
+            settings=args.features_key(),
+            kind="grpo",
+            version=FEATURES_VERSION,
+            row_words=("prompt", "its completions"),
+            max_new_tokens=args.max_completion_length,
         )
-        self.num_held_out_answers = num_held_out_answers
-        self.num_generations = num_generations  # completions per prompt (TRL's name)
-        self.max_prompt_length = max_prompt_length
-        self.max_completion_length = max_completion_length
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.loss_type = loss_type
-        self.beta = beta
-        self.epsilon_low = epsilon
-        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
-        self.num_iterations = num_iterations
-        self.scale_rewards = scale_rewards
-        self.mask_truncated_completions = mask_truncated_completions
-        built = [reward_lib.build(spec, max_completion_length) for spec in rewards]
+        built = [reward_lib.build(spec, args.max_completion_length) for spec in args.rewards]
         names = [name for name, _, _ in built]
         if len(set(names)) != len(names):
             raise ConfigError(
@@ -214,11 +189,18 @@ class GroupRelativePolicy(SupervisedFineTuning):
         self.reward_names = names
         self.reward_weights = torch.tensor([w for _, w, _ in built], dtype=torch.float32)
         self.reward_fns = [fn for _, _, fn in built]
-        self.logged_stats = self._stat_names()
-        self._accelerator: Accelerator | None = None
-        self._data: GrpoData | None = None
-        self._reference = None
-        self.buffer = RolloutBuffer()
+        self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        self.rollouts: Rollouts | None = None
+
+    def loss_shape(self) -> LossShape:
+        """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo), one
+        term per completion (grpo, dr_grpo) or one per micro-batch (bnpo); TRL's statistics."""
+        args = self.args
+        if args.loss_type == "dapo":
+            terms = args.num_generations * args.max_completion_length
+        else:
+            terms = 1 if args.loss_type == "bnpo" else args.num_generations
+        return LossShape(Averaging.sum, terms, self._stat_names())
 
     def _stat_names(self) -> tuple[str, ...]:
         per_reward = [f"rewards/{n}/{s}" for n in self.reward_names for s in ("mean", "std")]
@@ -235,33 +217,22 @@ class GroupRelativePolicy(SupervisedFineTuning):
             "clip_ratio/low_mean",
             "clip_ratio/high_mean",
             "clip_ratio/region_mean",
-            *(("kl",) if self.beta else ()),
+            *(("kl",) if self.args.beta else ()),
             "generation/tokens_per_second",
             "generation/seconds",
         )
 
-    @property
-    def terms_per_example(self) -> int:
-        if self.loss_type == "dapo":
-            return self.num_generations * self.max_completion_length
-        return 1 if self.loss_type == "bnpo" else self.num_generations
-
-    def settings(self) -> dict[str, Any]:
-        keys = ("chat_template", "text_rows", "max_prompt_length")
-        return {k: getattr(self, k) for k in keys}
-
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GrpoData:
-        template = self._template(tokenizer)
-        new_tokens = _add_template_tokens(tokenizer, self.chat_template)
-        tokenizer.chat_template = template  # saved with it: final/ renders prompts as trained
+        chat = self.chat.use_template(tokenizer)
+        max_prompt = self.args.max_prompt_length
         splits = data_lib.load_splits(cfg)
         features, rows = {}, {}
         for role, split in splits.items():
             rows[role] = prompt_rows(split.examples, split.source)
-            ids = [self._prompt_ids(tokenizer, template, r, split.source) for r in rows[role]]
-            cut = sum(len(i) > self.max_prompt_length for i in ids)
+            ids = [self._prompt_ids(tokenizer, chat.template, r, split.source) for r in rows[role]]
+            cut = sum(len(i) > max_prompt for i in ids)
             if cut:
                 log.warning(
                     "%s: %d of %d prompts are longer than task.max_prompt_length=%d and keep "
@@ -269,26 +240,32 @@ class GroupRelativePolicy(SupervisedFineTuning):
                     role,
                     cut,
                     len(ids),
-                    self.max_prompt_length,
+                    max_prompt,
                 )
-            ids = [i[-self.max_prompt_length :] for i in ids]
+            ids = [i[-max_prompt:] for i in ids]
             features[role] = Dataset.from_dict({"input_ids": ids, "index": list(range(len(ids)))})
-            log.info("%s: %d prompts, %d completions each", role, len(ids), self.num_generations)
+            log.info(
+                "%s: %d prompts, %d completions each", role, len(ids), self.args.num_generations
+            )
         held_out = [
             {"messages": r["prompt"], "tools": None, "reference": r["answer"]}
-            for r in rows["eval"][: self.num_held_out_answers]
+            for r in rows["eval"][: self.args.num_held_out_answers]
             if isinstance(r["prompt"], list) and isinstance(r.get("answer"), str)
         ]
-        self.bind_tokenizer(tokenizer, _end_of_turn(tokenizer, template))
         return GrpoData(
             train=features["train"],
             eval=features["eval"],
-            train_collator=PromptCollator(tokenizer.pad_token_id, repeat=self.num_iterations),
+            train_collator=PromptCollator(tokenizer.pad_token_id),
             eval_collator=PromptCollator(tokenizer.pad_token_id),
-            template=template,
-            prompts=held_out if template else [],
-            new_tokens=new_tokens,
-            stop_tokens=_end_of_turn(tokenizer, template),
+            seeding=Seeding.row,
+            repeat_steps=self.args.num_iterations,
+            # Prompt batches keep their own length; with trainer.padding=max_length this only
+            # tells the loop that lengths are not grouped.
+            max_length=self.chat.max_seq_length,
+            template=chat.template,
+            prompts=chat_features.answerable(held_out, chat.template),
+            new_tokens=chat.new_tokens,
+            stop_tokens=chat.stop_tokens,
             rows=rows,
         )
 
@@ -300,114 +277,120 @@ class GroupRelativePolicy(SupervisedFineTuning):
         source: str,
     ) -> list[int]:
         prompt = row["prompt"]
-        if isinstance(prompt, str) and self.text_rows == "raw":
+        if isinstance(prompt, str) and self.args.text_rows == "raw":
             return tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        self._check_has_template(template, f"{source} {row['place']}")
+        chat_features.require_template(template, f"{source} {row['place']}")
         return conversations.render(tokenizer, template, prompt, True)
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        """mode=predict: the prompts of ``data.predict_file`` in any conversation layout, or
+        TRL's prompt-only rows (:func:`chat_features.predict_data`)."""
+        return self.chat.predict_data(cfg, tokenizer, "auto")
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        loader: Iterable[dict[str, torch.Tensor]],
+        data: ChatData,
+        run: RunContext,
+    ) -> dict[str, Any]:
+        """Each prompt's answer, within ``max_completion_length`` new tokens unless
+        ``generation.max_new_tokens`` says otherwise (:func:`chat_features.predict`)."""
+        return self.chat.predict(model, data, run)
 
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        super().check_model(model)
+        self.chat.check_model(model)
 
     def before_training(
-        self, model: torch.nn.Module, data: GrpoData, accelerator: Accelerator, batch_size: int
+        self, model: torch.nn.Module, data: GrpoData, run: RunContext, batch_size: int
     ) -> None:
-        """Keep the accelerator and the prompts' rows; the reference when ``beta`` > 0; the
-        rollout buffer registered with the checkpoints when ``num_iterations`` > 1."""
-        self._accelerator, self._data = accelerator, data
-        self.buffer.accelerator = accelerator
+        """Build :attr:`rollouts` from the run and the data: with the reference when ``beta`` >
+        0 (the model with its LoRA adapter disabled, or a frozen copy of the starting weights,
+        run without the run's autocast), its buffer registered with the checkpoints when
+        ``num_iterations`` > 1."""
+        accelerator = run.accelerator
         if accelerator.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
-                "task=grpo under FSDP: each process samples its own prompts' completions, which "
-                "a sharded model cannot do alone; use DDP (conf/accelerate/multi_musa.yaml) with "
-                "peft=lora for models that fit one device."
+            raise ConfigError(FSDP_REFUSAL)
+        self.rollouts = Rollouts(run, data, None)
+        if self.args.num_iterations > 1:
+            accelerator.register_for_checkpointing(self.rollouts.buffer)
+        if self.args.beta:
+            self.rollouts.reference = Reference.build(
+                model, accelerator, FSDP_REFUSAL, autocast=False
             )
-        if self.num_iterations > 1:
-            accelerator.register_for_checkpointing(self.buffer)
-        if not self.beta:
-            return
-        unwrapped = accelerator.unwrap_model(model)
-        if adapters.is_peft_model(unwrapped):
-            log.info("GRPO reference: the model with its LoRA adapter disabled (no copy)")
-
-            def disabled(m: torch.nn.Module, *args: Any) -> torch.Tensor:
-                with _peft_model(m).disable_adapter():
-                    return self._logps(m, *args)
-
-            self._reference = disabled
-            return
-        frozen = copy.deepcopy(unwrapped).eval().requires_grad_(False)
-        log.info("GRPO reference: a frozen copy of the starting weights")
-        self._reference = lambda _, *args: self._logps(frozen, *args)
 
     # ---------------------------------------------------------------------------- rollouts
 
     def _rollout(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> Rollout:
         """This micro-batch's rollout: kept from an earlier step (``num_iterations``), or
         generated, scored and turned into advantages now."""
+        rollouts = self.rollouts
+        if rollouts is None:
+            raise RuntimeError("task=grpo: the loss runs after before_training")
         key = (int(batch["epoch"][0]), *batch["index"].tolist())
-        kept = self.buffer.entries.get(key)
+        kept = rollouts.buffer.entries.get(key)
         if kept is not None:
             kept.uses_left -= 1
             if kept.uses_left <= 0:
-                del self.buffer.entries[key]
+                del rollouts.buffer.entries[key]
             return kept
-        rollout = self._generate_and_score(model, batch, self._data.rows["train"])
-        if self.num_iterations > 1:
-            rollout.uses_left = self.num_iterations - 1
-            self.buffer.entries[key] = rollout
+        rollout = self._generate_and_score(model, batch, rollouts)
+        if self.args.num_iterations > 1:
+            rollout.uses_left = self.args.num_iterations - 1
+            rollouts.buffer.entries[key] = rollout
         return rollout
 
     @torch.no_grad()
     def _generate_and_score(
-        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], rows: list[dict]
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], rollouts: Rollouts
     ) -> Rollout:
-        accelerator = self._accelerator
+        args, run = self.args, rollouts.run
+        accelerator = run.accelerator
         unwrapped = accelerator.unwrap_model(model)
-        group = self.num_generations
+        group = args.num_generations
         prompts = _unpadded(batch["input_ids"], batch["attention_mask"])
         seeds = batch["row_seed"].tolist()
         repeated = [p for p in prompts for _ in range(group)]
         streams = [torch.Generator().manual_seed(int(s) + k) for s in seeds for k in range(group)]
         sampling = GenerationConfig(
             do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            batch_size=max(self.generation.batch_size, group),
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            batch_size=max(run.generation.batch_size, group),
         )
         started = time.perf_counter()
         completions = generation_lib.complete_ids(
             unwrapped,
             repeated,
-            self._tokenizer,
+            run.tokenizer,
             sampling,
-            self.max_completion_length,
+            args.max_completion_length,
             streams=streams,
         )
         seconds = time.perf_counter() - started
         device = accelerator.device
-        prompt_ids, prompt_mask = _pad(repeated, self._pad_id, left=True, device=device)
-        completion_ids, completion_mask = _pad(completions, self._pad_id, left=False, device=device)
-        stops = set(self._stops)
+        pad = rollouts.pad_id
+        prompt_ids, prompt_mask = _pad(repeated, pad, left=True, device=device)
+        completion_ids, completion_mask = _pad(completions, pad, left=False, device=device)
         truncated = torch.tensor(
-            [not ids or ids[-1] not in stops for ids in completions], device=device
+            [not ids or ids[-1] not in rollouts.stops for ids in completions], device=device
         )
-        if self.mask_truncated_completions:
+        if args.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
         indices = batch["index"].tolist()
-        row_list = [rows[i] for i in indices for _ in range(group)]
-        per_func = self._rewards(row_list, completions)
-        advantages, reward_stats = self.advantages(per_func.to(device))
-        old = None
-        if self.num_iterations > 1:
-            old = self._logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        row_list = [rollouts.rows[i] for i in indices for _ in range(group)]
+        per_func = self._rewards(run.tokenizer, row_list, completions)
+        advantages, reward_stats = self.advantages(per_func.to(device), accelerator)
+        sampled = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        old = self._logps(model, *sampled) if args.num_iterations > 1 else None
         ref = None
-        if self.beta:
-            ref = self._reference(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if rollouts.reference is not None:
+            ref = rollouts.reference.run(model, lambda weights: self._logps(weights, *sampled))
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         stats = reward_stats | {
             "completions/mean_length": float(lengths.mean()),
@@ -417,34 +400,41 @@ class GroupRelativePolicy(SupervisedFineTuning):
             "generation/tokens_per_second": float(lengths.sum()) / max(seconds, 1e-9),
             "generation/seconds": seconds,
         }
-        return Rollout(
-            prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, ref, stats
-        )
+        return Rollout(*sampled, advantages, old, ref, stats)
 
-    def _rewards(self, row_list: list[dict], completions: list[list[int]]) -> torch.Tensor:
-        """(completions, reward functions): each function's rewards, NaN where it gave None."""
-        texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return reward_table(self.reward_fns, self.reward_names, row_list, texts, completions)
+    def _rewards(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        rows: Sequence[Mapping[str, Any]],
+        completions: list[list[int]],
+    ) -> torch.Tensor:
+        """(completions, reward functions): each function's rewards of the completions of
+        ``rows`` (one row per completion), NaN where it gave None."""
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return reward_table(self.reward_fns, self.reward_names, rows, texts, completions)
 
-    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def advantages(
+        self, per_func: torch.Tensor, accelerator: Accelerator | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Advantages from the (completions, functions) rewards, as TRL's sum_then_normalize,
-        and the reward statistics TRL logs."""
-        group = self.num_generations
+        and the reward statistics TRL logs; ``scale_rewards=batch`` takes the standard
+        deviation over every process of ``accelerator``."""
+        group = self.args.num_generations
+        scale = self.args.scale_rewards
         totals = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
         unscorable = torch.isnan(per_func).all(dim=1)
         totals[unscorable] = torch.nan
         grouped = totals.view(-1, group)
         means = torch.nanmean(grouped, dim=1).repeat_interleave(group)
-        if self.scale_rewards == "batch":
+        if scale == "batch":
             everyone = totals
-            accelerator = self._accelerator
             if accelerator is not None and accelerator.num_processes > 1:
                 everyone = accelerator.gather(totals)
             std = _nanstd(everyone).expand_as(totals)
         else:
             std = _nanstd(grouped, dim=1).repeat_interleave(group)
         advantages = totals - means
-        if self.scale_rewards != "none":
+        if scale != "none":
             advantages = advantages / (std + 1e-4)
         advantages = torch.nan_to_num(advantages, nan=0.0)
         group_std = _nanstd(grouped, dim=1)
@@ -481,7 +471,7 @@ class GroupRelativePolicy(SupervisedFineTuning):
         logits = model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
         ).logits[:, -width - 1 : -1]
-        logits = logits.float() / self.temperature
+        logits = logits.float() / self.args.temperature
         logps = torch.log_softmax(logits, dim=-1)
         if entropies is not None:
             with torch.no_grad():
@@ -506,7 +496,7 @@ class GroupRelativePolicy(SupervisedFineTuning):
         stats["entropy"] = (entropies[0] * mask).sum() / mask.sum().clamp(min=1.0)
         stats |= {name: torch.tensor(value) for name, value in rollout.stats.items()}
         weighted = {
-            name: stats[name].to(count.device).float() * count for name in self.logged_stats
+            name: stats[name].to(count.device).float() * count for name in self._stat_names()
         }
         return SummedLoss(total, count, weighted)
 
@@ -522,68 +512,65 @@ class GroupRelativePolicy(SupervisedFineTuning):
         the step's gradient by the terms of the whole step on every process), with TRL's
         per-token loss and normalisation for ``loss_type``; and the clip and KL statistics
         (means over the micro-batch's completion tokens)."""
+        args = self.args
+        low_bound, high_bound = 1 - args.epsilon, 1 + self.epsilon_high
         mask = completion_mask.float()
         old = logps.detach() if old_logps is None else old_logps
         ratio = torch.exp(logps - old)
-        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        clipped = torch.clamp(ratio, low_bound, high_bound)
         adv = advantages.unsqueeze(1)
         per_token = -torch.min(ratio * adv, clipped * adv)
         stats: dict[str, torch.Tensor] = {}
         tokens = mask.sum().clamp(min=1.0)
-        if self.beta:
+        if args.beta:
             kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
             kl = kl * ratio  # use_bias_correction_kl, TRL's default
-            per_token = per_token + self.beta * kl
+            per_token = per_token + args.beta * kl
             stats["kl"] = ((kl * mask).sum() / tokens).detach()
-        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
-        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+        low = ((ratio < low_bound) & (adv < 0)).float()
+        high = ((ratio > high_bound) & (adv > 0)).float()
         stats["clip_ratio/low_mean"] = (low * mask).sum() / tokens
         stats["clip_ratio/high_mean"] = (high * mask).sum() / tokens
         stats["clip_ratio/region_mean"] = (((low + high) > 0).float() * mask).sum() / tokens
         masked = per_token * mask
         rows = float(len(mask))
-        if self.loss_type == "dapo":
+        if args.loss_type == "dapo":
             total, count = masked.sum(), mask.sum()
-        elif self.loss_type == "grpo":
+        elif args.loss_type == "grpo":
             total = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
             count = torch.tensor(rows, device=mask.device)
-        elif self.loss_type == "bnpo":
+        elif args.loss_type == "bnpo":
             total, count = masked.sum() / tokens, torch.ones((), device=mask.device)
         else:  # dr_grpo
-            total = masked.sum() / self.max_completion_length
+            total = masked.sum() / args.max_completion_length
             count = torch.tensor(rows, device=mask.device)
         return total, count, {k: v.detach() for k, v in stats.items()}
 
     # -------------------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
     def evaluate(
         self,
         model: torch.nn.Module,
-        loader: Any,
+        loader: Iterable[dict[str, torch.Tensor]],
         data: GrpoData,
-        accelerator: Accelerator,
-        output_dir: Any,
+        run: RunContext,
     ) -> dict[str, float]:
         """The rewards of one greedy completion per held-out prompt (every process answers its
         share): ``reward`` (weighted sum) and each function's mean, and the completions'
         length."""
         prompts = [row["input_ids"] for row in data.eval]
-        greedy = GenerationConfig(batch_size=self.generation.batch_size)
+        greedy = GenerationConfig(batch_size=run.generation.batch_size)
         completions = generation_lib.complete_ids(
             model,
             prompts,
-            self._tokenizer,
+            run.tokenizer,
             greedy,
-            self.max_completion_length,
-            accelerator=accelerator,
+            self.args.max_completion_length,
+            accelerator=run.accelerator,
         )
-        texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        per_func = reward_table(
-            self.reward_fns, self.reward_names, data.rows["eval"], texts, completions
-        )
+        per_func = self._rewards(run.tokenizer, data.rows["eval"], completions)
         totals = (per_func * self.reward_weights).nansum(dim=1)
-        metrics = {
+        return {
             "reward": float(totals.mean()),
             **{
                 f"rewards/{n}/mean": _or_zero(torch.nanmean(per_func[:, i]))
@@ -592,19 +579,12 @@ class GroupRelativePolicy(SupervisedFineTuning):
             "completions/mean_length": float(np.mean([len(c) for c in completions])),
             "prompts": float(len(prompts)),
         }
-        model.train()
-        return broadcast_object_list([metrics])[0]
 
-    # The tokenizer and stop tokens, set by the loop's data build (the data holds the template).
-    @property
-    def _tokenizer(self) -> PreTrainedTokenizerBase:
-        return self._tok
-
-    def bind_tokenizer(self, tokenizer: PreTrainedTokenizerBase, stop_tokens: list[int]) -> None:
-        self._tok = tokenizer
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        eos = tokenizer.eos_token_id
-        self._stops = [*stop_tokens, *([eos] if eos is not None else [])]
+    def after_training(
+        self, model: torch.nn.Module, data: GrpoData, run: RunContext
+    ) -> dict[str, Any]:
+        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        return self.chat.answer_held_out(model, data, run)
 
 
 def reward_table(
@@ -670,30 +650,30 @@ def prompt_rows(examples: Dataset, source: str) -> list[dict[str, Any]]:
 class PromptCollator:
     """Left-padded prompts with ``index`` (the row), ``epoch`` and ``row_seed``: the seed each
     row's completions are sampled from (the run's seed, the epoch and the row, so neither the
-    batch nor the process changes them). The loop sets ``epoch`` and ``seed``."""
+    batch nor the process changes them). The loop gives it the seed and epoch
+    (:meth:`start_epoch`; :class:`recipes.tasks.base.SeedsRows`)."""
 
-    seeds_by_row = True  # tells the loop to set seed and epoch
-
-    def __init__(self, pad_token_id: int | None, repeat: int = 1) -> None:
+    def __init__(self, pad_token_id: int | None) -> None:
         self.pad_token_id = 0 if pad_token_id is None else pad_token_id
         self.pad_to_multiple_of: int | None = None
-        self.epoch = 0
-        self.seed = 0
-        # The loop's sampler gives each step's prompts this many times (num_iterations).
-        self.repeat_steps = repeat
+        self._seed = 0
+        self._epoch = 0
+
+    def start_epoch(self, seed: int, epoch: int) -> None:
+        self._seed, self._epoch = seed, epoch
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids, mask = _pad([r["input_ids"] for r in rows], self.pad_token_id, left=True)
         index = torch.tensor([r["index"] for r in rows])
         seeds = [
-            int(np.random.SeedSequence([self.seed, self.epoch, int(i)]).generate_state(1)[0])
+            int(np.random.SeedSequence([self._seed, self._epoch, int(i)]).generate_state(1)[0])
             for i in index
         ]
         return {
             "input_ids": ids,
             "attention_mask": mask,
             "index": index,
-            "epoch": torch.full((len(rows),), self.epoch),
+            "epoch": torch.full((len(rows),), self._epoch),
             "row_seed": torch.tensor(seeds, dtype=torch.long),
         }
 

@@ -22,6 +22,15 @@ CHAT_RANGES = (
 )
 
 
+def check_text_rows(text_rows: str) -> None:
+    """Refuse a ``task.text_rows`` that is neither chat nor raw."""
+    if text_rows not in TEXT_ROWS:
+        raise ConfigError(
+            f"task.text_rows={text_rows!r}: choose chat (plain-string rows as a user turn and an "
+            "assistant reply, rendered with the chat template) or raw (as text, as TRL)."
+        )
+
+
 @dataclass
 class ChatConfig(TaskConfig):
     """The settings of a task on chat rows (no task of its own: SFT, DPO and KTO extend it)."""
@@ -47,12 +56,7 @@ class ChatConfig(TaskConfig):
             raise ConfigError(f"task.format={self.format!r}: choose {', '.join(self.FORMATS)}.")
 
     def check_rows(self) -> None:
-        if self.text_rows not in TEXT_ROWS:
-            raise ConfigError(
-                f"task.text_rows={self.text_rows!r}: choose chat (plain-string rows as a user "
-                "turn and an assistant reply, rendered with the chat template) or raw (as text, "
-                "as TRL)."
-            )
+        check_text_rows(self.text_rows)
         if self.truncation not in TRUNCATION:
             raise ConfigError(
                 f"task.truncation={self.truncation!r}: choose truncate (cut the end of a long "

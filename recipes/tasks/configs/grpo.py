@@ -1,0 +1,91 @@
+"""``task=grpo``: group relative policy optimisation on rewards that code checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from recipes.config import ConfigError
+from recipes.tasks.configs import TaskConfig, at_least, feature
+from recipes.tasks.configs.sft import check_text_rows
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _positive(value: Any) -> bool:
+    return value is not None and value > 0
+
+
+@dataclass
+class GrpoConfig(TaskConfig):
+    """Group relative policy optimisation on rewards that code checks: per prompt,
+    ``num_generations`` sampled completions scored by ``rewards``, advantages within each group,
+    TRL's clipped policy-gradient step. Defaults are TRL 1.16's GRPOConfig
+    (docs/configuration.md#reinforcement-learning-with-verifiable-rewards-taskgrpo)."""
+
+    NAME = "grpo"
+    RANGES = (
+        (
+            "num_generations",
+            at_least(2),
+            "must be >= 2 (advantages compare completions of one prompt; TRL's default is 8)",
+        ),
+        ("num_iterations", at_least(1), "must be >= 1"),
+        ("beta", at_least(0), "must be >= 0 (0: no KL term, TRL's default)"),
+        ("epsilon", _positive, "must be > 0 (TRL's default is 0.2)"),
+        (
+            "epsilon_high",
+            lambda v: v is None or v > 0,
+            "must be > 0, or null for task.epsilon",
+        ),
+        ("temperature", _positive, "must be > 0 (completions are sampled)"),
+        ("top_p", lambda v: v is not None and 0 < v <= 1, "must be in (0, 1]"),
+        ("max_prompt_length", at_least(1), "must be >= 1"),
+        ("max_completion_length", at_least(1), "must be >= 1"),
+        ("num_held_out_answers", at_least(0), "must be >= 0"),
+    )
+
+    _target_: str = "recipes.tasks.grpo.GroupRelativePolicy"
+    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models)
+    chat_template: str | None = feature(None)
+    # Plain-string prompts: chat (a user turn, templated) or raw (text as it is).
+    text_rows: str = feature("chat")
+    max_prompt_length: int = feature(512)  # a longer prompt keeps its last tokens
+    max_completion_length: int = 512  # TRL's default; tokens per sampled completion
+    num_generations: int = 8  # completions per prompt (the group), TRL's default
+    temperature: float = 1.0  # sampling, as TRL: temperature 1, top_p 1, top_k 0 (off)
+    top_p: float = 1.0
+    top_k: int = 0
+    loss_type: str = "dapo"  # dapo (TRL's default), grpo, bnpo or dr_grpo
+    beta: float = 0.0  # KL to the reference (TRL's default 0: no reference model)
+    epsilon: float = 0.2  # clip range of the ratio to the old policy, below ...
+    epsilon_high: float | None = None  # ... and above (null: epsilon; DAPO uses 0.28)
+    num_iterations: int = 1  # optimizer steps on each generation batch (TRL's mu)
+    scale_rewards: str = "group"  # group (TRL's default), batch or none (Dr. GRPO)
+    # true: completions cut at max_completion_length carry no loss (DAPO).
+    mask_truncated_completions: bool = False
+    # Reward functions, summed with their weights: a built-in (answer_match, answer_f1,
+    # math_answer, format, length) or an import path package.module:function with TRL's
+    # signature; other keys are the function's options (column: the answer's column; pattern:
+    # format's regex).
+    rewards: list[Any] = field(default_factory=lambda: [{"name": "answer_f1", "weight": 1.0}])
+    # Held-out prompts answered greedily after training (generations.jsonl, EM and F1).
+    num_held_out_answers: int = 8
+
+    def check(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(
+                f"task.loss_type={self.loss_type!r}: choose {', '.join(LOSS_TYPES)} (TRL's; dapo "
+                "is its default)."
+            )
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(
+                f"task.scale_rewards={self.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}."
+            )
+        if not self.rewards:
+            raise ConfigError(
+                "task.rewards is empty: name at least one reward function "
+                "(docs/configuration.md#reinforcement-learning-with-verifiable-rewards-taskgrpo)."
+            )
+        check_text_rows(self.text_rows)
