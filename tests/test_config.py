@@ -7,6 +7,7 @@ import inspect
 import json
 import re
 import shutil
+import typing
 from dataclasses import fields
 from pathlib import Path
 
@@ -388,14 +389,14 @@ def _keyword_settings(func) -> dict[str, inspect.Parameter]:
 def test_task_defaults_live_in_their_typed_config_only(name):
     """conf/task/<name>.yaml extends its task's typed config (recipes/tasks/configs) and writes
     no default of its own (a second copy that could drift); the config builds the class that
-    names it as its config_class, and every setting can be overridden on the command line."""
+    reads it as its ``args``, and every setting can be overridden on the command line."""
     task_yaml = OmegaConf.load(CONF / "task" / f"{name}.yaml")
     assert list(task_yaml) == ["defaults"] and list(task_yaml.defaults) == [
         f"base_{name}",
         "_self_",
     ]
     config = config_classes()[name]
-    assert get_class(config._target_).config_class is config
+    assert typing.get_type_hints(get_class(config._target_))["args"] is config
     cfg = _compose(f"task={name}")
     settable = {f.name for f in fields(config) if not f.name.startswith("_")}
     assert settable and settable == set(cfg.task) - {"_target_"}

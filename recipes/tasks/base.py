@@ -50,20 +50,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from recipes.config import ConfigError
 from recipes.log import get_logger
+from recipes.tasks.configs import TaskConfig
 
 if TYPE_CHECKING:
     from recipes.config import DataConfig, GenerationConfig
-    from recipes.tasks.configs import TaskConfig
 
 log = get_logger(__name__)
 
@@ -135,6 +136,11 @@ class TaskData:
 
 
 DataT = TypeVar("DataT", bound=TaskData)
+# What an evaluation or predict loader yields, what an evaluation returns (name: value), and
+# what a predict run reports (``rows``, ``file``).
+Batches = Iterable[Mapping[str, torch.Tensor]]
+Metrics = dict[str, float]
+Report = dict[str, Any]
 
 
 @dataclass
@@ -208,8 +214,9 @@ class Task(abc.ABC, Generic[DataT]):
     auto_model_class: Any  # e.g. AutoModelForQuestionAnswering; every task sets it
     main_metric: str = "loss"  # the evaluation score (without "eval/") that ranks checkpoints
     greater_is_better: bool = False
-    # The dataclass of its settings (recipes.tasks.configs); the constructor takes one.
-    config_class: ClassVar[type]
+    # Its settings, a dataclass of recipes.tasks.configs whose _target_ names the task; each
+    # task narrows the annotation to its own config class.
+    args: TaskConfig
 
     def __init__(self, args: TaskConfig) -> None:
         self.args = args
@@ -242,13 +249,7 @@ class Task(abc.ABC, Generic[DataT]):
         """The scores from every evaluation example's :meth:`eval_step` rows (main process)."""
         raise NotImplementedError(f"{type(self).__name__} gives eval_step but not score")
 
-    def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: DataT,
-        run: RunContext,
-    ) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, loader: Batches, data: DataT, run: RunContext) -> Metrics:
         """Scores of ``model`` on ``loader`` (the batches of ``data.eval``), on the main process
         at least; the loop logs them as ``eval/<name>``. By default :meth:`eval_step` per batch,
         gathered, then :meth:`score`; a task that evaluates whole overrides this."""
@@ -296,13 +297,7 @@ class Task(abc.ABC, Generic[DataT]):
             "predict (mode=eval scores this one)."
         )
 
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: DataT,
-        run: RunContext,
-    ) -> dict[str, Any]:
+    def predict(self, model: nn.Module, loader: Batches, data: DataT, run: RunContext) -> Report:
         """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``), write
         the task's predictions file into ``run.output_dir`` (main process), and return what to
         report: ``rows`` and ``file``."""

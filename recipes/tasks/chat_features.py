@@ -317,8 +317,12 @@ class AnswersPrompts:
     chat: ChatFeatures
     args: Any
 
+    def predict_layout(self) -> str:
+        """The layout of data.predict_file's rows: the task's ``format`` (auto detects it)."""
+        return self.args.format
+
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return self.chat.predict_data(cfg, tokenizer, self.args.format)
+        return self.chat.predict_data(cfg, tokenizer, self.predict_layout())
 
     def predict(
         self, model: torch.nn.Module, loader: Any, data: ChatData, run: RunContext

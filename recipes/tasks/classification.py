@@ -98,7 +98,6 @@ class SequenceClassification(Task[ClassificationData]):
 
     auto_model_class = AutoModelForSequenceClassification
     greater_is_better = True
-    config_class = ClassificationConfig
     args: ClassificationConfig
 
     def __init__(self, args: ClassificationConfig) -> None:

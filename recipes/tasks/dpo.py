@@ -100,7 +100,6 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     """DPO (``task=dpo``); its settings: :class:`recipes.tasks.configs.dpo.DpoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
-    config_class = DpoConfig
     args: DpoConfig
 
     def __init__(self, args: DpoConfig) -> None:

@@ -41,7 +41,7 @@ rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
@@ -59,8 +60,17 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations
-from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
-from recipes.tasks.chat_features import ChatData, ChatFeatures
+from recipes.tasks.base import (
+    Averaging,
+    Batches,
+    LossShape,
+    Metrics,
+    RunContext,
+    Seeding,
+    SummedLoss,
+    Task,
+)
+from recipes.tasks.chat_features import AnswersPrompts, ChatData, ChatFeatures
 from recipes.tasks.configs.grpo import GrpoConfig
 from recipes.tasks.reference import Reference
 
@@ -153,7 +163,7 @@ class Rollouts:
         self.stops = {*data.stop_tokens, *([eos] if eos is not None else [])}
 
 
-class GroupRelativePolicy(Task[GrpoData]):
+class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     """GRPO (``task=grpo``); see the module's docstring. Its settings:
     :class:`recipes.tasks.configs.grpo.GrpoConfig`.
 
@@ -161,7 +171,6 @@ class GroupRelativePolicy(Task[GrpoData]):
     :meth:`before_training`)."""
 
     auto_model_class = AutoModelForCausalLM
-    config_class = GrpoConfig
     main_metric = "reward"
     greater_is_better = True
     args: GrpoConfig
@@ -284,21 +293,11 @@ class GroupRelativePolicy(Task[GrpoData]):
         chat_features.require_template(template, f"{source} {row['place']}")
         return conversations.render(tokenizer, template, prompt, True)
 
-    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        """mode=predict: the prompts of ``data.predict_file`` in any conversation layout, or
-        TRL's prompt-only rows (:func:`chat_features.predict_data`)."""
-        return self.chat.predict_data(cfg, tokenizer, "auto")
-
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: ChatData,
-        run: RunContext,
-    ) -> dict[str, Any]:
-        """Each prompt's answer, within ``max_completion_length`` new tokens unless
-        ``generation.max_new_tokens`` says otherwise (:func:`chat_features.predict`)."""
-        return self.chat.predict(model, data, run)
+    def predict_layout(self) -> str:
+        """mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows;
+        each is answered within ``max_completion_length`` new tokens unless
+        ``generation.max_new_tokens`` says otherwise."""
+        return "auto"
 
     # ------------------------------------------------------------------------------ model
 
@@ -549,12 +548,8 @@ class GroupRelativePolicy(Task[GrpoData]):
     # -------------------------------------------------------------------------- evaluation
 
     def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: GrpoData,
-        run: RunContext,
-    ) -> dict[str, float]:
+        self, model: nn.Module, loader: Batches, data: GrpoData, run: RunContext
+    ) -> Metrics:
         """The rewards of one greedy completion per held-out prompt (every process answers its
         share): ``reward`` (weighted sum) and each function's mean, and the completions'
         length."""

@@ -101,7 +101,6 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     """KTO (``task=kto``); its settings: :class:`recipes.tasks.configs.kto.KtoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
-    config_class = KtoConfig
     args: KtoConfig
 
     def __init__(self, args: KtoConfig) -> None:

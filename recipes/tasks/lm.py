@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 import torch
 from datasets import Dataset
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
@@ -30,7 +31,7 @@ from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import RunContext, Seeding, Task, TaskData, write_jsonl
+from recipes.tasks.base import Batches, Report, RunContext, Seeding, Task, TaskData, write_jsonl
 from recipes.tasks.configs.lm import ClmConfig, MlmConfig
 
 log = get_logger(__name__)
@@ -237,7 +238,6 @@ class CausalLanguageModeling(LanguageModeling):
     """
 
     auto_model_class = AutoModelForCausalLM
-    config_class = ClmConfig
     args: ClmConfig
 
     def _adds_eos(self) -> bool:
@@ -288,12 +288,8 @@ class CausalLanguageModeling(LanguageModeling):
         return PromptData(train=empty, eval=empty, prompts=prompts)
 
     def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: PromptData,
-        run: RunContext,
-    ) -> dict[str, Any]:
+        self, model: nn.Module, loader: Batches, data: PromptData, run: RunContext
+    ) -> Report:
         """``generations.jsonl``: each prompt and its continuation (greedy, or sampled with
         ``generation.do_sample``), prompt and continuation within ``block_size`` tokens."""
         tokenizer, generation = run.tokenizer, run.generation
@@ -352,7 +348,6 @@ class MaskedLanguageModeling(LanguageModeling):
 
     auto_model_class = AutoModelForMaskedLM
     add_special_tokens = True
-    config_class = MlmConfig
     args: MlmConfig
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData:

@@ -159,7 +159,6 @@ class MultipleChoice(Task[ChoiceData]):
     auto_model_class = AutoModelForMultipleChoice
     main_metric = "accuracy"
     greater_is_better = True
-    config_class = MultipleChoiceConfig
     args: MultipleChoiceConfig
 
     # loss_shape: the default mean. The cross-entropy over each row's own choices, averaged over

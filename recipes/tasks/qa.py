@@ -62,7 +62,6 @@ class QuestionAnswering(Task[QAData]):
     main_metric = "f1"
     greater_is_better = True
 
-    config_class = QaConfig
     args: QaConfig
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

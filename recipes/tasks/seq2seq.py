@@ -24,6 +24,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from datasets import Dataset
+from torch import nn
 from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -36,7 +37,10 @@ from recipes.metrics.seq2seq import bleu_scores, rouge_scores
 from recipes.metrics.squad import squad_v1
 from recipes.tasks.base import (
     Averaging,
+    Batches,
     LossShape,
+    Metrics,
+    Report,
     RunContext,
     SummedLoss,
     Task,
@@ -104,7 +108,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
     :class:`Seq2SeqConfig`, decoding in the run's ``generation.*``)."""
 
     auto_model_class = AutoModelForSeq2SeqLM
-    config_class = Seq2SeqConfig
     args: Seq2SeqConfig
     greater_is_better = True
 
@@ -404,12 +407,8 @@ class SequenceToSequence(Task[Seq2SeqData]):
         return texts, stats
 
     def evaluate(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: Seq2SeqData,
-        run: RunContext,
-    ) -> dict[str, float]:
+        self, model: nn.Module, loader: Batches, data: Seq2SeqData, run: RunContext
+    ) -> Metrics:
         """Generate every evaluation row's answer and score it (main process), with the loss,
         the mean generated length and the generation time; ``eval_predictions.jsonl`` in the
         run folder holds each row's answer and references."""
@@ -449,12 +448,8 @@ class SequenceToSequence(Task[Seq2SeqData]):
     # ------------------------------------------------------------------------- mode=predict
 
     def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: Seq2SeqData,
-        run: RunContext,
-    ) -> dict[str, Any]:
+        self, model: nn.Module, loader: Batches, data: Seq2SeqData, run: RunContext
+    ) -> Report:
         """``predictions.jsonl``: per row (in file order) its id and the generated text, decoded
         as the evaluation decodes (the model's generation config; ``generation.*`` set on the
         command line wins)."""

@@ -40,7 +40,6 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     """Chat SFT (``task=sft``); its settings: :class:`recipes.tasks.configs.sft.SftConfig`."""
 
     auto_model_class = AutoModelForCausalLM
-    config_class = SftConfig
     args: SftConfig
 
     def __init__(self, args: SftConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from datasets import ClassLabel, Dataset
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForTokenClassification,
@@ -36,7 +37,9 @@ from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.tasks.base import (
     Averaging,
+    Batches,
     LossShape,
+    Report,
     RunContext,
     SummedLoss,
     Task,
@@ -82,7 +85,6 @@ class TokenClassification(Task[NerData]):
     :class:`TokenClassificationConfig`)."""
 
     auto_model_class = AutoModelForTokenClassification
-    config_class = TokenClassificationConfig
     args: TokenClassificationConfig
     main_metric = "f1"
     greater_is_better = True
@@ -407,13 +409,7 @@ class TokenClassification(Task[NerData]):
         metrics["loss"] = float(nll / count) if count else 0.0
         return metrics
 
-    def predict(
-        self,
-        model: torch.nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]],
-        data: NerData,
-        run: RunContext,
-    ) -> dict[str, Any]:
+    def predict(self, model: nn.Module, loader: Batches, data: NerData, run: RunContext) -> Report:
         """``predictions.jsonl``: per row (in file order) its id, words, each word's tag and
         the entities: type, words, text, character start / end (in the row's text; words given
         as a list are joined by single spaces) and score, the mean over the entity's words of
