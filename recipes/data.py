@@ -302,6 +302,33 @@ def load_split(cfg: DataConfig, role: str, reader: Reader | None = None) -> Spli
     return Split(_read_files(files, cfg, reader), digest, source)
 
 
+def pick_column(
+    split: Split,
+    key: str,
+    explicit: str | None,
+    candidates: Sequence[str],
+    also: Sequence[str] = (),
+) -> str:
+    """The column ``data.<key>`` names (``explicit``; refused when the rows lack it), else the
+    first of ``candidates`` the rows have, then of ``also`` (found by the caller's own rule);
+    refused, naming the candidates, when there is none."""
+    have = split.examples.column_names
+    if explicit is not None:
+        if explicit not in have:
+            raise DataError(
+                f"data.{key}={explicit}: no such column in {split.source} (it has "
+                f"{', '.join(have)})."
+            )
+        return explicit
+    found = [c for c in (*candidates, *also) if c in have]
+    if not found:
+        raise DataError(
+            f"{split.source}: none of the columns {', '.join(candidates)} found (it has "
+            f"{', '.join(have)}); name it with data.{key}=..."
+        )
+    return found[0]
+
+
 def load_predict_file(cfg: DataConfig, reader: Reader | None = None) -> Split:
     """The rows of ``data.predict_file`` (mode=predict), read as a training file would be."""
     path = Path(str(cfg.predict_file)).expanduser()

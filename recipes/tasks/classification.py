@@ -339,33 +339,14 @@ def _columns(
     """The text, pair and label columns: explicit settings first, then the GLUE task's names,
     then ``text`` / ``label``. Without ``with_label`` (rows to predict on) the label is not
     looked for, and returned as ''."""
-    have = split.examples.column_names
-
-    def pick(key: str, explicit: str | None, candidates: Sequence[str] | None) -> str | None:
-        if explicit is not None:
-            if explicit not in have:
-                raise DataError(
-                    f"data.{key}={explicit}: no such column in {split.source} (it has "
-                    f"{', '.join(have)})."
-                )
-            return explicit
-        if candidates is None:
-            return None
-        for name in candidates:
-            if name in have:
-                return name
-        raise DataError(
-            f"{split.source}: none of the columns {', '.join(candidates)} found (it has "
-            f"{', '.join(have)}); name it with data.{key}=..."
-        )
-
-    text = pick("text_column", cfg.text_column, glue.text if glue else ("text", "sentence"))
-    pair_candidates = glue.pair if glue else None
-    pair = pick("text_pair_column", cfg.text_pair_column, pair_candidates)
+    pick = data_lib.pick_column
+    text = pick(split, "text_column", cfg.text_column, glue.text if glue else ("text", "sentence"))
+    pair = None
+    if cfg.text_pair_column is not None or (glue and glue.pair is not None):
+        pair = pick(split, "text_pair_column", cfg.text_pair_column, glue.pair if glue else ())
     label = ""
     if with_label:
-        label = pick("label_column", cfg.label_column, glue.label if glue else ("label",))
-    assert text is not None and label is not None
+        label = pick(split, "label_column", cfg.label_column, glue.label if glue else ("label",))
     return text, pair, label
 
 

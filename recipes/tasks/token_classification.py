@@ -490,29 +490,9 @@ def columns(cfg: DataConfig, split: data_lib.Split) -> tuple[str, str]:
     """The words and tags columns: data.text_column / data.label_column, else tokens / words
     and ner_tags / tags / labels, else the one column ending in _tags (as run_ner's
     ``<task>_tags``)."""
-    have = split.examples.column_names
-
-    def pick(key: str, explicit: str | None, candidates: tuple[str, ...]) -> str:
-        if explicit is not None:
-            if explicit not in have:
-                raise DataError(
-                    f"data.{key}={explicit}: no such column in {split.source} (it has "
-                    f"{', '.join(have)})."
-                )
-            return explicit
-        found = [c for c in candidates if c in have]
-        if not found and key == "label_column":
-            found = [c for c in have if c.endswith("_tags")]
-        if len(found) < 1:
-            raise DataError(
-                f"{split.source}: none of the columns {', '.join(candidates)} found (it has "
-                f"{', '.join(have)}); name it with data.{key}=..."
-            )
-        return found[0]
-
-    return pick("text_column", cfg.text_column, TOKEN_COLUMNS), pick(
-        "label_column", cfg.label_column, TAG_COLUMNS
-    )
+    tags = [c for c in split.examples.column_names if c.endswith("_tags")]
+    words = data_lib.pick_column(split, "text_column", cfg.text_column, TOKEN_COLUMNS)
+    return words, data_lib.pick_column(split, "label_column", cfg.label_column, TAG_COLUMNS, tags)
 
 
 def sentences(
