@@ -27,8 +27,7 @@ decoding.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -182,27 +181,6 @@ def _batches(order: list[Prompt], size: int, max_length: int | None) -> list[lis
         else:
             batches.append([row])
     return batches
-
-
-def typed(value: Mapping[str, Any] | GenerationConfig | None) -> GenerationConfig:
-    """The run's ``generation.*`` (task.generation: ${generation}) as its typed view."""
-    if value is None:
-        return GenerationConfig()
-    if isinstance(value, GenerationConfig):
-        return value
-    names = {f.name for f in dataclasses.fields(GenerationConfig)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ConfigError(
-            f"task.generation: unknown key(s) {', '.join(unknown)} (it takes "
-            f"{', '.join(sorted(names))}, the run's generation.*)."
-        )
-    gen = GenerationConfig(**{k: value[k] for k in value})
-    if gen.num_beams is not None and gen.num_beams < 1:
-        raise ConfigError(f"generation.num_beams={gen.num_beams}: must be >= 1, or null.")
-    if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
-        raise ConfigError(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
-    return gen
 
 
 def _fit(
