@@ -17,7 +17,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -939,8 +939,9 @@ def _same_file(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(cfg[key])`` with errors that name the config group.
+def instantiate(node: Any, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node)`` (the settings of group ``key``: a config node, a dict or
+    a structured config) with errors that name the config group.
 
     Hydra wraps whatever the target raised; a :class:`ConfigError` from a component's own
     checks is passed through as it is, anything else is reported against ``key``.
@@ -949,12 +950,13 @@ def instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
     from hydra.utils import instantiate as hydra_instantiate
 
     try:
-        return hydra_instantiate(cfg[key], **kwargs)
+        return hydra_instantiate(node, **kwargs)
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None
         cause = err.__cause__ or err
-        raise ConfigError(f"{key}: cannot build {cfg[key].get('_target_')}: {cause}") from None
+        target = node.get("_target_") if isinstance(node, Mapping) else node._target_
+        raise ConfigError(f"{key}: cannot build {target}: {cause}") from None
 
 
 def _asset(relative: str) -> str:

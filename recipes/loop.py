@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from recipes import adapters, checkpoint, device, evaluation, runs, serving
 from recipes import data as data_lib
-from recipes.config import ConfigError
+from recipes.config import ConfigError, instantiate
 from recipes.faults import (
     Interrupted,
     StopNow,
@@ -213,7 +213,7 @@ class Trainer:
         self.total_steps = trainer_cfg.max_steps
         if self.total_steps <= 0:
             self.total_steps = math.ceil(trainer_cfg.num_epochs * self.steps_per_epoch)
-        scheduler = _built("scheduler", self.settings.scheduler)(
+        scheduler = instantiate(self.settings.scheduler, "scheduler")(
             optimizer=self.optimizer,
             num_training_steps=self.total_steps,
             num_processes=accelerator.num_processes,
@@ -869,22 +869,7 @@ def optimizer_factory(optimizer: Mapping[str, Any]) -> Callable[..., torch.optim
     OmegaConf ListConfig): torch.distributed's optimizer state dict, which accelerate saves FSDP
     checkpoints with, refuses any other container in ``param_groups`` (found on the emulated
     MUSA device, where FSDP runs)."""
-    return _built("optimizer", dict(optimizer), _convert_="all")
-
-
-def _built(group: str, node: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node)`` with errors that name the config group: a
-    :class:`ConfigError` of the component's own checks as it is, anything else against ``group``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as err:
-        if isinstance(err.__cause__, ConfigError):
-            raise err.__cause__ from None
-        target = node.get("_target_") if isinstance(node, Mapping) else node._target_
-        raise ConfigError(f"{group}: cannot build {target}: {err.__cause__ or err}") from None
+    return instantiate(dict(optimizer), "optimizer", _convert_="all")
 
 
 def optimizer_where_it_steps(

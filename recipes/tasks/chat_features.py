@@ -71,6 +71,16 @@ class ChatTemplate:
     new_tokens: list[int] = field(default_factory=list)
     stop_tokens: list[int] = field(default_factory=list)
 
+    def data_fields(self, held_out: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a chat task's data declares of its template: the template, the ``held_out``
+        prompts it can ask (:func:`answerable`), the tokens it added and those that end a turn."""
+        return {
+            "template": self.template,
+            "prompts": answerable(held_out, self.template),
+            "new_tokens": self.new_tokens,
+            "stop_tokens": self.stop_tokens,
+        }
+
 
 def resolve_template(
     tokenizer: PreTrainedTokenizerBase, chat_template: str | None, text_rows: str = "chat"

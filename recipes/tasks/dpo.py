@@ -143,10 +143,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
             train_collator=self._collator(tokenizer),
             eval_collator=self._collator(tokenizer),
             max_length=self.args.max_seq_length,
-            template=chat.template,
-            prompts=chat_features.answerable(held_out, chat.template),
-            new_tokens=chat.new_tokens,
-            stop_tokens=chat.stop_tokens,
+            **chat.data_fields(held_out),
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:

@@ -271,10 +271,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             # Prompt batches keep their own length; with trainer.padding=max_length this only
             # tells the loop that lengths are not grouped.
             max_length=self.chat.max_seq_length,
-            template=chat.template,
-            prompts=chat_features.answerable(held_out, chat.template),
-            new_tokens=chat.new_tokens,
-            stop_tokens=chat.stop_tokens,
+            **chat.data_fields(held_out),
             rows=rows,
         )
 

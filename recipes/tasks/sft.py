@@ -78,10 +78,7 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
             train_collator=collator,
             eval_collator=collator,
             max_length=self.args.max_seq_length,
-            template=chat.template,
-            prompts=chat_features.answerable(held_out, chat.template),
-            new_tokens=chat.new_tokens,
-            stop_tokens=chat.stop_tokens,
+            **chat.data_fields(held_out),
         )
 
     def _features(
