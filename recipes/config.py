@@ -176,21 +176,25 @@ class TrainerConfig:
     eval_at_start: bool = False  # also evaluate the untrained model (a baseline in the log)
     eval_at_end: bool = True
     save_final_model: bool = True  # <output_dir>/final, loadable with from_pretrained
-    pad_to_multiple_of: int | None = 8  # the batch's longest, rounded up for tensor cores
-    padding: Padding = Padding.longest
+    # The five speed settings below left null are decided for the device (recipes/device.py
+    # training_defaults; the run's first lines say what and why): on a CPU padding=longest,
+    # pad_to_multiple_of=8, sub_batches=4; on CUDA / MUSA length buckets of 64, sub_batches=1,
+    # pinned memory, and compile for encoder tasks on CUDA. A value set here always wins.
+    pad_to_multiple_of: int | None = None  # the batch's longest, rounded up (1: not rounded)
+    padding: Padding | None = None
     # With padding=longest, for tasks whose loss is a mean over rows (QA, classification): each
     # micro-batch runs as up to this many sub-batches of similar lengths, each padded to its own
     # longest. The batches and the gradient stay the plain ones (up to float rounding) in fewer
     # padded tokens; 1 runs each micro-batch whole.
-    sub_batches: int = 4
+    sub_batches: int | None = None
     # With padding=longest: batches of similar lengths, in random order (less padding still, but
     # each step then learns from windows of one length, which can cost quality).
     group_by_length: bool = False
     # Global batches sorted together: more saves padding, fewer keeps batches mixed.
     length_group_size: int = 8
     dataloader_num_workers: int = 0
-    pin_memory: bool = False  # page-locked host batches (faster copies to a GPU; no use on CPU)
-    compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys)
+    pin_memory: bool | None = None  # page-locked host batches, copied with non_blocking
+    compile: bool | None = None  # torch.compile the model (in place: checkpoints keep their keys)
     # Recompute activations in the backward pass (non-reentrant): far less activation memory
     # for about a third more step time; works with peft=lora.
     gradient_checkpointing: bool = False
@@ -410,7 +414,16 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda v: v is None or v > 0,
         "must be > 0, or null to disable clipping",
     ),
-    ("trainer.sub_batches", _at_least(1), "must be >= 1 (1 runs each micro-batch whole)"),
+    (
+        "trainer.pad_to_multiple_of",
+        _null_or_at_least(1),
+        "must be >= 1 (1: lengths not rounded), or null: the device decides",
+    ),
+    (
+        "trainer.sub_batches",
+        _null_or_at_least(1),
+        "must be >= 1 (1 runs each micro-batch whole), or null: the device decides",
+    ),
     (
         "trainer.length_group_size",
         _at_least(1),

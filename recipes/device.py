@@ -19,6 +19,7 @@ import importlib.util
 import os
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +332,10 @@ def compile_unsupported_reason(name: str | None = None) -> str | None:
     (``torch_musa/_dynamo``, ``torch_musa/_inductor``); v1.3.0 has neither.
     """
     name = backend() if name is None else name
-    if name != MUSA or importlib.util.find_spec("torch_musa._dynamo") is not None:
+    if name != MUSA or (
+        importlib.util.find_spec("torch_musa") is not None
+        and importlib.util.find_spec("torch_musa._dynamo") is not None
+    ):
         return None
     version = torch_musa_info()["version"] or "this version"
     return (
@@ -366,6 +370,88 @@ def checkpointing_autocast_unsupported_reason(
         f"torch {release[0]}.{release[1]}'s checkpointing calls (they arrive in torch_musa "
         f"v1.3.2), so the recomputed layers would run without {mixed_precision} autocast"
     )
+
+
+@dataclass(frozen=True)
+class Default:
+    """A ``trainer.*`` setting decided by the device when the recipe leaves it null."""
+
+    name: str  # the TrainerConfig field
+    value: Any
+    why: str
+
+
+# Lengths are rounded up to this on an accelerator: at most max_length / 64 distinct shapes (6 for
+# SQuAD's 384), so kernels, their heuristics and the allocator's blocks are reused from the
+# first steps on, at under 64 padding tokens a row.
+ACCELERATOR_LENGTH_BUCKET = 64
+
+
+def training_defaults(
+    kind: str, *, generates: bool, whole_model: bool, musa_version: str | None = None
+) -> tuple[Default, ...]:
+    """The speed settings of the loop for a device kind (``cpu``, ``cuda``, ``musa``): padding,
+    the length multiple, sub-batches, pinned memory and ``torch.compile``; the optimizer's fused
+    kernel is :func:`fused_adamw_ok`'s call (``optimizer.fused=null``).
+
+    ``generates``: the task generates text (a compiled forward would recompile for every KV-cache
+    length); ``whole_model``: one device or DDP (FSDP and DeepSpeed wrap the model after it would
+    be compiled); ``musa_version``: the torch_musa release, for its compile support.
+
+    A CPU keeps what won there (docs/results.md, ``scripts/throughput.py qa``): each padded
+    token costs a CPU its full price and a new shape nothing, so batches are padded to their own
+    longest and split into sub-batches of similar lengths. A GPU is the other way round: on an
+    H200 four sub-batches ran bert-large 5.7x slower than one (docs/results.md, "GPU check"),
+    because each new shape pays first-call costs and each sub-batch its own launches and
+    weight casts, so batches run whole, in a few length buckets.
+    """
+    if kind == CPU:
+        return (
+            Default("padding", "longest", "a CPU pays for every padding token"),
+            Default("pad_to_multiple_of", 8, "lengths rounded to 8"),
+            Default(
+                "sub_batches",
+                4,
+                "sub-batches of similar lengths pad less, faster on a CPU (docs/results.md)",
+            ),
+            Default("pin_memory", False, "no copy to a device"),
+            Default("compile", False, "compiling costs a CPU more than a short run saves"),
+        )
+    compiled, compile_why = _compile_default(kind, generates, whole_model, musa_version)
+    return (
+        Default("padding", "longest", "each batch to its longest row, in length buckets"),
+        Default(
+            "pad_to_multiple_of",
+            ACCELERATOR_LENGTH_BUCKET,
+            "length buckets: few shapes, so kernels and memory blocks are reused",
+        ),
+        Default(
+            "sub_batches",
+            1,
+            "each micro-batch whole: sub-batches multiply launches and new shapes (5.7x slower "
+            "on an H200, docs/results.md)",
+        ),
+        Default("pin_memory", True, "page-locked batches copy while the device computes"),
+        Default("compile", compiled, compile_why),
+    )
+
+
+def _compile_default(
+    kind: str, generates: bool, whole_model: bool, musa_version: str | None
+) -> tuple[bool, str]:
+    """Whether ``torch.compile`` is on by default on an accelerator, and why."""
+    if kind == MUSA:
+        if compile_unsupported_reason(MUSA) is not None:
+            return False, f"torch_musa {musa_version or '(this release)'} has no compile backend"
+        return False, (
+            "not measured on a MUSA card; torch_musa v2.9.0's notes report compiled kernels "
+            "slower than v2.7.0's"
+        )
+    if generates:
+        return False, "generation would recompile the model for every KV-cache length"
+    if not whole_model:
+        return False, "FSDP and DeepSpeed wrap the model after it would be compiled"
+    return True, "1.44x faster on bert-large on an H200 (docs/results.md); the first steps compile"
 
 
 def pin_memory_kwargs(pin: bool, target: torch.device) -> dict[str, Any]:

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
@@ -85,6 +87,7 @@ class Trainer:
         self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
         self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
+        self.stop_poll = HostPoll(self.accelerator, self.trainer_cfg.distributed_timeout_s)
         self.setup()
 
     # ------------------------------------------------------------------------------- setup
@@ -118,8 +121,8 @@ class Trainer:
         if names:
             from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
 
-            kind = self.task.auto_model_class.__name__
-            if kind not in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM"):
+            if not self.task.language_model:
+                kind = self.task.auto_model_class.__name__
                 raise ConfigError(
                     f"trainer.benchmarks={list(names)}: lm-eval scores language models, and "
                     f"this task trains a {kind.removeprefix('AutoModelFor')} model; leave "
@@ -293,6 +296,11 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.stop_agreed = False
         self.check_grad = accelerator.scaler is None  # fp16's scaler skips overflowing steps
+        # With trainer.on_nonfinite=stop, the first step whose loss or gradient was not finite
+        # (0: none), kept on the device and read when a window closes (_raise_if_nonfinite):
+        # a step makes no host sync. skip must decide at every step, and reads it there.
+        self.first_nonfinite = torch.zeros((), device=accelerator.device)
+        self.checks_each_step = self.trainer_cfg.on_nonfinite == "skip"
         self.progress = tqdm(
             total=self.total_steps,
             initial=state.step,
@@ -339,13 +347,22 @@ class Trainer:
         )
         state.batches_in_epoch += 1
         pieces = batch if isinstance(batch, list) else [batch]  # trainer.sub_batches
-        with accelerator.accumulate(self.model):
+        with accelerator.accumulate(self.model), self._cast_once(pieces):
             loss, terms = self._backward(pieces)
             if accelerator.sync_gradients:
                 self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
         self.window.add(pieces, loss, terms)
         return accelerator.sync_gradients
+
+    def _cast_once(self, pieces: list[Mapping[str, torch.Tensor]]) -> Any:
+        """One autocast region around a micro-batch's sub-batches, so that the weights' low
+        precision copies (autocast's cache, emptied when the outermost region ends) are made
+        once per micro-batch, not once per sub-batch. Not under FSDP or DeepSpeed, which gather
+        and free the weights around each forward."""
+        accelerator = self.accelerator
+        whole = places_model_first(accelerator.distributed_type, accelerator.device_placement)
+        return accelerator.autocast() if len(pieces) > 1 and whole else nullcontext()
 
     def _backward(
         self, pieces: list[Mapping[str, torch.Tensor]]
@@ -387,38 +404,47 @@ class Trainer:
         terms = self.step_terms
         if accelerator.num_processes > 1:
             terms = accelerator.reduce(terms.clone(), reduction="sum")
+        # A tensor, not a float: reading the terms on the host would wait for the device.
         factor = (
-            self.sum_scale
-            * accelerator.gradient_accumulation_steps
-            * accelerator.num_processes
-            / max(float(terms), 1.0)
-        )
+            self.sum_scale * accelerator.gradient_accumulation_steps * accelerator.num_processes
+        ) / terms.clamp(min=1.0)
         groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
         for p in self.model.parameters():
             if p.grad is not None:
                 key = (type(p.grad), p.grad.device, p.grad.dtype)
                 groups.setdefault(key, []).append(p.grad)
-        for grads in groups.values():
-            torch._foreach_mul_(grads, factor)
+        for (_, where, dtype), grads in groups.items():
+            _scale_in_place(grads, factor.to(device=where, dtype=dtype))
         self.step_terms.zero_()
 
     def _optimizer_step(self) -> None:
-        """Clip, learn from every process whether the step is finite and whether to stop, then
-        update the weights (unless the step is not finite)."""
+        """Clip, note whether the step is finite, learn from every process whether to stop
+        (on the host), then update the weights.
+
+        With ``trainer.on_nonfinite=stop`` (the default) nothing here waits for the device: the
+        finite check is a flag on the device, read when the logging window closes and before
+        any evaluation or checkpoint (:meth:`_raise_if_nonfinite`), so the updates of a
+        non-finite step and the few after it are never saved. ``skip`` must know before the
+        update, and reads the flag at every step."""
         if self.loss_shape.averaging == Averaging.sum:
             self._normalise_summed_gradients()
         self.grad_norm = self.accelerator.clip_grad_norm_(
             self.model.parameters(), self.trainer_cfg.max_grad_norm or math.inf
         )
-        nonfinite, self.stop_agreed = _nonfinite_or_stop_on_any_rank(
-            self.accelerator, self.step_loss, self.grad_norm, self.check_grad, self.stop
-        )
+        bad = ~torch.isfinite(self.step_loss)
+        if self.check_grad:
+            bad = bad | ~torch.isfinite(torch.as_tensor(self.grad_norm, device=bad.device))
         self.step_loss.zero_()
-        if nonfinite:
-            self._handle_nonfinite()
-        if not nonfinite or not self.check_grad:  # the fp16 scaler skips a bad update itself
+        if self.checks_each_step and _on_any_rank(self.accelerator, bad):
+            self._skip_nonfinite()
+        else:
+            if not self.checks_each_step:
+                step = float(self.state.step + 1)
+                unset = self.first_nonfinite == 0
+                self.first_nonfinite = torch.where(bad & unset, step, self.first_nonfinite)
             self.optimizer.step()
             self.scheduler.step()
+        self.stop_agreed = self.stop_poll.any(self.stop.signum is not None)
 
     def _finish_step(self) -> None:
         """Count the step, log it, then stop, evaluate and save as due; the stopwatch leaves the
@@ -489,6 +515,7 @@ class Trainer:
 
     def _log_step(self) -> None:
         """Log the window since the last log step (summed over processes) and the run's totals."""
+        self._raise_if_nonfinite()
         state, step = self.state, self.state.step
         elapsed = self.stopwatch.elapsed()
         logged = self._window_metrics(elapsed)
@@ -541,6 +568,7 @@ class Trainer:
 
     def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
         """Scores of the model at ``step`` (logged), and whether they are the best so far."""
+        self._raise_if_nonfinite()
         with self._stoppable():
             scores = evaluation.evaluate(
                 self.task, self.model, self._polled(self.eval_loader), self.data, self.run_context
@@ -606,6 +634,7 @@ class Trainer:
     def _save(self, reason: str) -> Path:
         """A checkpoint of this step (every process takes part), marked best when it is, and
         old ones rotated out."""
+        self._raise_if_nonfinite()
         accelerator, state = self.accelerator, self.state
         self.last_saved_step = state.step
         state.window = gather_object([self.window.as_list()])
@@ -639,7 +668,7 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """Raise :class:`StopNow` on every process if any was asked to stop (one all-reduce)."""
-        if self.stop.installed and _stop_asked_anywhere(self.accelerator, self.stop):
+        if self.stop.installed and self.stop_poll.any(self.stop.signum is not None):
             raise StopNow()
 
     def _polled(self, loader: DataLoader) -> Iterable[Any]:
@@ -647,7 +676,7 @@ class Trainer:
         stop (several processes; one stops at once without asking)."""
         if not self.stop.installed or self.accelerator.num_processes == 1:
             return loader
-        return _StopPolled(loader, self.accelerator, self.stop)
+        return _StopPolled(loader, self.stop_poll, self.stop)
 
     def _save_and_stop(self) -> None:
         state = self.state
@@ -659,18 +688,34 @@ class Trainer:
             self.stop.signum or 15, self.state.step, str(path), self.accelerator.is_main_process
         )
 
-    def _handle_nonfinite(self) -> None:
-        """A NaN / Inf loss or gradient at the coming step: stop, or drop the update."""
-        step = self.state.step + 1
+    def _raise_if_nonfinite(self) -> None:
+        """With ``trainer.on_nonfinite=stop``: stop if a step since the last check had a NaN /
+        Inf loss or gradient on any process (one read of the device's flag; every process calls
+        this at the same points: a window's end, before an evaluation or a checkpoint)."""
+        if self.checks_each_step:
+            return
+        flags = self.first_nonfinite.reshape(1)
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.gather(flags)
+        steps = [int(value) for value in flags.tolist() if value > 0]
+        if not steps:
+            return
         found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
         last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
-        if self.trainer_cfg.on_nonfinite == "stop":
-            raise TrainingError(
-                f"step {step}: the loss or gradient norm is not finite (grad norm "
-                f"{float(self.grad_norm)}); the weights were not updated and {last}. Lower "
-                "optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, or set "
-                "trainer.on_nonfinite=skip to drop such updates."
-            )
+        raise TrainingError(
+            f"step {min(steps)}: the loss or gradient norm is not finite (the run stopped at "
+            f"step {self.state.step}, when it was read; no checkpoint holds those weights and "
+            f"{last}). Lower optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, "
+            "or set trainer.on_nonfinite=skip to drop such updates."
+        )
+
+    def _skip_nonfinite(self) -> None:
+        """A NaN / Inf loss or gradient at the coming step, ``trainer.on_nonfinite=skip``:
+        drop the update (the fp16 scaler skips it itself)."""
+        if not self.check_grad:
+            self.optimizer.step()  # the scaler's step, which skips it
+            self.scheduler.step()
+        step = self.state.step + 1
         self.state.skipped_steps += 1
         log.warning(
             "step %d: non-finite loss or gradient; update skipped (%d so far, "
@@ -813,12 +858,12 @@ class _StopPolled:
     once any process was asked to stop (one small all-reduce per batch; every process takes the
     same number of evaluation batches). Anything else is the loader's own."""
 
-    def __init__(self, loader: DataLoader, accelerator: Accelerator, stop: StopRequest) -> None:
-        self.loader, self.accelerator, self.stop = loader, accelerator, stop
+    def __init__(self, loader: DataLoader, poll: HostPoll, stop: StopRequest) -> None:
+        self.loader, self.poll, self.stop = loader, poll, stop
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
-            if _stop_asked_anywhere(self.accelerator, self.stop):
+            if self.poll.any(self.stop.signum is not None):
                 raise StopNow()
             yield batch
 
@@ -829,39 +874,47 @@ class _StopPolled:
         return getattr(self.loader, name)
 
 
-def _stop_asked_anywhere(accelerator: Accelerator, stop: StopRequest) -> bool:
-    """Whether any process was asked to stop (all of them must call this together)."""
-    asked = stop.signum is not None
-    if accelerator.num_processes == 1:
-        return asked
-    flag = torch.tensor(float(asked), device=accelerator.device)
-    return accelerator.reduce(flag, reduction="sum").item() > 0
+class HostPoll:
+    """Whether any process was asked to stop (SIGTERM, Ctrl-C), asked on the host: one small
+    all-reduce of a CPU tensor over gloo (the process group itself where it is gloo, else a gloo
+    group beside NCCL / MCCL), so that polling at every step never waits for the device's
+    queue. Every process must call :meth:`any` together."""
+
+    def __init__(self, accelerator: Accelerator, timeout_s: int) -> None:
+        self.several = accelerator.num_processes > 1
+        self.group = None
+        if self.several and dist.get_backend() != dist.Backend.GLOO:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def any(self, asked: bool) -> bool:
+        if not self.several:
+            return asked
+        flag = torch.tensor([float(asked)])
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag[0] > 0)
+
+
+def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
+    """Whether a device flag is set on any process (a host read: all processes call it)."""
+    flag = flag.float().reshape(1)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    return bool(flag.item() > 0)
+
+
+def _scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each tensor by a one-element tensor of their device and dtype, without reading
+    it on the host (``_foreach_mul_`` takes a tensor factor from torch 2.1)."""
+    try:
+        torch._foreach_mul_(tensors, factor)
+    except (TypeError, RuntimeError):  # an older torch or a device without that overload
+        for tensor in tensors:
+            tensor.mul_(factor)
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
     mask = batch.get("attention_mask")
     return mask.sum() if mask is not None else batch["input_ids"].numel()
-
-
-def _nonfinite_or_stop_on_any_rank(
-    accelerator: Accelerator,
-    step_loss: torch.Tensor,
-    grad_norm: Any,
-    check_grad: bool,
-    stop: StopRequest,
-) -> tuple[bool, bool]:
-    """Whether this step's loss (or gradient) is non-finite on any process, and whether any
-    process was asked to stop: one small all-reduce, so that every rank acts the same."""
-    bad = ~torch.isfinite(step_loss)
-    if check_grad:
-        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=step_loss.device))
-    flags = torch.stack(
-        [bad.float(), torch.tensor(float(stop.signum is not None), device=step_loss.device)]
-    )
-    if accelerator.num_processes > 1:
-        flags = accelerator.reduce(flags, reduction="sum")
-    bad_count, stop_count = flags.tolist()
-    return bad_count > 0, stop_count > 0
 
 
 def optimizer_factory(optimizer: Mapping[str, Any]) -> Callable[..., torch.optim.Optimizer]:

@@ -56,12 +56,14 @@ def run(settings: Settings) -> RunResult:
         PeerFailed: another rank died or hung; already reported on stderr.
     """
     task = build_task(settings.task)
+    settings, chosen = with_device_defaults(settings, task)
     with peer_failures_reported(settings.output_dir):  # a rank that never joined
         accelerator = build_accelerator(settings)
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)
     try:
         with peer_failures_reported(settings.output_dir):  # said before `stop` lets SIGTERM kill
-            return RUNNERS[str(settings.mode)](Session(settings, task, accelerator, stop))
+            session = Session(settings, task, accelerator, stop, chosen)
+            return RUNNERS[str(settings.mode)](session)
     except (ConfigError, data_lib.DataError, TrainingError) as err:
         note_in_log_file(f"error: {err}", settings.output_dir)  # train.py says it on the terminal
         raise
@@ -72,6 +74,38 @@ def run(settings: Settings) -> RunResult:
         accelerator.end_training()
         if tracking.hydra_context().get("sweep_dir"):
             _reset_accelerate()
+
+
+def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list[str]]:
+    """``settings`` with the trainer's speed settings that the recipe left null decided for this
+    device (:func:`recipes.device.training_defaults`), and one line per setting saying what was
+    chosen and why (a value the recipe or the command line set is kept, and said to be)."""
+    trainer_cfg = settings.trainer
+    kind = (
+        device.CPU if parse_flag_from_env("ACCELERATE_USE_CPU") else device.backend()
+    )  # as resolve_mixed_precision decides: `accelerate launch --cpu` runs on the CPU
+    sharded = parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env(
+        "ACCELERATE_USE_DEEPSPEED"
+    )
+    defaults = device.training_defaults(
+        kind,
+        generates=task.language_model,
+        whole_model=not sharded,
+        musa_version=device.torch_musa_info()["version"] if kind == device.MUSA else None,
+    )
+    decided, lines = {}, []
+    for default in defaults:
+        value = getattr(trainer_cfg, default.name)
+        if value is None:
+            decided[default.name] = value = default.value
+            lines.append(f"trainer.{default.name}={_shown(value)} ({kind}: {default.why})")
+        else:
+            lines.append(f"trainer.{default.name}={_shown(value)} (set by the run's config)")
+    return replace(settings, trainer=replace(trainer_cfg, **decided)), lines
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def build_task(config: Any) -> Task:
@@ -101,9 +135,15 @@ class Session:
     results file."""
 
     def __init__(
-        self, settings: Settings, task: Task, accelerator: Accelerator, stop: StopRequest
+        self,
+        settings: Settings,
+        task: Task,
+        accelerator: Accelerator,
+        stop: StopRequest,
+        device_choices: list[str] = (),
     ) -> None:
         self.settings, self.task, self.accelerator, self.stop = settings, task, accelerator, stop
+        self.device_choices = list(device_choices)  # with_device_defaults' lines
         self.trainer_cfg = settings.trainer
         self.output_dir, self.resume_from = runs.open_run_folder(settings, accelerator)
         setup_logging(accelerator.is_main_process, self.output_dir / "train.log")
@@ -124,6 +164,8 @@ class Session:
             accelerator.mixed_precision,
             accelerator.distributed_type,
         )
+        for line in self.device_choices:
+            log.info("%s", line)
         _check_grad_scaler(accelerator)
         _check_device_support(trainer_cfg, accelerator)
         # Set both ways: torch_musa 2.7 turns TF32 on by default.

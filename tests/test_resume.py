@@ -184,7 +184,15 @@ def test_nonfinite_loss_stops_or_skips_without_corrupting_weights(tmp_path, cach
         "task.sample_prompt=null",
     )
     common = (*_common(cache_dir)[:4], "trainer.progress_bar=false")
-    stopped = run_train(*common, *blow_up, f"output_dir={tmp_path / 'stop'}", check=False)
+    # The finite check is read when a window closes (every 4 steps here) and before every
+    # checkpoint (every step): no checkpoint may hold the overflowed weights.
+    stopped = run_train(
+        *common,
+        *blow_up,
+        "trainer.log_every_n_steps=4",
+        f"output_dir={tmp_path / 'stop'}",
+        check=False,
+    )
     assert stopped.returncode == 1
     last = stopped.stderr.splitlines()[-1]
     assert last.startswith("error: step ") and "trainer.on_nonfinite=skip" in last

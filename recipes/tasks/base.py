@@ -225,6 +225,12 @@ class Task(abc.ABC, Generic[DataT]):
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataT:
         """Load, check and featurize the train and evaluation splits."""
 
+    @property
+    def language_model(self) -> bool:
+        """Whether it trains a language model (causal or sequence to sequence), which can
+        generate (answers after training, predictions, sampling) and be benchmarked by lm-eval."""
+        return self.auto_model_class.__name__ in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")
+
     def loss_shape(self) -> LossShape:
         """How :meth:`loss` averages (:class:`LossShape`): the model's own mean by default."""
         return LossShape()
