@@ -123,3 +123,31 @@ def _frozen(model):
     from recipes.tasks.reference import Reference
 
     return Reference(False, copy.deepcopy(model).eval().requires_grad_(False))
+
+
+# ------------------------------------------------------------------------------------ KTO
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_padding_free_loss_and_gradients_equal_the_padded(tmp_path, tokenizer, loss_type):
+    results, shapes = {}, {}
+    for attention in ("sdpa", VARLEN):
+        kto = make_task("kto", chat_template="zephyr", max_seq_length=256, loss_type=loss_type)
+        data = _data(kto, tmp_path / attention, tokenizer, _pairs(3))  # pairs: 6 rows unpaired
+        model = _model(attention)
+        kto.check_model(model)
+        kto.reference = _frozen(model)
+        batch = data.train_collator([data.train[i] for i in range(len(data.train))])
+        shapes[attention] = batch["input_ids"].shape
+        results[attention] = _loss_and_grads(kto, model, batch)
+    assert shapes["sdpa"][0] == 6 and shapes[VARLEN][0] == 1
+    _assert_same(results["sdpa"], results[VARLEN])
+
+
+def test_padding_free_true_runs_the_row_under_a_dense_mask_and_false_pads(tokenizer):
+    kto = make_task("kto", max_seq_length=256, padding_free=True)
+    kto.check_model(_model("sdpa"))
+    assert kto.layout.flat  # true: one row under sdpa too, with a block-diagonal mask
+    kto = make_task("kto", max_seq_length=256, padding_free="false")
+    kto.check_model(_model(VARLEN))
+    assert not kto.layout.flat

@@ -15,6 +15,11 @@ PAIR_FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
 REFERENCE_FREE = ("orpo", "simpo")  # the losses without a reference model (recipes.tasks.dpo)
 LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)
 PADDING_FREE = ("auto", "true", "false")  # task.padding_free (DPO, KTO, GRPO)
+PADDING_FREE_RANGE = (
+    "padding_free",
+    lambda v: str(v).lower() in PADDING_FREE,
+    "choose auto, true or false",
+)
 
 
 def finite_at_least_zero(value: float) -> bool:
@@ -43,7 +48,7 @@ class DpoConfig(ChatConfig):
             "must be a finite number >= 0 (SimPO's target reward margin; TRL's default is 0.5)",
         ),
         ("nll_weight", finite_at_least_zero, "must be a finite number >= 0"),
-        ("padding_free", lambda v: str(v).lower() in PADDING_FREE, "choose auto, true or false"),
+        PADDING_FREE_RANGE,
     )
 
     _target_: str = "recipes.tasks.dpo.DirectPreference"
