@@ -151,3 +151,42 @@ def test_padding_free_true_runs_the_row_under_a_dense_mask_and_false_pads(tokeni
     kto = make_task("kto", max_seq_length=256, padding_free="false")
     kto.check_model(_model(VARLEN))
     assert not kto.layout.flat
+
+
+# ----------------------------------------------------------------------------------- GRPO
+
+
+def test_grpo_padding_free_loss_and_gradients_equal_the_padded():
+    from recipes.tasks import grpo
+
+    generator = torch.Generator().manual_seed(1)
+    lengths = [(5, 7), (9, 2), (3, 11), (9, 1)]  # (prompt, completion) of each row
+    prompts = [torch.randint(1, 2000, (p,), generator=generator).tolist() for p, _ in lengths]
+    completions = [torch.randint(1, 2000, (c,), generator=generator).tolist() for _, c in lengths]
+    sampled = (*grpo._pad(prompts, 0, left=True), *grpo._pad(completions, 0, left=False))
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    results = {}
+    for attention in ("sdpa", VARLEN):
+        task = make_task(
+            "grpo", beta=0.04, loss_type="grpo", max_prompt_length=128, max_completion_length=64
+        )
+        model = _model(attention)
+        task.check_model(model)
+        flat = grpo._flat_sequences(prompts, completions, torch.device("cpu"))
+        flat = flat if task.flat else None
+        with torch.no_grad():
+            ref = task._logps(_frozen(model).frozen, *sampled, flat=flat)
+        model.zero_grad()
+        entropies: list[torch.Tensor] = []
+        logps = task._logps(model, *sampled, entropies, flat=flat)
+        total, count, stats = task.policy_loss(logps, None, ref, advantages, sampled[3])
+        total.backward()
+        mask = sampled[3].bool()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[attention] = (total, count, stats, logps[mask], entropies[0][mask], grads)
+    assert task.flat  # the varlen run ran padding-free
+    padded, free = results["sdpa"], results[VARLEN]
+    for a, b in zip(padded[:5], free[:5], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for name, grad in padded[5].items():
+        torch.testing.assert_close(free[5][name], grad, atol=1e-5, rtol=1e-4, msg=name)
