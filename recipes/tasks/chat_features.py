@@ -13,7 +13,8 @@ here; none inherits them from another task. What they share:
   (:func:`held_out_prompts`, :func:`answerable`, :func:`answer_held_out`), and mode=predict's
   answers to the prompts of a file (:func:`predict_data`, :func:`predict`);
 * the model's limits (:meth:`ChatFeatures.check_model`) and its forward on a batch, packed rows
-  included (:func:`forward`).
+  included (:func:`forward`); the padding-free layout's choice (:func:`flat_batches`,
+  ``task.padding_free``) and its per-sequence losses (:func:`sequence_losses`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
 from recipes.tasks import conversations
 from recipes.tasks.base import RunContext, TaskData, write_jsonl
+from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
@@ -487,18 +489,45 @@ def attention_of(model: torch.nn.Module) -> str:
     return getattr(config, "_attn_implementation", None) or "eager"
 
 
+def padding_free_setting(value: object) -> str:
+    """``task.padding_free`` as auto, true or false (a YAML or command-line boolean
+    reaches a string field as ``True`` / ``False``)."""
+    return str(value).lower()
+
+
+@dataclass
+class Layout:
+    """How a chat task's collators lay out a batch, decided once the model is known
+    (:func:`flat_batches`) and shared with them: ``flat``, the padding-free row
+    (:func:`recipes.tasks.conversations.flat_rows`); else padded rows."""
+
+    flat: bool = False
+
+
+def flat_batches(setting: str, model: torch.nn.Module) -> bool:
+    """Whether batches run padding-free (one row of sequences, no padding tokens) under
+    ``task.padding_free=setting``: ``auto`` where the model's attention runs that row through a
+    variable-length kernel (:func:`conversations.reads_packed_positions`), exact and without
+    padding; ``true`` always (elsewhere under a dense block-diagonal mask: exact, not faster);
+    ``false`` never."""
+    setting = padding_free_setting(setting)
+    if setting == "auto":
+        return conversations.reads_packed_positions(attention_of(model))
+    return setting == "true"
+
+
 def forward(
     model: torch.nn.Module, batch: Mapping[str, torch.Tensor], attention: str | None = None
 ) -> Any:
     """The model on a batch without its labels or a KV cache. Packed rows (``position_ids``)
-    get their block-diagonal mask, or under flash attention run as one row
+    get their block-diagonal mask, or under a variable-length kernel run as one row
     (:func:`padding_free`); ``attention``: the model's attention implementation (read from
     its config by default)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "sequence")}
     if "position_ids" not in inputs:
         return model(**inputs, use_cache=False)
     attention = attention or attention_of(model)
-    if attention in conversations.POSITION_ID_ATTENTION:
+    if conversations.reads_packed_positions(attention):
         rows, length = inputs["input_ids"].shape
         out = model(**padding_free(inputs), use_cache=False)
         out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
@@ -519,3 +548,27 @@ def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     dialogues packed in each. Row padding (position 0) becomes one-token sequences with no
     label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
     return {k: v.reshape(1, -1) for k, v in inputs.items()}
+
+
+def sequence_losses(
+    logits: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_losses` of a padding-free row, (1, tokens), summed per group
+    (``sequence``: each token's, of ``groups``) rather than per row: each group's summed
+    next-token cross-entropy of its labelled tokens, and their count, (groups,) each."""
+    targets = labels[0, 1:]
+    positions = (targets != conversations.IGNORE_INDEX).nonzero().squeeze(1)
+    # Each labelled token as a row of two (no label, then it), its logits as that row's only
+    # position: token_losses' memory-saving cross-entropy, one value per labelled token.
+    picked = logits[0, positions].unsqueeze(1)
+    pairs = torch.stack(
+        [torch.full_like(positions, conversations.IGNORE_INDEX), targets[positions]], 1
+    )
+    nll, _ = token_losses(picked, pairs)
+    group = sequence[0, positions + 1]
+    sums = torch.zeros(groups, dtype=torch.float32, device=logits.device).index_add(0, group, nll)
+    ones = torch.ones_like(nll)
+    counts = torch.zeros(groups, dtype=torch.float32, device=logits.device).index_add(
+        0, group, ones
+    )
+    return sums, counts

@@ -995,17 +995,72 @@ def attention_mask(rows: Sequence[Mapping[str, Any]], length: int) -> torch.Tens
     )
 
 
+def flat_rows(
+    sequences: Sequence[Mapping[str, Sequence[int]]],
+    labels: Sequence[str],
+    pad_token_id: int,
+    multiple: int | None = None,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """Sequences as one row without padding between them: the padding-free layout of TRL's
+    ``padding_free`` and transformers' ``DataCollatorWithFlattening``, which a variable-length
+    kernel reads as separate sequences from ``position_ids`` restarting at 0 (see
+    :data:`POSITION_ID_ATTENTION`).
+
+    Each of ``sequences`` holds ``input_ids``, its ``labels`` columns and its ``group`` (the
+    term it belongs to: a pair, a row); the row is ``input_ids``, ``position_ids``, each label
+    column and ``sequence`` (each token's group), all (1, tokens), keys ``prefix``-ed. A
+    sequence's first token carries no label: the padded layout never scores a row's first token,
+    and here the logits before it are the previous sequence's. With ``multiple`` the row ends
+    in one padding sequence up to a multiple of it (fewer distinct shapes), unlabelled."""
+    ids, positions, groups = [], [], []
+    columns: dict[str, list[int]] = {key: [] for key in labels}
+    for seq in sequences:
+        length = len(seq["input_ids"])
+        ids += seq["input_ids"]
+        positions += range(length)
+        groups += [seq["group"]] * length
+        for key in labels:
+            columns[key] += [IGNORE_INDEX, *seq[key][1:]][:length]
+    total = len(ids)
+    padding = (-(-total // multiple) * multiple - total) if multiple else 0
+    ids += [pad_token_id] * padding
+    positions += range(padding)
+    groups += [0] * padding
+    row = {"input_ids": ids, "position_ids": positions, "sequence": groups}
+    row |= {key: column + [IGNORE_INDEX] * padding for key, column in columns.items()}
+    return {f"{prefix}{key}": torch.tensor([values]) for key, values in row.items()}
+
+
 # ------------------------------------------------------------------- block-diagonal masks
 
 # Attention implementations that take the 4D mask built here (eager adds it to the scores, SDPA
 # takes a boolean one), and those that find sequence starts in position_ids themselves
 # (flash-attention's variable-length kernels).
 MASKED_ATTENTION = ("eager", "sdpa")
-POSITION_ID_ATTENTION = ("flash_attention_2", "flash_attention_3")
+POSITION_ID_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+# Attention functions registered with transformers' AttentionInterface that find sequence starts
+# in position_ids as flash's do (a device's own variable-length kernel): add the name here.
+VARLEN_ATTENTION: set[str] = set()
+
+
+def reads_packed_positions(attn_implementation: str) -> bool:
+    """Whether ``attn_implementation`` runs a row of sequences (``position_ids`` restarting at
+    0, no mask) through a variable-length kernel: transformers' flash implementations, and the
+    hub's flash kernels (``kernels-community/flash-attn2`` and the like), whose mask
+    transformers also leaves to ``position_ids``, and those named in :data:`VARLEN_ATTENTION`.
+    Exact and without padding there; anywhere else a row of sequences needs the dense
+    block-diagonal mask (:func:`block_causal_mask`)."""
+    name = attn_implementation or ""
+    if name in POSITION_ID_ATTENTION or name in VARLEN_ATTENTION:
+        return True
+    return "/" in name and "flash" in name
 
 
 def packing_unsupported_reason(attn_implementation: str) -> str | None:
-    if attn_implementation in MASKED_ATTENTION + POSITION_ID_ATTENTION:
+    if attn_implementation in MASKED_ATTENTION or reads_packed_positions(attn_implementation):
         return None
     return (
         f"attention implementation {attn_implementation!r} takes neither a custom 4D mask nor "
@@ -1020,7 +1075,7 @@ def block_causal_mask(
     conversation only. Boolean (True: attend) for SDPA, additive (0 / dtype min) for eager;
     None where the kernel reads position_ids itself. A padding position (position 0, alone in
     its "conversation") sees itself, so no row of the mask is empty."""
-    if attn_implementation in POSITION_ID_ATTENTION:
+    if reads_packed_positions(attn_implementation):
         return None
     segment = (position_ids == 0).cumsum(dim=-1)
     length = position_ids.shape[-1]

@@ -24,9 +24,12 @@ What the task adds to the shared loop, beside the chat features it holds
 
 Each pair is one loss term (:class:`SummedLoss`): the loop divides the gradient of an optimizer
 step by the pairs of the whole step on all processes, so accumulation and process counts give
-the full batch's mean. Batches hold the chosen rows, then the rejected rows; with
-``padding_free`` each pair is one row (chosen then rejected, ``position_ids`` restarting), which
-saves the padding of a short side to a long one.
+the full batch's mean. Batches hold the chosen rows, then the rejected rows, padded. With
+``padding_free`` (``auto``, the default: where the model's attention runs a variable-length
+kernel, flash attention's) a micro-batch is one row of its pairs' sides, chosen then rejected,
+``position_ids`` restarting at each and no padding token: TRL's padding-free layout, exact under
+such a kernel. ``padding_free=true`` under a dense attention (SDPA, eager) puts each pair in one
+row under a block-diagonal mask instead, which saves the padding of a short side to a long one.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations, preference, reference
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures
+from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures, Layout
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
 from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
@@ -115,6 +118,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         self.stats = STATS + extra  # TRL's metrics of this loss type, per pair
         # Built in before_training from the starting weights; None for orpo / simpo.
         self.reference: reference.Reference | None = None
+        self.layout = Layout()  # padding-free or padded batches: chosen in check_model
 
     def loss_shape(self) -> LossShape:
         """One summed term per pair, TRL's metrics summed beside it."""
@@ -147,7 +151,8 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
-        return PairCollator(tokenizer.pad_token_id, self.args.padding_free, self.sequence_nll)
+        pair_rows = chat_features.padding_free_setting(self.args.padding_free) == "true"
+        return PairCollator(tokenizer.pad_token_id, pair_rows, self.sequence_nll, self.layout)
 
     def _pair_features(
         self,
@@ -204,13 +209,19 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
                 out[f"{side}_input_ids"].append(fitted["input_ids"])
                 out[f"{side}_labels"].append(fitted["labels"])
             lengths = [len(s["input_ids"]) for s in sides]
-            out["length"].append(sum(lengths) if self.args.padding_free else max(lengths))
+            summed = chat_features.padding_free_setting(self.args.padding_free) == "true"
+            out["length"].append(sum(lengths) if summed else max(lengths))
         return out
 
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        self.chat.check_model(model, packing=self.args.padding_free)
+        """The model's limits, and the batches' layout under its attention: padding-free under
+        a variable-length kernel (``padding_free`` auto or true); with ``true`` elsewhere, a
+        pair per row under a block-diagonal mask (refused where the attention takes none)."""
+        setting = chat_features.padding_free_setting(self.args.padding_free)
+        self.chat.check_model(model, packing=setting == "true")
+        self.layout.flat = setting != "false" and chat_features.flat_batches("auto", model)
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
@@ -263,6 +274,8 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         }
         logits = chat_features.forward(model, inputs).logits
         pairs = len(batch["index"])
+        if "sequence" in batch:  # padding-free: one row, each token's pair in "sequence"
+            return self._flat_terms(logits, batch, pairs, with_nll)
         logps, tokens = [], []
         for side in SIDES:
             nll, count = token_losses(logits, batch[f"{side}_labels"])
@@ -276,6 +289,25 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
             return logps, tokens, -logps[:, 0] / tokens[:, 0].clamp(min=1)
         nll, count = token_losses(logits, batch["chosen_sequence_labels"])
         return logps, tokens, nll.view(-1, pairs).sum(0) / count.view(-1, pairs).sum(0).clamp(1)
+
+    def _flat_terms(
+        self, logits: torch.Tensor, batch: Mapping, pairs: int, with_nll: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_policy_terms` of a padding-free batch: the sums per pair of its row."""
+        sums = [
+            chat_features.sequence_losses(logits, batch[f"{side}_labels"], batch["sequence"], pairs)
+            for side in SIDES
+        ]
+        logps = -torch.stack([nll for nll, _ in sums], dim=1)
+        tokens = torch.stack([count for _, count in sums], dim=1)
+        if not with_nll:
+            return logps, tokens, None
+        if not self.sequence_nll:
+            return logps, tokens, -logps[:, 0] / tokens[:, 0].clamp(min=1)
+        nll, count = chat_features.sequence_losses(
+            logits, batch["chosen_sequence_labels"], batch["sequence"], pairs
+        )
+        return logps, tokens, nll / count.clamp(1)
 
     def _reference_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor | None:
         if self.reference is None:
@@ -370,20 +402,31 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
 
 class PairCollator:
     """Pads a batch of pairs: the chosen rows, then the rejected rows, with ``attention_mask``;
-    or (``padding_free``) one row per pair, chosen then rejected, with ``position_ids``.
+    or (``pair_rows``) one row per pair, chosen then rejected, with ``position_ids``; or
+    (``layout.flat``) every side in one row without padding (:func:`conversations.flat_rows`,
+    ``sequence`` naming each token's pair).
     ``chosen_labels`` / ``rejected_labels`` label one side each, ``index`` is each pair's
     position in its split, and ``reference_logps`` the precomputed reference (when set);
     ``chosen_sequence_labels`` (``sequence_nll``, ORPO) label the chosen side's every token."""
 
-    def __init__(self, pad_token_id: int, padding_free: bool, sequence_nll: bool = False) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        pair_rows: bool,
+        sequence_nll: bool = False,
+        layout: Layout | None = None,
+    ) -> None:
         self.pad_token_id = pad_token_id
-        self.padding_free = padding_free
+        self.pair_rows = pair_rows
         self.sequence_nll = sequence_nll
+        self.layout = layout or Layout()
         self.pad_to_multiple_of: int | None = None  # the loop sets trainer.pad_to_multiple_of
         self.reference: torch.Tensor | None = None  # (pairs of the split, 2), when precomputed
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if self.padding_free:
+        if self.layout.flat:
+            return self._flat(pairs)
+        if self.pair_rows:
             rows = [self._joined(p) for p in pairs]
         else:
             rows = [
@@ -410,10 +453,27 @@ class PairCollator:
             batch["chosen_sequence_labels"] = conversations.pad_rows(
                 rows, "chosen_sequence_labels", ignore, longest
             )
-        if self.padding_free:
+        if self.pair_rows:
             batch["position_ids"] = conversations.pad_rows(rows, "position_ids", 0, longest)
         else:
             batch["attention_mask"] = conversations.attention_mask(rows, longest)
+        if self.reference is not None:
+            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
+        return batch
+
+    def _flat(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        labels = ["chosen_labels", "rejected_labels"]
+        labels += ["chosen_sequence_labels"] if self.sequence_nll else []
+        sides = []
+        for group, pair in enumerate(pairs):
+            joined = self._joined(pair)
+            cut = len(pair["chosen_input_ids"])
+            for part in (slice(0, cut), slice(cut, None)):  # chosen, rejected
+                sides.append(
+                    {k: joined[k][part] for k in ("input_ids", *labels)} | {"group": group}
+                )
+        batch = conversations.flat_rows(sides, labels, self.pad_token_id, self.pad_to_multiple_of)
+        batch["index"] = torch.tensor([p["index"] for p in pairs])
         if self.reference is not None:
             batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch

@@ -105,6 +105,8 @@ class Rollout:
     ref_logps: torch.Tensor | None  # (B*G, C), beta > 0
     stats: dict[str, float]
     uses_left: int = 0
+    # Padding-free (task.padding_free): the sequences as one row (:func:`_flat_sequences`).
+    flat: tuple[torch.Tensor, ...] | None = None
 
 
 class RolloutBuffer:
@@ -140,10 +142,12 @@ def _to_device(rollout: Rollout, device: torch.device) -> Rollout:
 
 
 def _moved(rollout: Rollout, device: torch.device) -> Rollout:
-    values = {
-        k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(rollout).items()
-    }
-    return Rollout(**values)
+    def move(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return tuple(move(v) for v in value)
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    return Rollout(**{k: move(v) for k, v in vars(rollout).items()})
 
 
 class Rollouts:
@@ -200,6 +204,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self.reward_fns = [fn for _, _, fn in built]
         self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         self.rollouts: Rollouts | None = None
+        self.flat = False  # padding-free loss forwards: chosen in check_model
 
     def loss_shape(self) -> LossShape:
         """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo), one
@@ -299,7 +304,11 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        self.chat.check_model(model)
+        """The model's limits, and whether the loss's forwards run padding-free under its
+        attention (:func:`chat_features.flat_batches`)."""
+        setting = chat_features.padding_free_setting(self.args.padding_free)
+        self.chat.check_model(model, packing=setting == "true")
+        self.flat = chat_features.flat_batches(setting, model)
 
     def before_training(
         self, model: torch.nn.Module, data: GrpoData, run: RunContext, batch_size: int
@@ -383,10 +392,13 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         per_func = self._rewards(run.tokenizer, row_list, completions)
         advantages, reward_stats = self.advantages(per_func.to(device), accelerator)
         sampled = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        old = self._logps(model, *sampled) if args.num_iterations > 1 else None
+        flat = _flat_sequences(repeated, completions, device) if self.flat else None
+        old = self._logps(model, *sampled, flat=flat) if args.num_iterations > 1 else None
         ref = None
         if rollouts.reference is not None:
-            ref = rollouts.reference.run(model, lambda weights: self._logps(weights, *sampled))
+            ref = rollouts.reference.run(
+                model, lambda weights: self._logps(weights, *sampled, flat=flat)
+            )
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         stats = reward_stats | {
             "completions/mean_length": float(lengths.mean()),
@@ -396,7 +408,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             "generation/tokens_per_second": float(lengths.sum()) / max(seconds, 1e-9),
             "generation/seconds": seconds,
         }
-        return Rollout(*sampled, advantages, old, ref, stats)
+        return Rollout(*sampled, advantages, old, ref, stats, flat=flat)
 
     def _rewards(
         self,
@@ -457,9 +469,14 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         entropies: list | None = None,
+        flat: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """Per-token log-probabilities of the completions at the sampling temperature (TRL's),
-        (rows, completion length); their entropies appended to ``entropies`` when given."""
+        (rows, completion length); their entropies appended to ``entropies`` when given. With
+        ``flat`` (:func:`_flat_sequences`) from one padding-free row, 0 past each completion's
+        end (where the padded rows' values carry no loss either)."""
+        if flat is not None:
+            return self._flat_logps(model, completion_ids, flat, entropies)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         mask = torch.cat([prompt_mask, completion_mask.new_ones(completion_mask.shape)], dim=1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -474,6 +491,31 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 entropies.append(-(logps.exp() * logps).sum(-1))
         return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
+    def _flat_logps(
+        self,
+        model: torch.nn.Module,
+        completion_ids: torch.Tensor,
+        flat: tuple[torch.Tensor, ...],
+        entropies: list | None,
+    ) -> torch.Tensor:
+        """:meth:`_logps` from the padding-free row: the logits of the positions that predict
+        a completion token only, scattered back to (rows, completion length)."""
+        ids, positions, predicting, slots = flat
+        inputs = {"input_ids": ids, "position_ids": positions}
+        logits = chat_features.forward(model, inputs).logits[0, predicting]
+        logps = torch.log_softmax(logits.float() / self.args.temperature, dim=-1)
+        targets = completion_ids.reshape(-1)[slots]
+        token = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+        def placed(values: torch.Tensor) -> torch.Tensor:
+            grid = values.new_zeros(completion_ids.numel())
+            return grid.index_put((slots,), values).view(completion_ids.shape)
+
+        if entropies is not None:
+            with torch.no_grad():
+                entropies.append(placed(-(logps.exp() * logps).sum(-1)))
+        return placed(token)
+
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         rollout = self._rollout(model, batch)
         entropies: list[torch.Tensor] = []
@@ -484,6 +526,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             rollout.completion_ids,
             rollout.completion_mask,
             entropies,
+            flat=rollout.flat,
         )
         total, count, stats = self.policy_loss(
             logps, rollout.old_logps, rollout.ref_logps, rollout.advantages, rollout.completion_mask
@@ -683,6 +726,30 @@ def _pad(
         ids[r, span] = torch.tensor(list(row), dtype=torch.long)
         mask[r, span] = 1
     return (ids.to(device), mask.to(device)) if device is not None else (ids, mask)
+
+
+def _flat_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Each prompt and its completion as one row without padding (the padding-free layout,
+    ``position_ids`` restarting at each sequence), and where the completions' tokens are:
+    ``(input_ids, position_ids)`` (1, tokens), the positions whose logits predict a completion
+    token, and that token's slot in the (rows, completion length) padded completions."""
+    width = max(1, max(len(c) for c in completions))
+    ids: list[int] = []
+    positions: list[int] = []
+    predicting: list[int] = []
+    slots: list[int] = []
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        start = len(ids) + len(prompt)
+        ids += [*prompt, *completion]
+        positions += range(len(prompt) + len(completion))
+        predicting += range(start - 1, start - 1 + len(completion))
+        slots += range(row * width, row * width + len(completion))
+    return tuple(
+        torch.tensor(values, dtype=torch.long, device=device)
+        for values in ([ids], [positions], predicting, slots)
+    )
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

@@ -68,7 +68,7 @@ from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations, reference, unpaired
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures
+from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures, Layout
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
 from recipes.tasks.reference import PreferenceData
 from recipes.tasks.token_loss import token_losses
@@ -109,6 +109,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = reference.Reference.from_batches()
         self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
+        self.layout = Layout()  # padding-free or padded batches: chosen in check_model
 
     @property
     def uses_kl(self) -> bool:
@@ -148,7 +149,9 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> UnpairedCollator:
-        return UnpairedCollator(tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl)
+        return UnpairedCollator(
+            tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, self.layout
+        )
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
         desirable = sum(built["label"])
@@ -227,7 +230,11 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        self.chat.check_model(model)
+        """The model's limits, and the batches' layout under its attention
+        (:func:`chat_features.flat_batches`)."""
+        setting = chat_features.padding_free_setting(self.args.padding_free)
+        self.chat.check_model(model, packing=setting == "true")
+        self.layout.flat = chat_features.flat_batches(setting, model)
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
@@ -263,16 +270,10 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         """Per row, the summed log-probability of its completion and of its KL completion
         (another row's, without gradient, as TRL; 0 without a KL term), and their tokens: two
         (rows, 2) tensors (the layout the precomputed reference keeps)."""
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
-        nll, count = token_losses(chat_features.forward(model, inputs).logits, batch["labels"])
+        nll, count = _row_losses(model, batch, "", len(batch["label"]))
         if "KL_input_ids" in batch:
             with torch.no_grad():
-                kl_inputs = {
-                    "input_ids": batch["KL_input_ids"],
-                    "attention_mask": batch["KL_attention_mask"],
-                }
-                logits = chat_features.forward(model, kl_inputs).logits
-                kl_nll, kl_count = token_losses(logits, batch["KL_labels"])
+                kl_nll, kl_count = _row_losses(model, batch, "KL_", len(batch["label"]))
         else:
             kl_nll, kl_count = torch.zeros_like(nll), torch.zeros_like(count)
         return torch.stack([-nll, -kl_nll], dim=1), torch.stack([count, kl_count], dim=1)
@@ -390,18 +391,37 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         return self.chat.answer_held_out(model, data, run)
 
 
+def _row_losses(
+    model: torch.nn.Module, batch: Mapping, prefix: str, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the summed NLL of its labels (those of the ``prefix``-ed columns: the rows or
+    their KL rows) and their count, from padded rows or a padding-free row."""
+    if f"{prefix}sequence" in batch:
+        inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "position_ids")}
+        logits = chat_features.forward(model, inputs).logits
+        labels, sequence = batch[f"{prefix}labels"], batch[f"{prefix}sequence"]
+        return chat_features.sequence_losses(logits, labels, sequence, rows)
+    inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "attention_mask")}
+    return token_losses(chat_features.forward(model, inputs).logits, batch[f"{prefix}labels"])
+
+
 class UnpairedCollator:
     """Pads a batch of rows: ``input_ids``, ``attention_mask``, ``labels`` (the completion's),
     ``label`` (desirable or not) and ``index`` (each row's position in its split); with ``kl``,
     the KL rows too (``KL_input_ids``, ``KL_attention_mask``, ``KL_labels``): each row's prompt
     with the completion of the row before it in the batch (the first row's from the last), cut
     to ``max_length``, as TRL's ``add_kl_completion_ids`` and ``DataCollatorForUnpairedPreference``
-    build them; ``reference_logps`` the precomputed reference (when set)."""
+    build them; ``reference_logps`` the precomputed reference (when set). With ``layout.flat``
+    the rows (and the KL rows) are one row each without padding, ``position_ids`` and
+    ``sequence`` (each token's row) in place of the mask (:func:`conversations.flat_rows`)."""
 
-    def __init__(self, pad_token_id: int, max_length: int, kl: bool) -> None:
+    def __init__(
+        self, pad_token_id: int, max_length: int, kl: bool, layout: Layout | None = None
+    ) -> None:
         self.pad_token_id = pad_token_id
         self.truncate_at = max_length
         self.kl = kl
+        self.layout = layout or Layout()
         self.pad_to_multiple_of: int | None = None  # the loop sets trainer.pad_to_multiple_of
         self.reference: torch.Tensor | None = None  # (rows of the split, 2), when precomputed
 
@@ -427,6 +447,11 @@ class UnpairedCollator:
         return batch
 
     def _padded(self, rows: list[dict[str, Any]], prefix: str) -> dict[str, torch.Tensor]:
+        if self.layout.flat:
+            rows = [{**row, "group": group} for group, row in enumerate(rows)]
+            return conversations.flat_rows(
+                rows, ["labels"], self.pad_token_id, self.pad_to_multiple_of, prefix
+            )
         longest = conversations.padded_length(rows, self.pad_to_multiple_of)
         ignore = conversations.IGNORE_INDEX
         return {

@@ -14,6 +14,12 @@ from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 PAIR_FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
 REFERENCE_FREE = ("orpo", "simpo")  # the losses without a reference model (recipes.tasks.dpo)
 LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)
+PADDING_FREE = ("auto", "true", "false")  # task.padding_free (DPO, KTO, GRPO)
+PADDING_FREE_RANGE = (
+    "padding_free",
+    lambda v: str(v).lower() in PADDING_FREE,
+    "choose auto, true or false",
+)
 
 
 def finite_at_least_zero(value: float) -> bool:
@@ -42,6 +48,7 @@ class DpoConfig(ChatConfig):
             "must be a finite number >= 0 (SimPO's target reward margin; TRL's default is 0.5)",
         ),
         ("nll_weight", finite_at_least_zero, "must be a finite number >= 0"),
+        PADDING_FREE_RANGE,
     )
 
     _target_: str = "recipes.tasks.dpo.DirectPreference"
@@ -71,8 +78,10 @@ class DpoConfig(ChatConfig):
     # true: the reference's log-probs computed once before training (no reference forward per
     # step, no frozen copy); refused with orpo / simpo (no reference).
     precompute_reference: bool = False
-    # true: a pair's chosen and rejected in one row (no padding of the shorter side).
-    padding_free: bool = feature(False)
+    # auto: a micro-batch's sides as one row without padding where the model's attention runs
+    # a variable-length kernel (flash attention), else padded rows; true: that row under flash,
+    # elsewhere a pair per row under a block-diagonal mask; false: padded rows.
+    padding_free: str = feature("auto")
     # No dropout, as TRL: the policy's log-probs are those the reference sees.
     disable_dropout: bool = True
 

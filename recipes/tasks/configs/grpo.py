@@ -7,6 +7,7 @@ from typing import Any
 
 from recipes.config import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
+from recipes.tasks.configs.dpo import PADDING_FREE_RANGE
 from recipes.tasks.configs.sft import check_text_rows
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -44,6 +45,7 @@ class GrpoConfig(TaskConfig):
         ("max_prompt_length", at_least(1), "must be >= 1"),
         ("max_completion_length", at_least(1), "must be >= 1"),
         ("num_held_out_answers", at_least(0), "must be >= 0"),
+        PADDING_FREE_RANGE,
     )
 
     _target_: str = "recipes.tasks.grpo.GroupRelativePolicy"
@@ -72,6 +74,11 @@ class GrpoConfig(TaskConfig):
     rewards: list[Any] = field(default_factory=lambda: [{"name": "answer_f1", "weight": 1.0}])
     # Held-out prompts answered greedily after training (generations.jsonl, EM and F1).
     num_held_out_answers: int = 8
+    # auto: the loss's forward on a micro-batch's prompt + completion sequences as one row
+    # without padding where the model's attention runs a variable-length kernel (flash
+    # attention), else padded rows; true: that row everywhere (elsewhere under a dense
+    # block-diagonal mask: exact, not faster); false: padded rows.
+    padding_free: str = "auto"
 
     def check(self) -> None:
         if self.loss_type not in LOSS_TYPES:

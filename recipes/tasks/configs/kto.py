@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from recipes.config import ConfigError
 from recipes.tasks.configs import at_least, feature
-from recipes.tasks.configs.dpo import PAIR_FORMATS
+from recipes.tasks.configs.dpo import PADDING_FREE_RANGE, PAIR_FORMATS
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 
 # TRL's unpaired rows, or preference pairs unpaired (recipes.tasks.unpaired reads them).
@@ -26,6 +26,7 @@ class KtoConfig(ChatConfig):
         ("beta", lambda v: v is not None and v > 0, "must be > 0 (TRL's default is 0.1)"),
         ("desirable_weight", at_least(0), "must be >= 0 (TRL's default is 1.0)"),
         ("undesirable_weight", at_least(0), "must be >= 0 (TRL's default is 1.0)"),
+        PADDING_FREE_RANGE,
     )
 
     _target_: str = "recipes.tasks.kto.KahnemanTversky"
@@ -49,6 +50,11 @@ class KtoConfig(ChatConfig):
     precompute_reference: bool = False
     # No dropout, as TRL: the policy's log-probs are those the reference sees.
     disable_dropout: bool = True
+    # auto: a micro-batch's rows (and KL rows) as one row without padding where the model's
+    # attention runs a variable-length kernel (flash attention), else padded rows; true: that
+    # row everywhere (elsewhere under a dense block-diagonal mask: exact, not faster); false:
+    # padded rows.
+    padding_free: str = "auto"
     # Held-out prompts (of desirable rows) answered greedily after training.
     num_generations: int = 4
 
