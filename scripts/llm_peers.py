@@ -140,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per side")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+    parser.add_argument("--prompts", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def _resolve(args: argparse.Namespace, kind: str) -> argparse.Namespace:
@@ -184,7 +185,49 @@ def overrides(args: argparse.Namespace, run_dir: Path, cache: Path) -> list[str]
             f"trainer.log_every_n_steps={args.warmup}",
         ]
     # Every step its own record: its generation seconds and its step time exactly.
-    return [*common, "task.num_held_out_answers=0", "trainer.log_every_n_steps=1"]
+    fitting = [f"data.path={args.prompts}"] if getattr(args, "prompts", None) else []
+    return [*common, *fitting, "task.num_held_out_answers=0", "trainer.log_every_n_steps=1"]
+
+
+def fitting_prompts(args: argparse.Namespace, folder: Path) -> Path:
+    """The GRPO data folder's rows whose prompt fits ``task.max_prompt_length`` (ours keeps a
+    longer prompt's last tokens, TRL 1.16 keeps it whole: the work would differ), written to
+    ``folder`` with the held-out file as it is; both sides then read it. Also checks that TRL's
+    rendering of each prompt (``apply_chat_template``) gives ours' token ids."""
+    import shutil
+
+    from recipes import data as data_lib
+    from recipes.tasks import chat_features
+    from recipes.tasks.grpo import prompt_rows
+
+    settings = _settings(args, folder / "unused", folder / "cache")
+    tokenizer, task = _tokenizer_and_task(settings)
+    targs = settings.task
+    chat = chat_features.use_template(tokenizer, targs.chat_template, targs.text_rows)
+    source = Path(settings.data.path)
+    split = data_lib.load_splits(settings.data)["train"]
+    lines = (source / "train.jsonl").read_text().splitlines()
+    rows = prompt_rows(split.examples, split.source)
+    if len(lines) != len(rows):
+        raise SystemExit(f"{source}: train.jsonl's lines are not its rows")
+    kept, differ = [], 0
+    for line, row in zip(lines, rows, strict=True):
+        ids = task._prompt_ids(tokenizer, chat.template, row, split.source)
+        trl_ids = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        differ += list(trl_ids) != list(ids)
+        if len(ids) <= targs.max_prompt_length:
+            kept.append(line)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("\n".join(kept) + "\n")
+    shutil.copy(source / "dev.jsonl", folder / "dev.jsonl")
+    print(
+        f"grpo prompts: {len(kept)} of {len(rows)} fit task.max_prompt_length="
+        f"{targs.max_prompt_length}; TRL's rendering differs from ours in {differ}",
+        flush=True,
+    )
+    return folder
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -315,6 +358,7 @@ def run_peer(args: argparse.Namespace, out: Path, cache: Path) -> dict[str, floa
         f"--mixed-precision={args.mixed_precision}",
         f"--threads={args.threads}",
         *([f"--model={args.model}"] if args.model else []),
+        *([f"--prompts={args.prompts}"] if getattr(args, "prompts", None) else []),
     ]
     subprocess.run(argv, check=True, cwd=ROOT, env=_child_env(args))
     return json.loads((out / "peer.json").read_text())
@@ -500,7 +544,11 @@ def _trl_grpo(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, f
         for row in prompt_rows(split.examples, split.source)
     ]
     lengths = [
-        len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True))
+        len(
+            tokenizer.apply_chat_template(
+                r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
         for r in rows
     ]
     if max(lengths) > targs.max_prompt_length:
@@ -588,6 +636,8 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
+        if kind == "grpo":
+            args.prompts = fitting_prompts(args, Path(tmp) / "prompts")
         for round_ in range(args.rounds):
             for side, runner in (("ours", run_ours), ("trl", run_peer)):
                 out = Path(tmp) / f"{side}{round_}"
