@@ -529,13 +529,13 @@ def _trl_grpo(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, f
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
+    from recipes import data as data_lib
     from recipes import rewards as reward_lib
+    from recipes.model import load_tokenizer
     from recipes.tasks import chat_features
     from recipes.tasks.grpo import prompt_rows
 
-    from recipes import data as data_lib
-
-    tokenizer, task = _tokenizer_and_task(settings)
+    tokenizer = load_tokenizer(settings.model)
     targs = settings.task
     chat = chat_features.use_template(tokenizer, targs.chat_template, targs.text_rows)
     split = data_lib.load_splits(settings.data)["train"]
@@ -650,7 +650,9 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if kind == "sft":
         ratio = medians["ours"]["tokens_per_second"] / medians["trl"]["tokens_per_second"]
-        note = "SFT real tokens/s, ours / TRL SFTTrainer (packing bfd, padding-free); > 1: ours faster"
+        note = (
+            "SFT real tokens/s, ours / TRL SFTTrainer (packing bfd, padding-free); > 1: ours faster"
+        )
     else:
         ratio = medians["trl"]["s_per_step"] / medians["ours"]["s_per_step"]
         note = "GRPO step time, TRL GRPOTrainer / ours (transformers generate); > 1: ours faster"
