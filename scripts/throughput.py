@@ -76,6 +76,14 @@ prints generated tokens/s of each side and checks that the answers are the same.
     python scripts/throughput.py generate                         # bundled tiny Llama
     python scripts/throughput.py generate --model smollm2 --prompts 64 --gen-batch-size 16
 
+``sft`` / ``grpo``: ``recipe=llama_sft`` (packed) against TRL's ``SFTTrainer`` (packing,
+padding-free) in real tokens/s, and ``recipe=llama_grpo`` against TRL's ``GRPOTrainer``
+(transformers generation) in step time with each side's sampling share
+(``scripts/llm_peers.py``, its own options: ``--device --rounds --steps --json``).
+
+    python scripts/throughput.py sft --rounds 3 --json outputs/benchmark/sft.json
+    python scripts/throughput.py grpo --device cpu --rounds 3
+
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
 """
@@ -1075,6 +1083,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in ("sft", "grpo"):  # against TRL's trainers: scripts/llm_peers.py
+        from scripts import llm_peers
+
+        llm_peers.main(argv)
+        return
     args = parse(argv)
     if args.task == "token-loss":
         run_token_loss(args)
