@@ -80,6 +80,7 @@ class JobRecorder(Callback):
 
 PROFILE_FILE = "profile.json"
 OPS_FILE = "profile_ops.txt"
+PENDING_FILE = "profile.pending"
 # Runtime calls counted per step (the names torch's profiler gives CUDA's; MUSA's differ).
 ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cudaHostAlloc")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -110,6 +111,8 @@ class StepProfiler(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         import torch
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from recipes import device
 
@@ -159,8 +162,11 @@ class StepProfiler(Callback):
                 self._stop_profiler(job)
             job["resumed"] = time.perf_counter()
 
-        job["finder"] = torch.nn.modules.module.register_module_forward_pre_hook(find_embedding)
-        job["handles"].append(torch.optim.optimizer.register_optimizer_step_post_hook(step_hook))
+        # train.py writes results.json before this callback's on_job_end: the check waits for
+        # profile.json while this file is there.
+        atomic_write(job["dir"] / PENDING_FILE, b"")
+        job["finder"] = register_module_forward_pre_hook(find_embedding)
+        job["handles"].append(register_optimizer_step_post_hook(step_hook))
 
     def _sync(self, job: dict) -> None:
         module = job["module"]
@@ -214,8 +220,9 @@ class StepProfiler(Callback):
         if job["prof"] is not None:
             summary, text = summarise(job["prof"], self.profiled, job["window"], self.top)
             record.update(summary)
-        atomic_write(job["dir"] / PROFILE_FILE, (json.dumps(record) + "\n").encode())
         atomic_write(job["dir"] / OPS_FILE, text.encode())
+        atomic_write(job["dir"] / PROFILE_FILE, (json.dumps(record) + "\n").encode())
+        (job["dir"] / PENDING_FILE).unlink(missing_ok=True)
 
 
 def summarise(prof: Any, steps: int, window: list[float], top: int) -> tuple[dict, str]:
