@@ -1,6 +1,7 @@
 """The checks that need a GPU (MUSA or CUDA), in one run of a few minutes, as a Markdown table.
 
-    python scripts/gpu_check.py --out DIR          # every row: about 8 minutes on one H200
+    python scripts/gpu_check.py --out DIR          # issue 44's rows: about 9 minutes at most
+    python scripts/gpu_check.py --only '*' --out DIR   # every row (more than one command's time)
     python scripts/gpu_check.py --plan             # the rows, their commands and time caps
     python scripts/gpu_check.py --dry-run --out DIR    # every row's code path here (CPU), shrunk
     python scripts/gpu_check.py --only 'smoke/*' --only bert_large/compile
@@ -11,6 +12,22 @@ jobs of one Hydra multirun, so they pay the start-up once):
 
 - setup/models: random models of real shapes for the rows below (bert-large-uncased QA with the
   bundled uncased vocabulary; a Llama of SmolLM2-135M's shape with the bundled tokenizer);
+
+Planned by default (issue 44, "fast where it is meant to run"):
+
+- profile/*: bert-large QA (384, batch 32, padding=longest) in the project's loop under the step
+  profiler (scripts/gpu_check_hydra.py StepProfiler: per-step host time and new input shapes,
+  and torch.profiler over 3 steps): sub_batches=4 and 1 alternating twice, then lengths to 64,
+  then expandable segments in a process of its own; profile/sub_batches sums them up (the
+  likely cause of the gap, from the numbers);
+- bert_squad/defaults: ours at the device's defaults against run_qa_no_trainer.py's and
+  run_qa.py's behaviour (throughput.py qa's peers), samples/s, MFU, peak memory, rounds
+  alternating; bert_squad/f1: F1 after a short real-data run on both sides (MiniLM);
+- llm/sft_vs_trl, llm/grpo_vs_trl: throughput.py sft / grpo (ours against TRL's trainers);
+- generate/batch_vs_continuous: recipes/generation.py against transformers' continuous batching.
+
+Only with --only (a glob such as 'smoke/*', or '*' for all):
+
 - micro/*: the doctor's one-step SDPA-against-eager probe, the AdamW the project builds
   (``optimizer.fused=null``, and ``true``) against the foreach one (``false``): speed and the
   same parameters, and the cost of the loop's per-step host sync;
