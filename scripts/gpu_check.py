@@ -1,6 +1,7 @@
 """The checks that need a GPU (MUSA or CUDA), in one run of a few minutes, as a Markdown table.
 
-    python scripts/gpu_check.py --out DIR          # every row: about 8 minutes on one H200
+    python scripts/gpu_check.py --out DIR          # issue 44's rows: about 9 minutes at most
+    python scripts/gpu_check.py --only '*' --out DIR   # every row (more than one command's time)
     python scripts/gpu_check.py --plan             # the rows, their commands and time caps
     python scripts/gpu_check.py --dry-run --out DIR    # every row's code path here (CPU), shrunk
     python scripts/gpu_check.py --only 'smoke/*' --only bert_large/compile
@@ -11,6 +12,22 @@ jobs of one Hydra multirun, so they pay the start-up once):
 
 - setup/models: random models of real shapes for the rows below (bert-large-uncased QA with the
   bundled uncased vocabulary; a Llama of SmolLM2-135M's shape with the bundled tokenizer);
+
+Planned by default (issue 44, "fast where it is meant to run"):
+
+- profile/*: bert-large QA (384, batch 32, padding=longest) in the project's loop under the step
+  profiler (scripts/gpu_check_hydra.py StepProfiler: per-step host time and new input shapes,
+  and torch.profiler over 3 steps): sub_batches=4 and 1 alternating twice, then lengths to 64,
+  then expandable segments in a process of its own; profile/sub_batches sums them up (the
+  likely cause of the gap, from the numbers);
+- bert_squad/defaults: ours at the device's defaults against run_qa_no_trainer.py's and
+  run_qa.py's behaviour (throughput.py qa's peers), samples/s, MFU, peak memory, rounds
+  alternating; bert_squad/f1: F1 after a short real-data run on both sides (MiniLM);
+- llm/sft_vs_trl, llm/grpo_vs_trl: throughput.py sft / grpo (ours against TRL's trainers);
+- generate/batch_vs_continuous: recipes/generation.py against transformers' continuous batching.
+
+Only with --only (a glob such as 'smoke/*', or '*' for all):
+
 - micro/*: the doctor's one-step SDPA-against-eager probe, the AdamW the project builds
   (``optimizer.fused=null``, and ``true``) against the foreach one (``false``): speed and the
   same parameters, and the cost of the loop's per-step host sync;
@@ -55,6 +72,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -88,6 +106,9 @@ RECIPES = (
 )
 # Added to every train.py process: writes each job's start and failure into its folder.
 CALLBACK = "+hydra.callbacks.gpu_check._target_=scripts.gpu_check_hydra.JobRecorder"
+# The profile rows add the step profiler (its settings filled in by command()).
+PROFILER = "+hydra.callbacks.gpu_check_profile._target_=scripts.gpu_check_hydra.StepProfiler"
+PROFILE_STEPS = {False: (5, 3), True: (1, 1)}  # (warm-up, profiled) on a device, --dry-run
 CHILD_ENV = {
     "HYDRA_FULL_ERROR": "1",  # the real traceback, not Hydra's one-line hint
     "HF_HUB_OFFLINE": "1",
@@ -106,6 +127,7 @@ PIP_INSTALL = (
 # Exceptions that only say a child process failed (its own traceback came first).
 WRAPPERS = ("CalledProcessError", "ChildFailedError")
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+DATA_FOLDER = "gpu_check_data"  # inside the --wheels folder: what gpu_check_wheels.py --data stages
 KEPT = (".log", ".json", ".jsonl", ".yaml", ".txt", ".md")  # a row's run files in logs.tar.gz
 POLL_S = 0.25
 EXIT_GRACE_S = 5.0  # after a process's last job: its sweep summary, then it is stopped
@@ -138,6 +160,7 @@ class Process:
     models: bool = False  # needs setup/models
     launch_config: str | None = None
     distributed: str | None = None  # the distributed type a device run must show (train.log)
+    env: tuple[tuple[str, str], ...] = ()  # set for this process only (before torch starts)
 
 
 @dataclass(frozen=True)
@@ -166,12 +189,24 @@ class Comparison:
     lower: bool = False
 
 
+@dataclass(frozen=True)
+class Summary:
+    """A row computed from several finished rows (``rows``; those selected) by ``function``
+    (a name in ``SUMMARIES``), once the last of them is recorded."""
+
+    name: str
+    rows: tuple[str, ...]
+    function: str
+    what: str = ""
+
+
 @dataclass
 class Plan:
     processes: dict[str, Process]
     rows: list[Row]
     comparisons: list[Comparison]
     precision: str
+    summaries: list[Summary] = field(default_factory=list)
 
 
 SHORT_STEPS = (
@@ -216,7 +251,29 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         *perf,
     )
     llama_dry = ("task.max_seq_length=128",)
+    # Issue 44: why 4 sub-batches cost 5.7x on a GPU. The same bert-large steps under the
+    # step profiler (scripts/gpu_check_hydra.py), one process alternating sub_batches=4 and 1
+    # twice, then length buckets of 64; the allocator's expandable segments need a process of
+    # their own (read when the device starts).
+    profiled = (
+        *bert,
+        PROFILER,
+        "+hydra.callbacks.gpu_check_profile.warmup={profile_warmup}",
+        "+hydra.callbacks.gpu_check_profile.profiled={profile_steps}",
+    )
+    profile_dry = (*bert_dry, "trainer.max_steps=4")  # 1 warm-up, 1 profiled, 2 timed
+    expandable = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
     processes = [
+        Process("profile", "train", 15, profiled, "trainer", profile_dry, models=True),
+        Process(
+            "profile_exp", "train", 15, profiled, "trainer", profile_dry, models=True,
+            env=expandable,
+        ),
+        Process("defaults", "child", 8, models=True),
+        Process("f1", "child", 8),
+        Process("sft", "child", 5),
+        Process("grpo", "child", 5),
+        Process("continuous", "child", 10, models=True),
         Process("setup", "child", 10),
         Process("probe", "child", 8),
         Process("adamw", "child", 10),
@@ -255,12 +312,48 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
     ]  # fmt: skip
     # Seconds; smoke/bert_mlm and smoke/llama_sft took 5 and 6 s on the H200, smoke/llama_dpo 6.
     smoke_caps = {"bert_glue": 12, "bert_squad": 15, "bert_mlm": 7, "llama_sft": 8, "llama_kto": 8}
+
+    def sub(count: int, multiple: int) -> str:
+        return f"{{padding:longest,sub_batches:{count},pad_to_multiple_of:{multiple}}}"
+
     rows = [
         # Generous: every bert_large and llama135m row needs it (32 s: room for smoke/llama_grpo).
         Row("setup/models", "setup", 32, "models", "random bert-large and SmolLM2-135M shapes"),
-        Row("micro/sdpa_probe", "probe", 7, "sdpa_probe", "one SDPA step against eager"),
-        Row("micro/adamw_fused", "adamw", 12, "adamw_fused", "fused=null/true against false"),
-        Row("micro/host_sync", "sync", 7, "host_sync", "the loop's per-step .tolist()"),
+        # Issue 44 first (about 8 minutes with the set-up); the rows after them only with --only.
+        # sub_batches=4 ran 0.73 s a step on the H200, 1 ran 0.13 s: 30 steps each.
+        Row("profile/sub4_a", "profile", 35, sub(4, 8), "sub-batches 4, lengths to 8: round 1"),
+        Row("profile/sub1_a", "profile", 10, sub(1, 8), "whole batches, lengths to 8: round 1"),
+        Row("profile/sub4_b", "profile", 28, sub(4, 8), "round 2"),
+        Row("profile/sub1_b", "profile", 8, sub(1, 8), "round 2"),
+        Row("profile/sub4_pad64", "profile", 15, sub(4, 64), "sub-batches 4, lengths to 64"),
+        Row("profile/sub1_pad64", "profile", 8, sub(1, 64), "whole batches, lengths to 64"),
+        Row(
+            "profile/sub4_expandable",
+            "profile_exp",
+            28,
+            sub(4, 8),
+            "sub-batches 4, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        ),
+        Row(
+            "bert_squad/defaults",
+            "defaults",
+            125,
+            "squad_defaults",
+            "ours at the device's defaults against run_qa_no_trainer and run_qa (throughput.py qa)",
+        ),
+        Row("bert_squad/f1", "f1", 48, "squad_f1", "F1 after a short real-data run, both sides"),
+        Row("llm/sft_vs_trl", "sft", 40, "sft", "throughput.py sft: ours packed against TRL"),
+        Row("llm/grpo_vs_trl", "grpo", 50, "grpo", "throughput.py grpo: ours against TRL"),
+        Row(
+            "generate/batch_vs_continuous",
+            "continuous",
+            25,
+            "continuous",
+            "generation.complete against transformers' continuous batching",
+        ),
+        Row("micro/sdpa_probe", "probe", 7, "sdpa_probe", "one SDPA step against eager", True),
+        Row("micro/adamw_fused", "adamw", 12, "adamw_fused", "fused=null/true vs false", True),
+        Row("micro/host_sync", "sync", 7, "host_sync", "the loop's per-step .tolist()", True),
         Row(
             "micro/generate",
             "generate",
@@ -270,25 +363,32 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             optional=True,
         ),
         *(
-            Row(f"smoke/{r}", "smoke", smoke_caps.get(r, 10), r, "debug=smoke, 30 steps")
+            Row(f"smoke/{r}", "smoke", smoke_caps.get(r, 10), r, "debug=smoke, 30 steps", True)
             for r in RECIPES
         ),
-        Row("llama135m/unpacked", "llama", 20, "false", "SFT, seq 1024, batch 8, full FT"),
-        Row("llama135m/packed", "llama", 12, "true", "the same, task.packing=true"),
-        Row("llama135m/lora_gc", "lora", 20, "", "peft=lora, gradient checkpointing"),
-        Row("bert_large/eager", "eager", 25, "", "padding=max_length, eager attention"),
+        Row("llama135m/unpacked", "llama", 20, "false", "SFT, seq 1024, batch 8, full FT", True),
+        Row("llama135m/packed", "llama", 12, "true", "the same, task.packing=true", True),
+        Row("llama135m/lora_gc", "lora", 20, "", "peft=lora, gradient checkpointing", True),
+        Row("bert_large/eager", "eager", 25, "", "padding=max_length, eager attention", True),
         # One process; compile last, its compilation the longest wait.
-        Row("bert_large/max_length", "bert", 25, "{padding:max_length}", "seq 384, batch 32"),
-        Row("bert_large/longest", "bert", 15, "{padding:longest,sub_batches:4}", "defaults"),
-        Row("bert_large/longest_sub1", "bert", 12, "{padding:longest,sub_batches:1}", "whole"),
+        Row("bert_large/max_length", "bert", 25, "{padding:max_length}", "seq 384, batch 32", True),
+        Row(
+            "bert_large/longest", "bert", 15, "{padding:longest,sub_batches:4}", "CPU default", True
+        ),
+        Row(
+            "bert_large/longest_sub1", "bert", 12, "{padding:longest,sub_batches:1}", "whole", True
+        ),
         Row(
             "bert_large/longest_grouped",
             "bert",
             12,
             "{padding:longest,group_by_length:true}",
             "length-grouped batches",
+            True,
         ),
-        Row("bert_large/compile", "bert", 80, "{padding:max_length,compile:true}", "compiled"),
+        Row(
+            "bert_large/compile", "bert", 80, "{padding:max_length,compile:true}", "compiled", True
+        ),
         Row("fsdp/llama_clm", "fsdp", 25, "", "FSDP, one process", optional=True),
         Row("fsdp/llama_sft_lora", "fsdp_lora", 25, "", "LoRA under FSDP", optional=True),
     ]
@@ -311,7 +411,16 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
                    "peak_memory_gib", "LoRA + gradient checkpointing", "full fine-tuning",
                    lower=True),
     ]  # fmt: skip
-    return Plan({p.key: p for p in processes}, rows, comparisons, precision)
+    profile_rows = tuple(r.name for r in rows if r.process in ("profile", "profile_exp"))
+    summaries = [
+        Summary(
+            "profile/sub_batches",
+            profile_rows,
+            "sub_batches",
+            "why sub-batches cost more on this device: step time, device busy, first calls",
+        )
+    ]
+    return Plan({p.key: p for p in processes}, rows, comparisons, precision, summaries)
 
 
 def matches(name: str, patterns: list[str]) -> bool:
@@ -326,10 +435,11 @@ def matches(name: str, patterns: list[str]) -> bool:
 
 
 def select(plan: Plan, only: list[str]) -> list[Row]:
-    """The rows to run: all but the optional ones, or those ``only`` matches (and setup/models
-    when a chosen row needs it)."""
+    """The rows to run: all but the optional ones, or those ``only`` matches (the rows of a
+    summary it matches, and setup/models when a chosen row needs it)."""
     if only:
-        chosen = [r for r in plan.rows if matches(r.name, only)]
+        wanted = {n for s in plan.summaries if matches(s.name, only) for n in s.rows}
+        chosen = [r for r in plan.rows if matches(r.name, only) or r.name in wanted]
     else:
         chosen = [r for r in plan.rows if not r.optional]
     if any(plan.processes[r.process].models for r in chosen):
@@ -381,6 +491,7 @@ class Context:
     work: Path
     dry_run: bool
     overrides: list[tuple[str | None, str]] = field(default_factory=list)
+    data: Path | None = None  # SQuAD slices for bert_squad/f1 (gpu_check_wheels.py --data)
 
     @property
     def models(self) -> Path:
@@ -395,11 +506,17 @@ def command(plan: Plan, rows: list[Row], ctx: Context, folder: Path) -> list[str
         (row,) = rows
         cmd = [ctx.python, script, "--child", row.value, "--child-out", str(folder / "0")]
         cmd += ["--models-dir", str(ctx.models)]
+        if ctx.data is not None:
+            cmd += ["--data", str(ctx.data)]
         return [*cmd, "--dry-run"] if ctx.dry_run else cmd
     paths = {"bert": str(ctx.models / "bert-large-qa"), "llama": str(ctx.models / "llama-135m")}
-    overrides = [
-        o.replace("{bert}", paths["bert"]).replace("{llama}", paths["llama"]) for o in process.base
-    ]
+    warmup, profiled = PROFILE_STEPS[ctx.dry_run]
+    fill = {**paths, "profile_warmup": str(warmup), "profile_steps": str(profiled)}
+    overrides = []
+    for o in process.base:
+        for key, value in fill.items():
+            o = o.replace("{" + key + "}", value)
+        overrides.append(o)
     if ctx.dry_run:
         overrides += [*DRY_STEPS, *process.dry]
     overrides += row_overrides(rows[0], ctx.overrides)
@@ -437,9 +554,10 @@ def print_plan(plan: Plan, rows: list[Row], ctx: Context, scale: float) -> None:
     for group in groups:
         process = plan.processes[group[0].process]
         folder = ctx.work / "runs" / process.key
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in process.env)
         out.write(
             f"process {process.key} ({process.kind}, start-up {process.startup_s * scale:.0f} s):"
-            f" {shlex.join(command(plan, group, ctx, folder))}\n"
+            f" {env}{shlex.join(command(plan, group, ctx, folder))}\n"
         )
         for index, row in enumerate(group):
             value = f" [{process.sweep}={row.value}]" if process.sweep else ""
@@ -455,6 +573,11 @@ def print_plan(plan: Plan, rows: list[Row], ctx: Context, scale: float) -> None:
         out.write("\ncomparisons:\n")
         for c in compared:
             out.write(f"  {c.name:28} {c.a} / {c.b}: {c.metric} of {c.row} / {c.base}\n")
+    summed = [x for x in plan.summaries if chosen & set(x.rows)]
+    if summed:
+        out.write("\nsummaries:\n")
+        for x in summed:
+            out.write(f"  {x.name:28} {x.what} (from {', '.join(sorted(chosen & set(x.rows)))})\n")
 
 
 # ----------------------------------------------------------------------- outcomes and errors
@@ -497,6 +620,8 @@ def outcome(kind: str, job: Path) -> dict[str, Any] | None:
     if (job / "failed.json").exists():
         error = _read_json(job / "failed.json").get("error", "failed")
         return {"status": FAILED, "fatal": False, "error": f"error: {error.splitlines()[0]}"}
+    if (job / "profile.pending").exists():  # the step profiler still writes its summary
+        return None
     if (job / "results.json").exists():
         return {"status": "done", "fatal": False, **train_metrics(job)}
     return None
@@ -532,6 +657,9 @@ def train_metrics(job: Path) -> dict[str, Any]:
     if trainable and trainable.group(1) != trainable.group(2):  # LoRA
         share = int(trainable.group(1)) / int(trainable.group(2))
         notes.append(f"{share:.2%} of the parameters train")
+    if (job / "profile.json").exists():  # the step profiler's (profile rows)
+        found["profile"] = profile = _read_json(job / "profile.json")
+        notes.append(profile_note(profile))
     if (job / "gpu_check_job.json").exists():
         allocated = _read_json(job / "gpu_check_job.json").get("allocated_at_start")
         if allocated is not None:  # not the first job of its process
@@ -606,6 +734,154 @@ def compare(c: Comparison, a: dict, b: dict) -> dict[str, Any]:
     return {**row, "status": OK if ok else FAILED, "note": "; ".join(notes)}
 
 
+# ------------------------------------------------------------------- the profile rows' summary
+
+
+def timed_steps(profile: dict) -> list[dict]:
+    """A profiled job's steps after warm-up, without the profiled ones (the profiler slows
+    them) and the one after them (which waited for the profiler to stop)."""
+    skip = profile["warmup"] + profile["profiled"] + (1 if profile["profiled"] else 0)
+    return profile["steps"][skip:]
+
+
+def profile_note(profile: dict) -> str:
+    """One job's profile in a few words (its table row's note)."""
+    steps = timed_steps(profile)
+    parts = []
+    if steps:
+        median = statistics.median(s["s"] for s in steps)
+        new = sum(s["new"] for s in steps) / len(steps)
+        mean = statistics.fmean(s["s"] for s in steps)
+        parts.append(
+            f"{mean * 1e3:.0f} ms/step (mean of {len(steps)}; median {median * 1e3:.0f}), "
+            f"{new:.2f} new shapes a step"
+        )
+    wall, busy = profile.get("wall_s_per_step"), profile.get("device_busy_s_per_step")
+    if wall and busy is not None:
+        parts.append(f"device busy {busy / wall:.0%} of the profiled steps")
+    return "; ".join(parts)
+
+
+def summarise_sub_batches(records: list[dict]) -> dict:
+    """Why ``sub_batches=4`` costs more than 1 here, from the profile rows: step times (means,
+    and medians, over the rounds' unprofiled steps), the first-call cost of a new input shape (steps that saw
+    new shapes against steps that saw none, per new shape), and per step in the profiled window
+    the device's busy share, allocator calls, host syncs, device-to-host copies and launches."""
+    variants: dict[str, list[dict]] = {}  # sub4 and sub1: both rounds; each row on its own
+    for rec in records:
+        if rec.get("status") == OK and rec.get("profile"):
+            name = rec["row"].split("/", 1)[1]
+            variants.setdefault(name, []).append(rec["profile"])
+            if re.search(r"_[ab]$", name):
+                variants.setdefault(name[:-2], []).append(rec["profile"])
+    if "sub4" not in variants or "sub1" not in variants:
+        return {"ok": False, "error": "needs profile/sub4_* and profile/sub1_* ok"}
+    details: dict[str, dict] = {}
+    for name, profiles in variants.items():
+        steps = [s for p in profiles for s in timed_steps(p)]
+        if not steps:
+            continue
+        window = [p for p in profiles if p.get("wall_s_per_step")]
+        counts = {}
+        for key in window[0]["per_step"] if window else {}:
+            counts[key] = statistics.median(p["per_step"][key] for p in window)
+        busy = [p["device_busy_s_per_step"] / p["wall_s_per_step"] for p in window
+                if p.get("device_busy_s_per_step") is not None]  # fmt: skip
+        old = [s["s"] for s in steps if not s["new"]]
+        fresh = [s for s in steps if s["new"]]
+        details[name] = {
+            "rounds": len(profiles),
+            "timed_steps": len(steps),
+            # The mean: first calls are rare slow steps, and throughput pays for them all.
+            "step_s": statistics.fmean(s["s"] for s in steps),
+            "median_step_s": statistics.median(s["s"] for s in steps),
+            "sub_batches_per_step": statistics.median(s["sub"] for s in steps),
+            "new_shapes_per_step": sum(s["new"] for s in steps) / len(steps),
+            "steps_with_new_shapes": len(fresh),
+            "step_s_no_new_shape": statistics.median(old) if old else None,
+            "step_s_new_shapes": statistics.median(s["s"] for s in fresh) if fresh else None,
+            "new_shapes_in_those": sum(s["new"] for s in fresh) / len(fresh) if fresh else None,
+            "device_busy_share": statistics.median(busy) if busy else None,
+            "per_step": counts,
+            "top_kernels": window[0].get("top_kernels", [])[:8] if window else [],
+            "attention_ops": window[0].get("attention_ops") if window else None,
+            "allocator": [p.get("allocator") for p in profiles],
+        }
+    four, one = details["sub4"], details["sub1"]
+    ratio = four["step_s"] / one["step_s"]
+    notes = [
+        f"sub_batches=4 {four['step_s'] * 1e3:.0f} ms/step against 1 {one['step_s'] * 1e3:.0f} "
+        f"ms ({ratio:.2f}x; means of {four['timed_steps']} and {one['timed_steps']} steps; "
+        f"medians {four['median_step_s'] * 1e3:.0f} and {one['median_step_s'] * 1e3:.0f} ms)"
+    ]
+    # First calls: what a step with new shapes costs over one without, per new shape.
+    cost = None
+    if four["step_s_new_shapes"] is not None and four["step_s_no_new_shape"] is not None:
+        cost = (four["step_s_new_shapes"] - four["step_s_no_new_shape"]) / four[
+            "new_shapes_in_those"
+        ]
+    gap = four["step_s"] - one["step_s"]
+    causes = []
+    if cost is not None:
+        per_step = four["new_shapes_per_step"]
+        notes.append(
+            f"first-call cost of new shapes: {cost * 1e3:.0f} ms per new shape, "
+            f"{per_step:.2f} new shapes per step ({four['steps_with_new_shapes']} of "
+            f"{four['timed_steps']} steps saw one)"
+        )
+        if cost * per_step > 0.5 * gap:
+            causes.append((cost * per_step, "first calls of new shapes"))
+    elif four["new_shapes_per_step"] == 0:
+        notes.append("no new input shape after warm-up (every shape seen before)")
+    share4, share1 = four["device_busy_share"], one["device_busy_share"]
+    if share4 is not None and share1 is not None:
+        notes.append(f"device busy {share4:.0%} of a step against {share1:.0%}")
+        if share4 < 0.6:
+            causes.append(((1 - share4) * four["step_s"], "the host (the device waits)"))
+    c4, c1 = four["per_step"], one["per_step"]
+    if c4 and c1:
+        notes.append(
+            "per step (4 against 1): "
+            + ", ".join(f"{key} {c4.get(key, 0):.0f} vs {c1.get(key, 0):.0f}" for key in COUNTED)
+        )
+        if c4.get("cudaMalloc", 0) + c4.get("cudaFree", 0) > 10:
+            causes.append((gap, "the allocator (cudaMalloc/cudaFree every step)"))
+    if "sub4_a" in details and "sub4_b" in details:  # the same steps, shapes seen or not
+        speed = details["sub4_a"]["step_s"] / details["sub4_b"]["step_s"]
+        notes.append(f"sub_batches=4 round 2 (its shapes seen in round 1): {speed:.2f}x round 1")
+    # Each variant against the sub_batches=4 job at the same place in its process: lengths to
+    # 64 ran after both rounds (as round 2), expandable segments first in a process of its own.
+    for variant, base, label, cause in (
+        ("sub4_pad64", "sub4_b", "lengths to 64", "new shapes (length buckets help)"),
+        ("sub4_expandable", "sub4_a", "expandable segments", "the allocator"),
+    ):
+        if variant in details:
+            against = details.get(base, four)
+            speed = against["step_s"] / details[variant]["step_s"]
+            notes.append(f"sub_batches=4 with {label}: {speed:.2f}x the speed without")
+            if speed > 1.5:
+                causes.append(((1 - 1 / speed) * against["step_s"], cause))
+    if "sub1_pad64" in details:
+        speed = one["step_s"] / details["sub1_pad64"]["step_s"]
+        notes.append(f"sub_batches=1 with lengths to 64: {speed:.2f}x lengths to 8")
+    if causes:
+        causes.sort(reverse=True)
+        likely = f"likely cause: {causes[0][1]}"
+    else:
+        likely = "likely cause: more, smaller launches (no first-call, host or allocator signal)"
+    return {
+        "ok": True,
+        "samples_per_s": None,
+        "ratio": ratio,
+        "note": "; ".join([likely, *notes]),
+        "details": details,
+    }
+
+
+SUMMARIES = {"sub_batches": summarise_sub_batches}
+COUNTED = ("cudaMalloc", "cudaFree", "host_syncs", "memcpy_dtoh", "kernel_launches")
+
+
 # ------------------------------------------------------------------------------------ the run
 
 
@@ -664,10 +940,15 @@ class Runner:
         """Append a row (and the comparisons it completes), then rewrite the files."""
         new = [rec]
         done = {*self.by_name, rec["row"]}
+        arms = {**self.by_name, rec["row"]: rec}
         for c in self.plan.comparisons:
             if rec["row"] in (c.row, c.base) and {c.row, c.base} <= done:
-                arms = {**self.by_name, rec["row"]: rec}
                 new.append(compare(c, arms[c.row], arms[c.base]))
+        selected = {r.name for r in self.rows}
+        for x in self.plan.summaries:
+            inputs = [n for n in x.rows if n in selected]
+            if rec["row"] in inputs and set(inputs) <= done:
+                new.append(self.summarise(x, [arms[n] for n in inputs]))
         for item in new:
             self.records.append(item)
             self.by_name[item["row"]] = item
@@ -680,6 +961,21 @@ class Runner:
             )
         sys.stdout.flush()
         self.write_files()
+
+    def summarise(self, x: Summary, records: list[dict]) -> dict:
+        """A summary row; its whole result goes into logs.tar.gz as <row>/summary.json."""
+        try:
+            found = SUMMARIES[x.function](records)
+        except Exception as err:  # a summary must not stop the rows after it
+            found = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", x.name)
+        keep = self.ctx.work / "files" / slug
+        keep.mkdir(parents=True, exist_ok=True)
+        atomic_write(keep / "summary.json", json.dumps(found, indent=1).encode())
+        status = OK if found.get("ok") else FAILED
+        brief = {k: v for k, v in found.items() if k not in ("ok", "details")}
+        return {"row": x.name, "kind": "summary", "status": status, **brief,
+                "files": f"logs.tar.gz:{slug}/"}  # fmt: skip
 
     def write_files(self) -> None:
         done = set(self.by_name)
@@ -721,8 +1017,11 @@ class Runner:
             folder = self.ctx.work / "runs" / tag
             cmd = command(self.plan, pending, self.ctx, folder)
             log = self.ctx.work / "logs" / f"{tag}.log"
+            process = self.plan.processes[pending[0].process]
+            # A child row may shorten its own work to its cap (bert_squad/defaults' rounds).
+            env = {**self.env, **dict(process.env), "GPU_CHECK_BUDGET_S": f"{cap:.0f}"}
             with log.open("w", encoding="utf-8") as f:
-                f.write(f"$ {shlex.join(cmd)}\n")
+                f.write("".join(f"{k}={v} " for k, v in process.env) + f"$ {shlex.join(cmd)}\n")
                 f.flush()
                 self.proc = subprocess.Popen(
                     cmd,
@@ -730,7 +1029,7 @@ class Runner:
                     stdin=subprocess.DEVNULL,
                     stdout=f,
                     stderr=subprocess.STDOUT,
-                    env=self.env,
+                    env=env,
                     preexec_fn=os.setpgrp,  # its own group: stopped with accelerate's ranks
                 )
             done = self.watch(pending, tag, folder, cmd, log, (own, borrowed, cap))
@@ -1090,6 +1389,373 @@ def child_generate(models: Path, dry_run: bool) -> dict:
     return {"ok": ok, "note": "; ".join(notes), "speedup": speedup}
 
 
+# ------------------------------------------------------------------------ issue 44's children
+
+
+def _budget(default: float) -> float:
+    """Seconds this child row may run (its cap, from the runner)."""
+    return float(os.environ.get("GPU_CHECK_BUDGET_S") or default)
+
+
+def _throughput() -> Any:
+    """scripts/throughput.py as a module (its peers and its train.py runner are reused)."""
+    import importlib
+
+    return importlib.import_module("scripts.throughput")
+
+
+def _precision(dry_run: bool) -> str:
+    from recipes import device
+
+    if dry_run:
+        return "no"  # the CPU's quickest, and the Trainer refuses fp16 there
+    return "bf16" if device.supports_bf16() else "fp16"
+
+
+def _mfu(model_dir: Path, side: dict, precision: str) -> float | None:
+    """Model-FLOPs utilisation of real tokens (recipes/flops.py's count: 6 x non-embedding
+    weights + 12 x layers x width x mean length, per token) against the device's peak."""
+    import torch
+    from transformers import AutoConfig, AutoModelForQuestionAnswering
+
+    from recipes import device
+
+    backend = device.backend()
+    if backend == device.CPU:
+        return None
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        weights = AutoModelForQuestionAnswering.from_config(config).num_parameters(
+            exclude_embeddings=True
+        )
+    length = side["tokens_per_second"] / side["samples_per_second"]
+    per_token = 6.0 * weights + 12.0 * config.num_hidden_layers * config.hidden_size * length
+    peak = device.peak_flops(torch.device(f"{backend}:0"), precision)
+    return per_token * side["tokens_per_second"] / peak if peak else None
+
+
+def child_squad_defaults(models: Path, out: Path, dry_run: bool) -> dict:
+    """bert-large QA (random weights, setup/models) at the example's shapes (length 384, stride
+    128, batch 32) in bf16: ours at the device's own ``trainer.*`` defaults (``throughput.py qa
+    --project-defaults``) against run_qa_no_trainer.py's behaviour and the Trainer's (run_qa.py,
+    every window padded to 384), each side a fresh process, rounds alternating ours / one peer /
+    the other; samples/s, real-token MFU, peak memory, and ours over each peer (medians)."""
+    tp = _throughput()
+    precision = _precision(dry_run)
+    model = models / "bert-large-qa"
+    shape = ("128", "32", "4", "2", "2") if dry_run else ("384", "128", "32", "10", "20")
+    length, stride, batch, warmup, steps = shape
+    common = [
+        "qa", "--model", str(model), "--block-size", length, "--doc-stride", stride,
+        "--batch-size", batch, "--warmup", warmup, "--steps", steps,
+        "--mixed-precision", precision,
+    ]  # fmt: skip
+    ours_args = tp.parse([*common, "--project-defaults"])
+    peers = {p: tp.parse([*common, "--peer", p]) for p in ("run_qa_no_trainer", "run_qa")}
+    cache = out / "cache"
+    for a in (ours_args, *peers.values()):
+        a.cache = cache  # every side trains on the same cached windows
+    results: dict[str, list[dict]] = {"ours": [], **{p: [] for p in peers}}
+    budget, started = _budget(120), time.monotonic()
+    rounds = 1 if dry_run else 2
+    for round_ in range(rounds):
+        folder = out / f"ours{round_}"
+        folder.mkdir(parents=True)
+        results["ours"].append(tp.run_ours(ours_args, folder))
+        if round_ == 0:  # what the device decided, as train.py logged it
+            log = folder / "ours" / "train.log"
+            if log.exists():
+                shutil.copy2(log, out / "ours_train.log")
+        for name, args in peers.items():
+            folder = out / f"{name}{round_}"
+            folder.mkdir(parents=True)
+            results[name].append(tp.run_peer(args, folder))
+        used = time.monotonic() - started
+        if round_ + 1 < rounds and used * (round_ + 2) / (round_ + 1) > 0.95 * budget:
+            break  # another round would pass the row's cap: report this one
+    shutil.rmtree(cache, ignore_errors=True)
+    summary = {
+        side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for side, runs in results.items()
+    }
+    for side in summary.values():
+        side["mfu"] = _mfu(model, side, precision)
+    ours = summary["ours"]
+    notes = [f"{len(results['ours'])} rounds, {precision}"]
+    for name in peers:
+        peer = summary[name]
+        ours[f"ratio_{name}"] = ours["samples_per_second"] / peer["samples_per_second"]
+        mfu = f", MFU {peer['mfu']:.1%}" if peer["mfu"] is not None else ""
+        notes.append(
+            f"ours / {name}: {ours[f'ratio_{name}']:.2f}x samples/s ({name} "
+            f"{peer['samples_per_second']:.1f}{mfu}, peak {peer['peak_memory_mb'] / 1024:.2f} GiB)"
+        )
+    decided = _defaults_logged(out / "ours_train.log")
+    if decided:
+        notes.append(f"ours' defaults: {decided}")
+    atomic_write(
+        out / "squad_defaults.json",
+        json.dumps({"summary": summary, "rounds": results}, indent=1).encode(),
+    )
+    return {
+        "ok": True,
+        "samples_per_s": ours["samples_per_second"],
+        "tokens_per_s": ours["tokens_per_second"],
+        "mfu": ours["mfu"],
+        "peak_memory_gib": ours["peak_memory_mb"] / 1024,
+        "ratios": {p: ours[f"ratio_{p}"] for p in peers},
+        "note": "; ".join(notes),
+    }
+
+
+def _defaults_logged(log: Path) -> str:
+    """The trainer settings the device decided, as train.py's first lines name them."""
+    if not log.exists():
+        return ""
+    found = {}
+    keys = ("padding", "pad_to_multiple_of", "sub_batches", "pin_memory", "compile")
+    for line in log.read_text(errors="replace").splitlines()[:200]:
+        for key in keys:
+            hit = re.search(rf"\b(?:trainer\.)?{key}\s*[=:]\s*([\w.]+)", line)
+            if hit and key not in found:
+                found[key] = hit.group(1)
+    return ", ".join(f"{k}={found[k]}" for k in keys if k in found)
+
+
+def _squad_slice(source: Path, target: Path, questions: int) -> int:
+    """The first articles of a SQuAD file holding ``questions`` questions (whole paragraphs)."""
+    data = json.loads(source.read_text(encoding="utf-8"))
+    kept, count = [], 0
+    for article in data["data"]:
+        paragraphs = []
+        for paragraph in article["paragraphs"]:
+            if count >= questions:
+                break
+            paragraphs.append(paragraph)
+            count += len(paragraph["qas"])
+        if paragraphs:
+            kept.append({**article, "paragraphs": paragraphs})
+        if count >= questions:
+            break
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({**data, "data": kept}), encoding="utf-8")
+    return count
+
+
+def squad_files(data: Path | None) -> tuple[Path, Path, str]:
+    """(train, dev, where from): the slices gpu_check_wheels.py --data staged, the shared data
+    beside the checkout, or the bundled slice."""
+    for folder, train, dev in (
+        (data and data / "squad", "train.json", "dev.json"),
+        (data and data / "squad", "train-v1.1-subset.json", "dev-v1.1-part1.json"),
+        (ROOT.parent / "shared" / "data" / "squad", "train-v1.1-subset.json",
+         "dev-v1.1-part1.json"),
+    ):  # fmt: skip
+        if folder and (folder / train).exists() and (folder / dev).exists():
+            return folder / train, folder / dev, f"SQuAD v1.1 from {folder}"
+    bundled = ASSETS / "squad" / "v1"
+    return bundled / "train.json", bundled / "dev.json", "the bundled SQuAD slice"
+
+
+F1_STEPS, F1_LR = 300, 3e-5  # recipe=bert_squad's lr, both sides
+
+
+def child_squad_f1(data: Path | None, out: Path, dry_run: bool) -> dict:
+    """F1 after a short real-data run on both sides: the real 6-layer MiniLM the project bundles
+    (recipes/assets/minilm-squad: all-MiniLM-L6-v2, vocabulary cut to the bundled SQuAD text; a
+    pretrained bert-large cannot travel to a device machine without a hub), SQuAD v1.1 windows
+    of 384 / 128, batch 32, the same steps and lr: ours is train.py recipe=bert_squad at the
+    device's defaults with its final evaluation; the peer trains as run_qa_no_trainer.py
+    (throughput.py's peer, weights saved) and is scored as that example scores
+    (throughput.py qa-eval's peer)."""
+    tp = _throughput()
+    precision = _precision(dry_run)
+    model = ASSETS / "minilm-squad"
+    train, dev, source = squad_files(data)
+    steps, warmup = (4, 2) if dry_run else (F1_STEPS, 10)
+    train_q, dev_q = (64, 16) if dry_run else (6000, 1000)
+    sliced = out / "data"
+    counts = (
+        _squad_slice(train, sliced / "train.json", train_q),
+        _squad_slice(dev, sliced / "dev.json", dev_q),
+    )
+    train, dev = sliced / "train.json", sliced / "dev.json"
+    cache = out / "work" / "cache"
+    shape = ("128", "32") if dry_run else ("384", "128")
+    run_dir = out / "work" / "ours"
+    records = tp._train_records(
+        [
+            "recipe=bert_squad",
+            f"model.name_or_path={model}",
+            f"data.path={ASSETS / 'squad' / 'v1'}",
+            f"data.train_file={train}",
+            f"data.eval_file={dev}",
+            f"data.cache_dir={cache}_ours",
+            f"task.max_seq_length={shape[0]}",
+            f"task.doc_stride={shape[1]}",
+            f"trainer.per_device_train_batch_size={4 if dry_run else 32}",
+            f"trainer.max_steps={steps}",
+            f"trainer.log_every_n_steps={warmup}",
+            f"trainer.mixed_precision={precision}",
+            f"optimizer.lr={F1_LR}",
+            "trainer.eval_at_end=true",
+            "trainer.save_final_model=false",
+            "trainer.save_every_n_steps=0",
+            "trainer.progress_bar=false",
+            "logger=none",
+            f"output_dir={run_dir}",
+        ],
+        run_dir,
+    )
+    ours = next(r for r in reversed(records) if "eval/f1" in r)
+    if (run_dir / "train.log").exists():
+        shutil.copy2(run_dir / "train.log", out / "ours_train.log")
+    common = [
+        "--model", str(model), "--train-file", str(train), "--block-size", shape[0],
+        "--doc-stride", shape[1], "--batch-size", "4" if dry_run else "32",
+        "--mixed-precision", precision, "--lr", str(F1_LR),
+    ]  # fmt: skip
+    peer_args = tp.parse(
+        ["qa", *common, "--warmup", str(warmup), "--steps", str(steps - warmup),
+         "--save-model", str(cache.parent / "evaluated-model")]
+    )  # fmt: skip
+    eval_args = tp.parse(["qa-eval", *common, "--eval-file", str(dev)])
+    peer_args.cache = eval_args.cache = cache
+    for name, args in (("peer_train", peer_args), ("peer_eval", eval_args)):
+        (out / "work" / name).mkdir(parents=True)
+        result = tp.run_peer(args, out / "work" / name)
+    shutil.rmtree(out / "work", ignore_errors=True)
+    shutil.rmtree(sliced, ignore_errors=True)
+    f1, peer_f1 = ours["eval/f1"], result["f1"]
+    ok = math.isfinite(f1) and math.isfinite(peer_f1)
+    note = (
+        f"F1 ours {f1:.2f} (EM {ours.get('eval/exact_match', math.nan):.2f}) against "
+        f"run_qa_no_trainer {peer_f1:.2f} (EM {result['exact_match']:.2f}) after {steps} steps "
+        f"of batch {peer_args.batch_size}, lr {F1_LR:g}, {precision}; MiniLM-L6 (the bundled "
+        f"minilm-squad: a real bert-large cannot travel); {counts[0]} train / {counts[1]} dev "
+        f"questions of {source}"
+    )
+    return {"ok": ok, "f1": f1, "peer_f1": peer_f1, "note": note}
+
+
+def child_llm_peer(kind: str, out: Path, dry_run: bool) -> dict:
+    """``scripts/throughput.py sft`` / ``grpo`` (ours against TRL's trainer), read from the
+    JSON it writes (``ratio``, ``note``); a throughput.py without the subcommand fails the row
+    in one line."""
+    from recipes import device
+
+    target = "cpu" if device.backend() == device.CPU else "cuda"
+    report = out / f"{kind}.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "throughput.py"), kind]
+    cmd += ["--device", target, "--json", str(report)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / f"{kind}.log").write_text(f"$ {shlex.join(cmd)}\n{done.stdout}{done.stderr}")
+    if done.returncode != 0:
+        if f"invalid choice: '{kind}'" in done.stderr:
+            error = f"scripts/throughput.py has no '{kind}' subcommand (not merged yet)"
+        else:
+            error = last_error(done.stdout + done.stderr) or f"exit {done.returncode}"
+        return {"ok": False, "error": error}
+    if not report.exists():
+        return {"ok": False, "error": f"throughput.py {kind} wrote no {report.name}"}
+    found = _read_json(report)
+    ratio = found.get("ratio")
+    return {
+        "ok": ratio is not None,
+        "ratio": ratio,
+        "note": f"ours / TRL {ratio:.2f}x; {found.get('note', '')}" if ratio else "no ratio",
+    }
+
+
+def child_continuous(models: Path, out: Path, dry_run: bool) -> dict:
+    """Batched generation (``recipes/generation.py``, batches of 16, length-sorted and padded)
+    against transformers' continuous batching (``generate_batch``: paged KV cache, requests
+    scheduled token by token) on the SmolLM2-shaped Llama (random weights), greedy, in the
+    device's half precision: generated tokens/s of each (medians of alternating rounds, after
+    one untimed call each) and how many answers are the same."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from recipes import device, generation
+    from recipes.config import GenerationConfig
+
+    backend = device.backend()
+    target = torch.device(f"{backend}:0" if backend != device.CPU else backend)
+    folder = models / "llama-135m"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(target).eval()
+    if not hasattr(model, "generate_batch"):
+        return {
+            "ok": True,
+            "note": f"transformers {transformers.__version__} has no continuous batching "
+            "(generate_batch): nothing to compare",
+        }
+    rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()
+    count, new = (8, 8) if dry_run else (64, 64)
+    texts = [json.loads(row)["messages"][0]["content"] for row in (rows * 4)[:count]]
+    prompts = [tokenizer(t)["input_ids"][-512:] for t in texts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = HFGenerationConfig(
+        max_new_tokens=new, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+    )  # fmt: skip
+    extra: dict[str, Any] = {}
+    if dry_run:  # the default paged cache is sized to the memory: far too big for a CPU
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        extra = {
+            "continuous_batching_config": ContinuousBatchingConfig(
+                num_blocks=64, max_batch_tokens=512
+            ),
+            "warmup": False,
+        }
+
+    def ours(batch: list[list[int]]) -> list[str]:
+        config = GenerationConfig(batch_size=16)
+        return generation.complete(model, batch, tokenizer, config, new)
+
+    def continuous(batch: list[list[int]]) -> list[str]:
+        with torch.no_grad():
+            done = model.generate_batch(
+                inputs=batch, generation_config=config, progress_bar=False, **extra
+            )
+        ordered = sorted(done.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
+        return [tokenizer.decode(o.generated_tokens, skip_special_tokens=True) for o in ordered]
+
+    sides = {"batched": ours, "continuous": continuous}
+    for run in sides.values():
+        run(prompts[:4])  # untimed: first calls
+    seconds: dict[str, list[float]] = {k: [] for k in sides}
+    answers: dict[str, list[str]] = {}
+    for _ in range(1 if dry_run else 2):
+        for side, run in sides.items():
+            device.synchronize(target)
+            started = time.perf_counter()
+            answers[side] = run(prompts)
+            device.synchronize(target)
+            seconds[side].append(time.perf_counter() - started)
+    tokens = {
+        side: sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in texts)
+        for side, texts in answers.items()
+    }
+    speed = {side: tokens[side] / statistics.median(seconds[side]) for side in sides}
+    same = sum(a == b for a, b in zip(answers["batched"], answers["continuous"], strict=True))
+    ratio = speed["batched"] / speed["continuous"]
+    name = str(dtype).removeprefix("torch.")
+    return {
+        "ok": True,
+        "tokens_per_s": speed["batched"],
+        "ratio": ratio,
+        "note": f"generation.complete {speed['batched']:,.0f} tokens/s against continuous "
+        f"batching {speed['continuous']:,.0f} ({ratio:.2f}x); {same}/{count} greedy answers "
+        f"the same ({name}, {count} prompts, {new} new tokens; transformers "
+        f"{transformers.__version__})",
+    }
+
+
 CHILDREN = {
     "sdpa_probe": child_sdpa_probe,
     "adamw_fused": child_adamw_fused,
@@ -1097,13 +1763,21 @@ CHILDREN = {
 }
 
 
-def run_child(name: str, out: Path, models: Path, dry_run: bool) -> int:
+def run_child(name: str, out: Path, models: Path, dry_run: bool, data: Path | None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if name == "models":
         models.mkdir(parents=True, exist_ok=True)
         result = child_models(models, dry_run)
     elif name == "generate":
         result = child_generate(models, dry_run)
+    elif name == "squad_defaults":
+        result = child_squad_defaults(models, out, dry_run)
+    elif name == "squad_f1":
+        result = child_squad_f1(data, out, dry_run)
+    elif name in ("sft", "grpo"):
+        result = child_llm_peer(name, out, dry_run)
+    elif name == "continuous":
+        result = child_continuous(models, out, dry_run)
     else:
         result = CHILDREN[name](dry_run)
     atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())
@@ -1217,6 +1891,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wheels", type=Path, help="install these wheels into --site first (no index, no deps)"
     )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="SQuAD slices for bert_squad/f1 (default: <--wheels>/gpu_check_data, staged by "
+        "gpu_check_wheels.py, else ../shared/data, else the bundled slice)",
+    )
     parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "gpu_check_site")
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -1224,8 +1904,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.data is None and args.wheels and (args.wheels / DATA_FOLDER).is_dir():
+        args.data = args.wheels / DATA_FOLDER
+    if args.data is None and (ROOT.parent / "shared" / "data").is_dir():
+        args.data = ROOT.parent / "shared" / "data"
     if args.child:
-        return run_child(args.child, args.child_out, args.models_dir, args.dry_run)
+        return run_child(args.child, args.child_out, args.models_dir, args.dry_run, args.data)
 
     unmet: list[str] = []
     if args.wheels:
@@ -1260,7 +1944,7 @@ def main(argv: list[str] | None = None) -> int:
         print_plan(
             plan,
             rows,
-            Context("python", args.work or Path("<work>"), args.dry_run, overrides),
+            Context("python", args.work or Path("<work>"), args.dry_run, overrides, args.data),
             scale,
         )
         return 0
@@ -1288,7 +1972,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    ctx = Context(sys.executable, work, args.dry_run, overrides)
+    ctx = Context(sys.executable, work, args.dry_run, overrides, args.data)
     names = ", ".join(device.device_names()) or "CPU"
     stack = ", ".join(
         f"{name} {env._dist_version(name) or 'MISSING'}"

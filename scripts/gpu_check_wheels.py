@@ -3,6 +3,11 @@
     .venv/bin/python scripts/gpu_check_wheels.py             # download (and check) them
     .venv/bin/python scripts/gpu_check_wheels.py --list      # what it would fetch, and why
 
+It also fetches TRL (``CHECK_EXTRAS``: the llm/*_vs_trl rows run its trainers) and stages slices
+of ``../shared/data/squad`` (6,000 train and 1,000 dev questions, whole articles) into
+``.whl/gpu_check_data/squad`` for bert_squad/f1 (``--no-data``: not), then prints what would
+travel to the device (the checkout's tracked files and the folder) against its 64 MiB.
+
 The device machine of this workplace (an NVIDIA H200; Python 3.12, torch, accelerate,
 transformers, peft, pyarrow, pandas ... but no hydra-core, omegaconf or datasets) reaches no
 package index. This walks the project's requirements (pyproject.toml) and their requirements,
@@ -67,6 +72,16 @@ _DEVICE_LIST = """
     werkzeug wheel wrapt xarray xxhash yarl zipp
 """
 DEVICE_HAS = frozenset(map(canonicalize_name, _DEVICE_LIST.split()))
+# Fetched although the project does not require them: the llm/*_vs_trl rows run TRL's trainers
+# (scripts/throughput.py sft / grpo).
+CHECK_EXTRAS = ("trl",)
+# SQuAD v1.1 slices for bert_squad/f1 (whole articles; gpu_check.py reads <dest>/gpu_check_data).
+SHARED_SQUAD = ROOT.parent / "shared" / "data" / "squad"
+SLICES = {
+    "train.json": ("train-v1.1-subset.json", 6000),
+    "dev.json": ("dev-v1.1-part1.json", 1000),
+}
+DEVICE_TREE_MIB = 64  # what travels to the device machine: the checkout and carried folders
 # Requirements the check never imports: every row trains with logger=none.
 NOT_NEEDED = {"wandb": "every gpu_check row runs with logger=none"}
 # The device's interpreter and platform, for requirement markers.
@@ -212,6 +227,33 @@ def check(projects: dict[str, str], dest: Path) -> list[str]:
     return problems
 
 
+def stage_data(dest: Path) -> list[str]:
+    """Slices of the shared SQuAD files for bert_squad/f1 into ``dest/gpu_check_data/squad``
+    (the device machine has no ../shared/data; the whole files would not fit what travels)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.gpu_check import DATA_FOLDER, _squad_slice
+
+    if not SHARED_SQUAD.is_dir():
+        return [f"no {SHARED_SQUAD}: bert_squad/f1 will train on the bundled SQuAD slice"]
+    lines = []
+    for name, (source, questions) in SLICES.items():
+        target = dest / DATA_FOLDER / "squad" / name
+        count = _squad_slice(SHARED_SQUAD / source, target, questions)
+        lines.append(f"staged {target} ({count} questions of {source})")
+    return lines
+
+
+def tree_mib(paths: list[Path]) -> float:
+    """MiB of this checkout's tracked files (they travel with every device call) and ``paths``."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    total = sum((ROOT / name.decode()).stat().st_size for name in tracked if name)
+    for path in paths:
+        total += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return total / 2**20
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", type=Path, default=ROOT / ".whl")
@@ -223,8 +265,13 @@ def main() -> int:
         metavar="REQUIREMENT",
         help="fetch this too, even if the device has it (an older pyarrow there, say)",
     )
+    parser.add_argument(
+        "--no-data",
+        action="store_true",
+        help="do not stage the SQuAD slices of ../shared/data for bert_squad/f1",
+    )
     args = parser.parse_args()
-    projects, notes = wanted(args.also)
+    projects, notes = wanted([*CHECK_EXTRAS, *args.also])
     for line in notes:
         print(line)
     print("fetch: " + ", ".join(f"{n}=={v}" for n, v in sorted(projects.items())))
@@ -239,6 +286,13 @@ def main() -> int:
         mine = "" if _wheel_name(path)[0] in projects else "  (not ours: it travels too)"
         print(f"{size / 2**20:8.2f} MiB  {path.name}{mine}")
     print(f"{total / 2**20:8.2f} MiB in {args.dest}")
+    if not args.no_data:
+        for line in stage_data(args.dest):
+            print(line)
+    travels = tree_mib([args.dest])
+    print(f"the checkout's tracked files and {args.dest}: {travels:.1f} MiB of {DEVICE_TREE_MIB}")
+    if travels > DEVICE_TREE_MIB - 2:
+        problems.append(f"{travels:.1f} MiB would travel: over the device's {DEVICE_TREE_MIB} MiB")
     for line in problems:
         print(f"PROBLEM: {line}")
     return 1 if problems else 0

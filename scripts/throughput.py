@@ -148,9 +148,9 @@ def run_ours(args: argparse.Namespace, out: Path, extra: Sequence[str] = ()) -> 
             f"data.train_file={args.train_file or ASSETS / 'squad' / 'v1' / 'train.json'}",
             f"task.max_seq_length={args.block_size}",
             f"task.doc_stride={args.doc_stride}",
-            f"trainer.padding={args.padding}",
-            "trainer.pad_to_multiple_of=8",
         ]
+        if not args.project_defaults:  # else trainer.* as the device resolves it
+            task_overrides += [f"trainer.padding={args.padding}", "trainer.pad_to_multiple_of=8"]
         if args.group_by_length is not None:  # else the project's default
             task_overrides.append(f"trainer.group_by_length={str(args.group_by_length).lower()}")
         if args.sub_batches is not None:
@@ -193,7 +193,7 @@ def run_ours(args: argparse.Namespace, out: Path, extra: Sequence[str] = ()) -> 
 def _train_records(overrides: list[str], run_dir: Path) -> list[dict]:
     """Run ``train.py`` with ``overrides`` in a fresh process; its ``metrics.jsonl`` records."""
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_ours", *overrides],
+        [sys.executable, str(Path(__file__).resolve()), "_ours", *overrides],
         check=True,
         cwd=ROOT,
     )
@@ -332,6 +332,9 @@ def _no_trainer_peer(args: argparse.Namespace) -> dict:
                 break
     device_lib.synchronize(accelerator.device)
     elapsed = time.perf_counter() - started
+    if args.save_model:  # for qa-eval's peer evaluation (an F1 after the peer's training)
+        accelerator.unwrap_model(model).save_pretrained(args.save_model)
+        tokenizer.save_pretrained(args.save_model)
     return {
         "tokens_per_second": tokens / elapsed,
         "samples_per_second": args.steps * args.batch_size / elapsed,
@@ -444,7 +447,7 @@ def _with_labels(collate):
 
 def run_peer(args: argparse.Namespace, out: Path) -> dict:
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_peer", *_argv(args), str(out)],
+        [sys.executable, str(Path(__file__).resolve()), "_peer", *_argv(args), str(out)],
         check=True,
         cwd=ROOT,
     )
@@ -464,6 +467,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         *(["--sub-batches", str(args.sub_batches)] if args.sub_batches else []),
         *(["--compile"] if args.compile else []),
         *(["--train-file", str(args.train_file)] if args.train_file else []),
+        *(["--project-defaults"] if args.project_defaults else []),
+        *(["--save-model", str(args.save_model)] if args.save_model else []),
     ]  # fmt: skip
 
 
@@ -1022,6 +1027,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="qa: ours' trainer.sub_batches (default: the project's)",
     )
     parser.add_argument(
+        "--project-defaults",
+        action="store_true",
+        help="qa: ours with trainer.padding / pad_to_multiple_of / sub_batches / group_by_length "
+        "as the project decides them for the device (no override)",
+    )
+    parser.add_argument(
+        "--save-model",
+        type=Path,
+        default=None,
+        help="qa, --peer run_qa_no_trainer: save the peer's trained model here (for qa-eval)",
+    )
+    parser.add_argument(
         "--attention-dropout",
         default=None,
         help="qa: ours' model.attention_dropout (default: the project's; null: the model's own, "
@@ -1075,6 +1092,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.model = args.model or defaults[0]
     args.block_size = args.block_size or defaults[1]
     args.batch_size = args.batch_size or defaults[2]
+    if args.project_defaults and (args.sub_batches or args.group_by_length is not None):
+        parser.error("--project-defaults leaves --sub-batches and --group-by-length to the project")
     if args.against and args.task != "qa":
         parser.error("--against compares train.py settings in training (task qa)")
     if args.task not in ("token-loss", "generate") and args.steps % args.warmup:
