@@ -845,7 +845,7 @@ class _Window:
             ]
         )
         self.micro_batches += 1
-        self.samples += sum(piece["input_ids"].shape[0] for piece in pieces)
+        self.samples += sum(_examples(piece) for piece in pieces)
 
     def as_list(self) -> list[float]:
         loss, tokens, terms = self.loss_and_tokens.tolist()
@@ -910,6 +910,13 @@ def _scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     except (TypeError, RuntimeError):  # an older torch or a device without that overload
         for tensor in tensors:
             tensor.mul_(factor)
+
+
+def _examples(batch: Mapping[str, torch.Tensor]) -> int:
+    """The examples a batch holds: its rows, or the examples it names (``index``: a preference
+    batch, whose rows may be both sides of each pair, or all of them in one padding-free row)."""
+    index = batch.get("index")
+    return len(index) if index is not None else batch["input_ids"].shape[0]
 
 
 def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:

@@ -738,7 +738,7 @@ def run_token_loss(args: argparse.Namespace) -> None:
                 for side, runs in sides.items():
                     out = Path(tmp) / f"{side}-{dtype}-{round_}.json"
                     subprocess.run(
-                        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "_token_loss",
+                        [sys.executable, str(ROOT / "scripts" / "throughput.py"), "_token_loss",
                          side, dtype, str(out), *_token_loss_argv(args)],
                         check=True,
                         cwd=ROOT,
