@@ -257,6 +257,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
     # their own (read when the device starts).
     profiled = (
         *bert,
+        "trainer.compile=false",  # the eager steps whose cost is in question (CUDA compiles BERT)
         PROFILER,
         "+hydra.callbacks.gpu_check_profile.warmup={profile_warmup}",
         "+hydra.callbacks.gpu_check_profile.profiled={profile_steps}",
