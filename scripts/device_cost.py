@@ -505,7 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         description="Host syncs, launches, copies and shapes per training step of each "
         "recipe's smoke run on the emulated MUSA card (see scripts/device_cost.py).",
     )
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=list(RECIPES),
+        choices=RECIPES,
+        metavar="RECIPE",
+        help="which recipes (default: all); overrides go before this option or after --",
+    )
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps ({STEPS})")
     parser.add_argument(
         "--log-every", type=int, default=LOG_EVERY, help=f"trainer.log_every_n_steps ({LOG_EVERY})"
