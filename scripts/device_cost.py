@@ -39,7 +39,9 @@ How to read the table (one row per recipe):
   ``torch.tensor(data, device=...)``): torch's CUDA copy synchronises the stream after a blocking
   copy (``memcpy_and_sync``, which ``torch.cuda.set_sync_debug_mode`` reports as a sync), and
   torch_musa copies as it does. The goal is 0 outside named library syncs; the second table
-  names every one by the first Python frame outside torch that caused it.
+  names every one by the first Python frame outside torch that caused it (a batch
+  container's own ``.to``, transformers' ``BatchEncoding.to``, is passed over for its caller:
+  the batch's copy is named the same whatever container it comes in).
 * ``syncs/close``: syncs at a window close (reading the logged values is one: expected there).
 * ``H2D/step``: host-to-device copies in a step and their size (the batch, and any tensor
   built on the host and sent over).
@@ -177,11 +179,21 @@ def _short(filename: str) -> str:
     return filename
 
 
+# Frames that only pass a call on: a batch container's ``.to`` (whoever moves the batch is named,
+# whatever container it comes in).
+PASSING_ON = {("transformers/tokenization_utils_base.py", "to"), ("transformers/tokenization_utils_base.py", "<dictcomp>")}  # fmt: skip
+
+
+def _passes_on(frame: Any, skipped: tuple[str, ...]) -> bool:
+    filename = frame.f_code.co_filename
+    if filename.startswith(skipped) or "torch_musa" in filename:
+        return True
+    return (_short(filename), frame.f_code.co_name) in PASSING_ON
+
+
 def _caller(skipped: tuple[str, ...]) -> tuple[str, str]:
     frame = sys._getframe(1)
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(skipped) or "torch_musa" in frame.f_code.co_filename
-    ):
+    while frame is not None and _passes_on(frame, skipped):
         frame = frame.f_back
     if frame is None:
         return "<torch>:0", "?"

@@ -10,7 +10,8 @@ For each recipe, against ``tests/device_cost_bounds.json``:
   blocking copy fails with the source location that caused it;
 - operator launches per step at most the recorded figure + 10% + 3;
 - distinct input shapes (what the loop hands ``task.loss``) per step and over the run at most
-  the recorded figures + 10% + 1: sub-batches padded to ever new lengths fail.
+  the recorded figures + 10% (or + 1 where that is more): sub-batches padded to ever new
+  lengths fail.
 
 Launch and shape counts are exact on the emulated card (CPU kernels, seeded data), so the
 margins only leave room for small, deliberate changes. Re-record after a change that is meant to
@@ -96,7 +97,8 @@ def test_launches_per_step(recipe, measured):
 def test_distinct_input_shapes(recipe, measured):
     bounds, result = json.loads(BOUNDS.read_text())[recipe], measured[recipe]
     for key in ("shapes_per_step", "shapes_per_run"):
-        assert result[key] <= _bound(bounds[key], 1), (
+        # Shapes are exact (seeded data): 10% or one more, whichever is larger.
+        assert result[key] <= max(bounds[key] * 1.10, bounds[key] + 1), (
             f"{recipe}: {result[key]:g} distinct input shapes ({key}), {bounds[key]:g} recorded"
         )
 
