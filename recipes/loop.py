@@ -836,14 +836,10 @@ class _Window:
     ) -> None:
         """One micro-batch (its sub-batches): its loss and how many terms it sums."""
         tokens = sum(_real_tokens(piece) for piece in pieces)
-        where = loss.device
-        self.loss_and_tokens += torch.stack(
-            [
-                loss.detach().float(),
-                torch.as_tensor(tokens, device=where).float(),
-                torch.as_tensor(terms, device=where).float(),
-            ]
-        )
+        sums = self.loss_and_tokens  # added in place: a Python number travels as a kernel
+        sums[0] += loss.detach().float()  # argument, with no host tensor copied to the device
+        sums[1] += tokens
+        sums[2] += terms
         self.micro_batches += 1
         self.samples += sum(_examples(piece) for piece in pieces)
 

@@ -84,6 +84,14 @@ padding-free) in real tokens/s, and ``recipe=llama_grpo`` against TRL's ``GRPOTr
     python scripts/throughput.py sft --rounds 3 --json outputs/benchmark/sft.json
     python scripts/throughput.py grpo --device cpu --rounds 3
 
+``device-cost``: what a training step asks of a device, per recipe (``scripts/device_cost.py``,
+which says how to read its tables): host syncs by source location, operator launches, copies to
+the device and distinct input shapes per optimizer step of each recipe's smoke run on the
+emulated MUSA card.
+
+    python scripts/throughput.py device-cost                      # every recipe, ~2-3 min
+    python scripts/throughput.py device-cost --recipes bert_squad gpt2_clm --json cost.json
+
 Peak memory is the device's peak allocation on an accelerator, and the process's peak resident
 set size (which includes the Python runtime and libraries) on the CPU.
 """
@@ -967,7 +975,8 @@ def _resident_mb() -> float:
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
-        "task", choices=["clm", "qa", "qa-eval", "postprocess", "token-loss", "generate"]
+        "task",
+        choices=["clm", "qa", "qa-eval", "postprocess", "token-loss", "generate", "device-cost"],
     )
     parser.add_argument("--prompts", type=int, default=32, help="generate: prompts answered")
     parser.add_argument(
@@ -1107,6 +1116,10 @@ def main(argv: list[str]) -> None:
 
         llm_peers.main(argv)
         return
+    if argv[:1] == ["device-cost"]:  # its own options (scripts/device_cost.py)
+        from scripts.device_cost import main as device_cost
+
+        sys.exit(device_cost(argv[1:]))
     args = parse(argv)
     if args.task == "token-loss":
         run_token_loss(args)
