@@ -170,12 +170,13 @@ def _site_roots() -> tuple[str, ...]:
 
 
 def _short(filename: str) -> str:
-    """A path as the report shows it: relative to the checkout or to site-packages."""
-    if filename.startswith(str(ROOT) + os.sep):
-        return filename[len(str(ROOT)) + 1 :]
+    """A path as the report shows it: relative to site-packages (asked first: a virtual
+    environment may live inside the checkout) or to the checkout."""
     for root in _site_roots():
         if filename.startswith(root):
             return filename[len(root) :]
+    if filename.startswith(str(ROOT) + os.sep):
+        return filename[len(str(ROOT)) + 1 :]
     return filename
 
 

@@ -366,7 +366,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
         losses, stats = self._batch_losses(model, batch)
-        count = torch.tensor(float(len(losses)), device=losses.device)
+        count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
         return SummedLoss(losses.sum(), count, dict(zip(self.stats, stats.sum(0), strict=True)))
 
     def _batch_losses(

@@ -355,7 +355,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             raise ConfigError(_ONE_ROW.format(key="trainer.per_device_train_batch_size"))
         self._batches_seen = True
         losses, stats = self._row_terms(model, batch)
-        count = torch.tensor(float(len(losses)), device=losses.device)
+        count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
         return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
 
     def eval_step(

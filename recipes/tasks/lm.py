@@ -253,11 +253,12 @@ class CausalLanguageModeling(LanguageModeling):
         )
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The model shifts the labels itself: position t predicts token t + 1."""
-        return model(**batch, labels=batch["input_ids"]).loss
+        """The model shifts the labels itself: position t predicts token t + 1. No KV cache:
+        a training forward would build one on the device for nothing."""
+        return model(**batch, labels=batch["input_ids"], use_cache=False).loss
 
     def _token_losses(self, model, batch):
-        logits = model(**batch).logits[:, :-1]
+        logits = model(**batch, use_cache=False).logits[:, :-1]
         labels = batch["input_ids"][:, 1:].masked_fill(
             batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX
         )

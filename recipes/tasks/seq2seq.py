@@ -261,7 +261,7 @@ class SequenceToSequence(Task[Seq2SeqData]):
         times their count): the loop normalises by the target tokens of the whole optimizer
         step on every process, so each token weighs the same however batches split."""
         count = (batch["labels"] != IGNORE_INDEX).sum()
-        loss = model(**batch).loss
+        loss = model(**batch, use_cache=False).loss  # no decoder KV cache built for nothing
         return SummedLoss(loss * count, count.float())
 
     def _set_generation(self, model: torch.nn.Module, gen: GenerationConfig) -> dict[str, Any]:
