@@ -361,11 +361,12 @@ class TokenClassification(Task[NerData]):
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         labels = batch["labels"]
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        labelled = labels != IGNORE
+        # ignore_index rather than boolean indexing, whose output size the host would have to
+        # read from the device (a sync every step).
         nll = torch.nn.functional.cross_entropy(
-            logits[labelled].float(), labels[labelled], reduction="sum"
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
         )
-        return SummedLoss(nll, labelled.sum().float())
+        return SummedLoss(nll, (labels != IGNORE).sum().float())
 
     # ----------------------------------------------------------------------------- evaluation
 
