@@ -81,23 +81,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
-RECIPES = (
-    "bert_squad",
-    "bert_squad_v2",
-    "bert_glue",
-    "bert_mlm",
-    "bert_ner",
-    "bert_swag",
-    "gpt2_clm",
-    "llama_clm",
-    "llama_sft",
-    "llama_dpo",
-    "llama_kto",
-    "llama_grpo",
-    "t5_summarization",
-    "t5_translation",
-    "t5_squad",
-)
+RECIPES = tuple(sorted(path.stem for path in (ROOT / "conf" / "recipe").glob("*.yaml")))
 STEPS, LOG_EVERY, WARMUP = 6, 3, 1
 # A smoke run cut to its training steps: no evaluation, checkpoint, final model or tracker.
 RUN = (
