@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from scripts.device_cost import RECIPES, measure
+from scripts.device_cost import CASES, measure
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,14 @@ def _measured(recipes: tuple[str, ...], cache: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(cache_dir) -> dict:
-    return _measured(RECIPES, cache_dir)
+    return _measured(CASES, cache_dir)
 
 
 def _in_step_syncs(result: dict) -> dict[str, dict]:
     return {site: s for site, s in result["sync_sites"].items() if s["per_step"] > 0}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", CASES)
 def test_no_unlisted_host_sync_inside_steps(recipe, measured):
     allowed = json.loads(BOUNDS.read_text())[recipe]["allowed_syncs"]
     result = measured[recipe]
@@ -84,7 +84,7 @@ def test_no_unlisted_host_sync_inside_steps(recipe, measured):
     assert not wrong, f"{recipe}: host syncs inside the steps:\n  " + "\n  ".join(wrong)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", CASES)
 def test_launches_per_step(recipe, measured):
     recorded = json.loads(BOUNDS.read_text())[recipe]["launches_per_step"]
     launches = measured[recipe]["launches_per_step"]
@@ -93,7 +93,7 @@ def test_launches_per_step(recipe, measured):
     )
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", CASES)
 def test_distinct_input_shapes(recipe, measured):
     bounds, result = json.loads(BOUNDS.read_text())[recipe], measured[recipe]
     for key in ("shapes_per_step", "shapes_per_run"):
@@ -135,4 +135,4 @@ def record(recipes: list[str]) -> None:
 if __name__ == "__main__":  # python tests/test_device_cost.py --record [recipe ...]
     assert sys.argv[1:2] == ["--record"], __doc__
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    record(sys.argv[2:] or list(RECIPES))
+    record(sys.argv[2:] or list(CASES))
