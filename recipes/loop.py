@@ -87,7 +87,9 @@ class Trainer:
         self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
         self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
-        self.stop_poll = HostPoll(self.accelerator, self.trainer_cfg.distributed_timeout_s)
+        self.stop_poll = StopPoll(
+            self.accelerator, self.stop, self.trainer_cfg.distributed_timeout_s
+        )
         self.setup()
 
     # ------------------------------------------------------------------------------- setup
@@ -413,8 +415,8 @@ class Trainer:
             if p.grad is not None:
                 key = (type(p.grad), p.grad.device, p.grad.dtype)
                 groups.setdefault(key, []).append(p.grad)
-        for (_, where, dtype), grads in groups.items():
-            _scale_in_place(grads, factor.to(device=where, dtype=dtype))
+        for (_, where, dtype), grads in groups.items():  # a tensor factor: torch >= 2.1
+            torch._foreach_mul_(grads, factor.to(device=where, dtype=dtype))
         self.step_terms.zero_()
 
     def _optimizer_step(self) -> None:
@@ -435,16 +437,17 @@ class Trainer:
         if self.check_grad:
             bad = bad | ~torch.isfinite(torch.as_tensor(self.grad_norm, device=bad.device))
         self.step_loss.zero_()
-        if self.checks_each_step and _on_any_rank(self.accelerator, bad):
-            self._skip_nonfinite()
-        else:
-            if not self.checks_each_step:
-                step = float(self.state.step + 1)
-                unset = self.first_nonfinite == 0
-                self.first_nonfinite = torch.where(bad & unset, step, self.first_nonfinite)
+        skipped = self.checks_each_step and _on_any_rank(self.accelerator, bad)
+        if skipped:
+            self._count_skipped()
+        elif not self.checks_each_step:  # noted on the device, read when the window closes
+            unset = self.first_nonfinite == 0
+            step = float(self.state.step + 1)
+            self.first_nonfinite = torch.where(bad & unset, step, self.first_nonfinite)
+        if not skipped or not self.check_grad:  # the fp16 scaler skips a bad update itself
             self.optimizer.step()
             self.scheduler.step()
-        self.stop_agreed = self.stop_poll.any(self.stop.signum is not None)
+        self.stop_agreed = self.stop_poll.asked()
 
     def _finish_step(self) -> None:
         """Count the step, log it, then stop, evaluate and save as due; the stopwatch leaves the
@@ -668,7 +671,7 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """Raise :class:`StopNow` on every process if any was asked to stop (one all-reduce)."""
-        if self.stop.installed and self.stop_poll.any(self.stop.signum is not None):
+        if self.stop.installed and self.stop_poll.asked():
             raise StopNow()
 
     def _polled(self, loader: DataLoader) -> Iterable[Any]:
@@ -676,7 +679,7 @@ class Trainer:
         stop (several processes; one stops at once without asking)."""
         if not self.stop.installed or self.accelerator.num_processes == 1:
             return loader
-        return _StopPolled(loader, self.stop_poll, self.stop)
+        return _StopPolled(loader, self.stop_poll)
 
     def _save_and_stop(self) -> None:
         state = self.state
@@ -709,12 +712,9 @@ class Trainer:
             "or set trainer.on_nonfinite=skip to drop such updates."
         )
 
-    def _skip_nonfinite(self) -> None:
-        """A NaN / Inf loss or gradient at the coming step, ``trainer.on_nonfinite=skip``:
-        drop the update (the fp16 scaler skips it itself)."""
-        if not self.check_grad:
-            self.optimizer.step()  # the scaler's step, which skips it
-            self.scheduler.step()
+    def _count_skipped(self) -> None:
+        """A NaN / Inf loss or gradient at the coming step, ``trainer.on_nonfinite=skip``: its
+        update is dropped; count it and say so."""
         step = self.state.step + 1
         self.state.skipped_steps += 1
         log.warning(
@@ -854,12 +854,12 @@ class _StopPolled:
     once any process was asked to stop (one small all-reduce per batch; every process takes the
     same number of evaluation batches). Anything else is the loader's own."""
 
-    def __init__(self, loader: DataLoader, poll: HostPoll, stop: StopRequest) -> None:
-        self.loader, self.poll, self.stop = loader, poll, stop
+    def __init__(self, loader: DataLoader, poll: StopPoll) -> None:
+        self.loader, self.poll = loader, poll
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
-            if self.poll.any(self.stop.signum is not None):
+            if self.poll.asked():
                 raise StopNow()
             yield batch
 
@@ -870,19 +870,21 @@ class _StopPolled:
         return getattr(self.loader, name)
 
 
-class HostPoll:
+class StopPoll:
     """Whether any process was asked to stop (SIGTERM, Ctrl-C), asked on the host: one small
     all-reduce of a CPU tensor over gloo (the process group itself where it is gloo, else a gloo
     group beside NCCL / MCCL), so that polling at every step never waits for the device's
-    queue. Every process must call :meth:`any` together."""
+    queue. Every process must call :meth:`asked` together."""
 
-    def __init__(self, accelerator: Accelerator, timeout_s: int) -> None:
+    def __init__(self, accelerator: Accelerator, stop: StopRequest, timeout_s: int) -> None:
+        self.stop = stop
         self.several = accelerator.num_processes > 1
         self.group = None
         if self.several and dist.get_backend() != dist.Backend.GLOO:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
-    def any(self, asked: bool) -> bool:
+    def asked(self) -> bool:
+        asked = self.stop.signum is not None
         if not self.several:
             return asked
         flag = torch.tensor([float(asked)])
@@ -896,16 +898,6 @@ def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
     if accelerator.num_processes > 1:
         flag = accelerator.reduce(flag, reduction="sum")
     return bool(flag.item() > 0)
-
-
-def _scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply each tensor by a one-element tensor of their device and dtype, without reading
-    it on the host (``_foreach_mul_`` takes a tensor factor from torch 2.1)."""
-    try:
-        torch._foreach_mul_(tensors, factor)
-    except (TypeError, RuntimeError):  # an older torch or a device without that overload
-        for tensor in tensors:
-            tensor.mul_(factor)
 
 
 def _examples(batch: Mapping[str, torch.Tensor]) -> int:

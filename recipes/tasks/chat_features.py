@@ -556,19 +556,4 @@ def sequence_losses(
     """:func:`token_losses` of a padding-free row, (1, tokens), summed per group
     (``sequence``: each token's, of ``groups``) rather than per row: each group's summed
     next-token cross-entropy of its labelled tokens, and their count, (groups,) each."""
-    targets = labels[0, 1:]
-    positions = (targets != conversations.IGNORE_INDEX).nonzero().squeeze(1)
-    # Each labelled token as a row of two (no label, then it), its logits as that row's only
-    # position: token_losses' memory-saving cross-entropy, one value per labelled token.
-    picked = logits[0, positions].unsqueeze(1)
-    pairs = torch.stack(
-        [torch.full_like(positions, conversations.IGNORE_INDEX), targets[positions]], 1
-    )
-    nll, _ = token_losses(picked, pairs)
-    group = sequence[0, positions + 1]
-    sums = torch.zeros(groups, dtype=torch.float32, device=logits.device).index_add(0, group, nll)
-    ones = torch.ones_like(nll)
-    counts = torch.zeros(groups, dtype=torch.float32, device=logits.device).index_add(
-        0, group, ones
-    )
-    return sums, counts
+    return token_losses(logits, labels, groups=(sequence, groups))

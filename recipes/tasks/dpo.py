@@ -119,6 +119,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         # Built in before_training from the starting weights; None for orpo / simpo.
         self.reference: reference.Reference | None = None
         self.layout = Layout()  # padding-free or padded batches: chosen in check_model
+        self.padding_free = chat_features.padding_free_setting(args.padding_free)
 
     def loss_shape(self) -> LossShape:
         """One summed term per pair, TRL's metrics summed beside it."""
@@ -151,7 +152,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
-        pair_rows = chat_features.padding_free_setting(self.args.padding_free) == "true"
+        pair_rows = self.padding_free == "true"
         return PairCollator(tokenizer.pad_token_id, pair_rows, self.sequence_nll, self.layout)
 
     def _pair_features(
@@ -209,7 +210,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
                 out[f"{side}_input_ids"].append(fitted["input_ids"])
                 out[f"{side}_labels"].append(fitted["labels"])
             lengths = [len(s["input_ids"]) for s in sides]
-            summed = chat_features.padding_free_setting(self.args.padding_free) == "true"
+            summed = self.padding_free == "true"
             out["length"].append(sum(lengths) if summed else max(lengths))
         return out
 
@@ -219,9 +220,10 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         """The model's limits, and the batches' layout under its attention: padding-free under
         a variable-length kernel (``padding_free`` auto or true); with ``true`` elsewhere, a
         pair per row under a block-diagonal mask (refused where the attention takes none)."""
-        setting = chat_features.padding_free_setting(self.args.padding_free)
-        self.chat.check_model(model, packing=setting == "true")
-        self.layout.flat = setting != "false" and chat_features.flat_batches("auto", model)
+        self.chat.check_model(model, packing=self.padding_free == "true")
+        self.layout.flat = self.padding_free != "false" and chat_features.flat_batches(
+            "auto", model
+        )
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int

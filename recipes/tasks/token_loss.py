@@ -23,21 +23,35 @@ CHUNK_ELEMENTS = 2**24
 
 
 def token_losses(
-    logits: torch.Tensor, labels: torch.Tensor, *, positions: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    groups: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: summed next-token cross-entropy of its labelled tokens, and their count (both
     fp32); the logits at position t predict the label at t + 1, labels -100 carry no loss.
 
     ``positions``: the sequence positions the logits were computed for (the model called with
     ``logits_to_keep=labelled_positions(labels)``), when they are not all of them.
+    ``groups``: each token's group (the shape of ``labels``) and how many there are, to sum per
+    group rather than per row (the sequences of a padding-free row); a label's group is its
+    token's.
     """
     targets = labels[:, 1:] if positions is None else labels[:, positions + 1]
     labelled = targets != IGNORE_INDEX
     rows, columns = labelled.nonzero(as_tuple=True)
     flat = logits.reshape(-1, logits.shape[-1])  # a view: a model's logits are contiguous
     nll = _LabelledCrossEntropy.apply(flat, rows * logits.shape[1] + columns, targets[labelled])
-    sums = torch.zeros(len(labels), dtype=torch.float32, device=logits.device)
-    return sums.index_add(0, rows, nll), labelled.sum(dim=1).float()
+    if groups is None:
+        owner, size, counts = rows, len(labels), labelled.sum(dim=1).float()
+    else:
+        ids, size = groups
+        owner = (ids[:, 1:] if positions is None else ids[:, positions + 1])[rows, columns]
+        counts = torch.zeros(size, dtype=torch.float32, device=logits.device)
+        counts = counts.index_add(0, owner, torch.ones_like(nll))
+    sums = torch.zeros(size, dtype=torch.float32, device=logits.device)
+    return sums.index_add(0, owner, nll), counts
 
 
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
