@@ -44,6 +44,7 @@ STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
 BEST_FILE = "best.json"
 FINAL = "final"
+RECIPE_FILE = "recipe.json"  # in final/: the run's settings predict needs (write_recipe)
 # What interrupted writes leave: in a run folder and in its checkpoints/ folder.
 LEFTOVERS = (".tmp-*", ".del-*")
 
@@ -350,6 +351,32 @@ def _all_shards(accelerator: Accelerator, size: int) -> int:
     process holds the whole)."""
     sharded = accelerator.distributed_type == DistributedType.FSDP
     return size * (accelerator.num_processes if sharded else 1)
+
+
+def write_recipe(folder: Path, recipe: dict[str, Any]) -> None:
+    """``folder/recipe.json``: the settings of the run that wrote this ``final/`` that are
+    not in Hugging Face's files (the task's, such as NER's tag scheme), and which step's weights
+    it holds; ``mode=predict`` reads the task's back (:func:`final_recipe`)."""
+    (folder / RECIPE_FILE).write_text(json.dumps(recipe, indent=1, default=str) + "\n")
+
+
+def final_recipe(model_dir: str | Path) -> dict[str, Any] | None:
+    """What ``model_dir/recipe.json`` recorded (None for a model not written as a run's
+    ``final/``, or by an earlier release)."""
+    path = Path(model_dir).expanduser() / RECIPE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{path}: not readable JSON ({first_line_of(err)}); restore it from the run, or "
+            "delete it to predict with the command line's settings."
+        ) from None
+
+
+def first_line_of(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def final_complete(output_dir: Path) -> bool:

@@ -199,8 +199,13 @@ class TrainerConfig:
     # for about a third more step time; works with peft=lora.
     gradient_checkpointing: bool = False
     # Stop after this many evaluations without a new best main metric (needs
-    # eval_every_n_steps > 0 and checkpoints); final/ is then built from the best checkpoint.
+    # eval_every_n_steps > 0 and checkpoints).
     early_stopping_patience: int | None = None
+    # final/ (and results.json's scores) from the best checkpoint by the task's main metric
+    # (ties: a second metric, then the latest; docs/runs.md), as transformers.Trainer's option
+    # of this name; false: from the last step. null: true with early_stopping_patience, else
+    # false. True needs eval_every_n_steps > 0 and checkpoints (a new best is saved at once).
+    load_best_model_at_end: bool | None = None
     progress_bar: bool = True
     # Checkpoints: <output_dir>/checkpoints/step-N (model, optimizer, scheduler, RNG, data
     # position), written atomically; resume with output_dir=<that run> resume=auto.
@@ -212,6 +217,14 @@ class TrainerConfig:
     # lm-eval tasks run on final/ once it is written (with the benchmark.* settings); names are
     # checked before training starts. docs/benchmarks.md
     benchmarks: list[str] = field(default_factory=list)
+
+    @property
+    def best_model_at_end(self) -> bool:
+        """Whether final/ is built from the best checkpoint (``load_best_model_at_end``, whose
+        null follows early stopping)."""
+        if self.load_best_model_at_end is None:
+            return self.early_stopping_patience is not None
+        return self.load_best_model_at_end
 
 
 @dataclass
@@ -616,18 +629,25 @@ def _check_benchmark(settings: Settings, resume: str | None) -> None:
 
 
 def _check_early_stopping(trainer: TrainerConfig) -> None:
+    """Early stopping and ``load_best_model_at_end`` need evaluations during training (one at
+    the end leaves nothing to choose from) and checkpoints to choose among."""
     patience = trainer.early_stopping_patience
-    if patience is None:
+    if patience is not None:
+        key = f"trainer.early_stopping_patience={patience}"
+    elif trainer.load_best_model_at_end:
+        key = "trainer.load_best_model_at_end=true"
+    else:
         return
     if trainer.eval_every_n_steps <= 0:
         raise ConfigError(
-            f"trainer.early_stopping_patience={patience} needs evaluations during training: "
-            "set trainer.eval_every_n_steps (e.g. 200)."
+            f"{key} needs evaluations during training: set trainer.eval_every_n_steps (e.g. 200)."
         )
-    if trainer.save_every_n_steps <= 0 and not trainer.save_at_epoch_end:
+    if trainer.best_model_at_end and (
+        trainer.save_every_n_steps <= 0 and not trainer.save_at_epoch_end
+    ):
         raise ConfigError(
-            f"trainer.early_stopping_patience={patience} builds final/ from the best "
-            "checkpoint, and this run saves none: set trainer.save_every_n_steps (e.g. 500)."
+            f"{key} builds final/ from the best checkpoint, and this run saves none: set "
+            "trainer.save_every_n_steps (e.g. 500), or trainer.load_best_model_at_end=false."
         )
 
 

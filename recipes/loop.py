@@ -86,6 +86,7 @@ class Trainer:
         self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
         self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
+        self.final_step: int | None = None  # the step whose weights final/ holds (_restore_best)
         self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
         self.stop_poll = StopPoll(
             self.accelerator, self.stop, self.trainer_cfg.distributed_timeout_s
@@ -279,7 +280,7 @@ class Trainer:
             while self.state.step < self.total_steps and not self._should_stop_early():
                 self._train_epoch()
         self._evaluate_after_training()
-        self._restore_best_for_early_stopping()
+        self._restore_best()
         return self.final_scores
 
     def _start_fit(self) -> None:
@@ -582,25 +583,41 @@ class Trainer:
         self.state.last_eval_step = step
         if step > 0:  # what results.json reports if the run stops after it (and resumes)
             self.state.last_scores = scores
-        new_best = self._record_if_best(scores.get(self.main_metric), step)
+        new_best = self._record_if_best(scores, step)
         if new_best:
             self.best_scores = scores
         return scores, new_best
 
-    def _record_if_best(self, value: float | None, step: int) -> bool:
-        """Whether the main metric's ``value`` at ``step`` beats the best so far (then it is
-        the new best)."""
-        best = self.state.best
+    def _record_if_best(self, scores: Mapping[str, float], step: int) -> bool:
+        """Whether the evaluation ``scores`` of ``step`` are the best so far (then recorded as
+        the new best): a better main metric; on a tie, a better ``task.tie_metric``; on a tie of
+        both, the later evaluation. Only a better score (not a tie) counts as an improvement for
+        early stopping."""
+        best, task = self.state.best, self.task
         if step == 0:
             return False
         self.state.evals_since_best += 1
+        value = scores.get(self.main_metric)
         if value is None or not math.isfinite(value):
             return False
-        if best is not None and (
-            value <= best["value"] if self.task.greater_is_better else value >= best["value"]
-        ):
-            return False
-        self.state.best = {"metric": self.task.main_metric, "value": value, "step": step}
+        tie_key = f"eval/{task.tie_metric}"
+        tie_value = _finite_or_none(scores.get(tie_key))
+        if best is not None:
+            order = _compare(value, best["value"], task.greater_is_better)
+            if order == 0:
+                order = _compare(tie_value, best.get("tie_value"), task.tie_greater_is_better)
+            if order < 0:
+                return False
+            if order == 0:  # a full tie: the latest evaluation, no improvement
+                best.update(step=step, tie_metric=task.tie_metric, tie_value=tie_value)
+                return True
+        self.state.best = {
+            "metric": task.main_metric,
+            "value": value,
+            "step": step,
+            "tie_metric": task.tie_metric,
+            "tie_value": tie_value,
+        }
         self.state.evals_since_best = 0
         return True
 
@@ -608,30 +625,52 @@ class Trainer:
         patience = self.trainer_cfg.early_stopping_patience
         return patience is not None and self.state.evals_since_best >= patience
 
-    def _restore_best_for_early_stopping(self) -> None:
-        """With early stopping, what ``final/`` holds is the best checkpoint's model (as
-        ``load_best_model_at_end`` does for ``transformers.Trainer``)."""
-        patience, best = self.trainer_cfg.early_stopping_patience, self.state.best
-        if patience is None:
-            return
-        if self._should_stop_early():
+    def _restore_best(self) -> None:
+        """With ``trainer.load_best_model_at_end`` (early stopping's default), the best
+        checkpoint's weights replace the last step's, for the task's last words and ``final/``
+        (as ``transformers.Trainer`` does); the scores reported become that checkpoint's.
+        ``final_step`` says which step final/ holds."""
+        patience, best, step = self.trainer_cfg.early_stopping_patience, self.state.best, None
+        self.final_step = self.state.step
+        if patience is not None and self._should_stop_early():
             log.info(
                 "early stopping at step %d: %s has not improved for %d evaluations",
                 self.state.step,
                 self.main_metric,
                 patience,
             )
-        if best is None or best["step"] == self.state.step:
+        if not self.trainer_cfg.best_model_at_end:
             return
-        path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(best["step"])
-        checkpoint.load(self.accelerator, path)  # the weights; the run's own state stays
-        self.final_scores = self.best_scores or self.final_scores
+        if best is None:
+            log.warning(
+                "trainer.load_best_model_at_end: no evaluation scored %s; final/ holds the "
+                "last step, %d",
+                self.main_metric,
+                self.state.step,
+            )
+            return
+        step = best["step"]
+        if step == self.state.step:
+            return
+        path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(step)
+        if not (path / checkpoint.STATE_FILE).is_file():  # resumed from another run's folder
+            log.warning(
+                "trainer.load_best_model_at_end: the best checkpoint (step %d) is not in %s; "
+                "final/ holds the last step, %d",
+                step,
+                path.parent,
+                self.state.step,
+            )
+            return
+        saved = checkpoint.load(self.accelerator, path)  # the weights; the run's state stays
+        self.final_scores = saved.last_scores or self.best_scores or self.final_scores
+        self.final_step = step
         log.info(
             "final model from the best checkpoint, %s (%s=%.4g at step %d)",
             path,
             self.main_metric,
             best["value"],
-            best["step"],
+            step,
         )
 
     def _save(self, reason: str) -> Path:
@@ -738,7 +777,9 @@ class Trainer:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
-            final_dir = _save_final(accelerator, self.model, self.tokenizer, self.output_dir, *base)
+            final_dir = _save_final(
+                accelerator, self.model, self.tokenizer, self.output_dir, *base, self._recipe()
+            )
             if accelerator.is_main_process and self.data.template:
                 serving.log_check(final_dir)  # a chat model: what vLLM would load
         benchmarked = self._benchmark_final() if self.benchmarks else {}
@@ -748,19 +789,45 @@ class Trainer:
             self.session.result(final),
             best=state.best,
             steps=state.step,
+            final_step=self.final_step,
             train_seconds=state.train_seconds,
             **benchmarked,
         )
         if accelerator.is_main_process:
             _plot(self.output_dir)
         log.info(
-            "done: %d steps in %.1f s of training (%.3f s/step); %s",
+            "done: %d steps in %.1f s of training (%.3f s/step); %s%s",
             state.step,
             state.train_seconds,
             state.train_seconds / max(state.step, 1),
             format_metrics(final) if final else "no evaluation",
+            self._final_said(),
         )
         return result
+
+    def _final_said(self) -> str:
+        """Which step's weights final/ holds, for the done line."""
+        if not self.trainer_cfg.save_final_model or self.final_step is None:
+            return ""
+        best = self.state.best
+        if best is not None and best["step"] == self.final_step:
+            why = "the best" if self.trainer_cfg.best_model_at_end else "the last, also the best"
+        else:
+            why = "the last"
+        return f"; final/ holds step {self.final_step} ({why})"
+
+    def _recipe(self) -> dict[str, Any]:
+        """What ``final/recipe.json`` records: the task settings (read back by mode=predict,
+        :func:`recipes.checkpoint.final_recipe`), the decoding, and which step final/ holds."""
+        resolved = self.settings.resolved
+        return {
+            "task": resolved.get("task"),
+            "generation": resolved.get("generation"),
+            "step": self.final_step if self.final_step is not None else self.state.step,
+            "steps": self.state.step,
+            "load_best_model_at_end": self.trainer_cfg.best_model_at_end,
+            "best": self.state.best,
+        }
 
     def _benchmark_final(self) -> dict[str, Any]:
         """``trainer.benchmarks`` on ``final/`` as saved (a LoRA run's merged model), once the
@@ -958,6 +1025,18 @@ def _compile(model: torch.nn.Module) -> None:
     log.info("trainer.compile: the model is compiled on its first batches (slow first steps)")
 
 
+def _compare(value: float | None, other: float | None, greater_is_better: bool) -> int:
+    """1 when ``value`` is better than ``other``, -1 when worse, 0 when equal (or either is
+    missing: nothing to decide by)."""
+    if value is None or other is None or value == other:
+        return 0
+    return 1 if (value > other) == greater_is_better else -1
+
+
+def _finite_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 def _plot(output_dir: Path) -> None:
     """``curves.png`` in the run folder; a missing plotting library only costs the picture."""
     try:
@@ -975,14 +1054,21 @@ def _save_final(
     output_dir: Path,
     base: str | None,
     revision: str | None,
+    recipe: dict[str, Any],
 ) -> Path:
     """Save ``final/``, a Hugging Face folder (model + tokenizer) that ``from_pretrained`` loads;
     with LoRA, the merged model and the adapter (``final/adapter``) on ``base``
-    (:func:`recipes.adapters.base_reference`). Written whole or not at all
+    (:func:`recipes.adapters.base_reference`); and ``recipe.json``, the run's settings that
+    predict needs (:func:`recipes.checkpoint.write_recipe`). Written whole or not at all
     (:func:`recipes.checkpoint.save_final`)."""
     accelerator.wait_for_everyone()
 
     def write(folder: Path) -> None:
+        write_model(folder)
+        if accelerator.is_main_process:
+            checkpoint.write_recipe(folder, recipe)
+
+    def write_model(folder: Path) -> None:
         unwrapped = accelerator.unwrap_model(model)
         if adapters.is_peft_model(unwrapped):
             if accelerator.distributed_type == DistributedType.FSDP:

@@ -350,6 +350,7 @@ def predict(session: Session) -> RunResult:
     ``data.predict_file`` with the task's own code (its evaluation's windows and answer search,
     its generation); the task writes its predictions file to the run folder."""
     settings, accelerator = session.settings, session.accelerator
+    _settings_from_final(session.task, settings.model.name_or_path)
     data = session.build_data(predict=True)
     model = session.load_model(data, trained_for="predict")
     pad_task_batches(data, session.trainer_cfg.pad_to_multiple_of)
@@ -364,6 +365,31 @@ def predict(session: Session) -> RunResult:
         session.output_dir / report["file"],
     )
     return session.finish(session.result({}), predict_file=settings.data.predict_file, **report)
+
+
+def _settings_from_final(task: Task, model_dir: str) -> None:
+    """The task's ``final_settings`` as the training run that wrote ``model_dir`` had them
+    (its ``final/recipe.json``), unless the command line names them (then it wins, and a
+    difference is said)."""
+    saved = (checkpoint.final_recipe(model_dir) or {}).get("task") or {}
+    given = tracking.given_on_command_line("task.")
+    for name in task.final_settings:
+        if name not in saved:
+            continue
+        ours, theirs = getattr(task.args, name), saved[name]
+        if name in given:
+            if ours != theirs:
+                log.warning(
+                    "task.%s=%s (the command line); %s was trained with %s",
+                    name,
+                    ours,
+                    model_dir,
+                    theirs,
+                )
+            continue
+        if ours != theirs:
+            log.info("task.%s=%s, as %s was trained (final/recipe.json)", name, theirs, model_dir)
+        setattr(task.args, name, theirs)
 
 
 def benchmark(session: Session) -> RunResult:

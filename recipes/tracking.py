@@ -59,6 +59,17 @@ def hydra_context() -> dict[str, Any]:
     }
 
 
+def given_on_command_line(prefix: str) -> set[str]:
+    """The keys under ``prefix`` (``task.``, ``generation.``) that this job's command-line
+    overrides set, without the prefix (``task.scheme=IOBES`` gives ``scheme``)."""
+    keys = set()
+    for override in hydra_context().get("overrides", []):
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith(prefix):
+            keys.add(key[len(prefix) :])
+    return keys
+
+
 def run_tags(recipe: str | None, model: str, device_type: str, world_size: int) -> list[str]:
     """Tags that let a dashboard filter and group runs: recipe, model, device type, world size."""
     tags = [f"recipe:{recipe}"] if recipe else []

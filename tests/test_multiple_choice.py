@@ -300,7 +300,9 @@ def test_smoke_learns_reloads_evaluates_and_predicts(tmp_path, cache_dir):
     out = tmp_path / "eval"
     _smoke(out, cache_dir, "mode=eval", f"model.name_or_path={run}/final")
     scores = [r for r in read_metrics(out) if "eval/accuracy" in r][-1]
-    assert scores["eval/accuracy"] == pytest.approx(last, abs=1e-9)
+    kept = json.loads((run / "results.json").read_text())["metrics"]["eval/accuracy"]
+    assert kept == max(r["eval/accuracy"] for r in evals[1:])  # load_best_model_at_end
+    assert scores["eval/accuracy"] == pytest.approx(kept, abs=1e-9)
 
     rows = [json.loads(x) for x in (HELLASWAG / "dev.jsonl").read_text().splitlines()[:12]]
     predict_file = tmp_path / "rows.jsonl"

@@ -25,7 +25,11 @@ What a task must give:
 What a task may change:
 
 * ``main_metric`` / ``greater_is_better``: the number that ranks checkpoints (a task may settle
-  ``main_metric`` in ``build_data``, as a GLUE task does);
+  ``main_metric`` in ``build_data``, as a GLUE task does); ``tie_metric`` /
+  ``tie_greater_is_better``: the one that decides between evaluations whose main metric ties
+  (the evaluation loss by default; a full tie goes to the latest evaluation);
+* ``final_settings``: the task settings that ``mode=predict`` takes from ``final/`` (the
+  training run's values) unless the command line names them;
 * ``loss(model, batch)`` and ``loss_shape()``: the model's own mean loss by default; a mean of
   per-row values (which a batch split by rows keeps), or a :class:`SummedLoss` whose terms the
   loop weighs across the optimizer step (:class:`LossShape`);
@@ -214,6 +218,13 @@ class Task(abc.ABC, Generic[DataT]):
     auto_model_class: Any  # e.g. AutoModelForQuestionAnswering; every task sets it
     main_metric: str = "loss"  # the evaluation score (without "eval/") that ranks checkpoints
     greater_is_better: bool = False
+    # Breaks a tie of main_metric (BLEU at 0 for a whole short run, accuracy on a small dev set);
+    # when it ties too, the later evaluation wins.
+    tie_metric: str = "loss"
+    tie_greater_is_better: bool = False
+    # Task settings (field names of ``args``) that change what predict writes and that the
+    # training run saved in final/recipe.json: predict reads them from there.
+    final_settings: tuple[str, ...] = ()
     # Its settings, a dataclass of recipes.tasks.configs whose _target_ names the task; each
     # task narrows the annotation to its own config class.
     args: TaskConfig

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from recipes import data as data_lib
 from recipes import generation as generation_lib
+from recipes import tracking
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
@@ -55,6 +56,9 @@ log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
 IGNORE_INDEX = -100
+TIE_METRICS = {"rouge": "loss", "bleu": "chrf", "squad": "exact_match"}
+# The decoding settings final/generation_config.json carries (generation.* names them alike).
+DECODING = ("max_new_tokens", "do_sample", "num_beams", "length_penalty", "temperature", "top_p")
 MAX_REPORTED = 5
 _MISSING = object()  # a dotted field a row lacks (already reported)
 
@@ -114,6 +118,16 @@ class SequenceToSequence(Task[Seq2SeqData]):
     @property
     def main_metric(self) -> str:
         return METRICS[self.args.metric]
+
+    @property
+    def tie_metric(self) -> str:
+        """What decides when the main metric ties: chrF for BLEU (a short run's BLEU stays 0
+        while chrF moves), exact match for SQuAD's F1, the loss for ROUGE."""
+        return TIE_METRICS[self.args.metric]
+
+    @property
+    def tie_greater_is_better(self) -> bool:
+        return self.tie_metric != "loss"
 
     def loss_shape(self) -> LossShape:
         """Summed target-token cross-entropy (:meth:`loss`); a row adds at most
@@ -451,9 +465,21 @@ class SequenceToSequence(Task[Seq2SeqData]):
         self, model: nn.Module, loader: Batches, data: Seq2SeqData, run: RunContext
     ) -> Report:
         """``predictions.jsonl``: per row (in file order) its id and the generated text, decoded
-        as the evaluation decodes (the model's generation config; ``generation.*`` set on the
-        command line wins)."""
-        self._set_generation(run.accelerator.unwrap_model(model), run.generation)
+        as the training run's evaluation decoded (``final/generation_config.json``;
+        ``generation.*`` set on the command line wins)."""
+        unwrapped = run.accelerator.unwrap_model(model)
+        config = _base_model(unwrapped).generation_config
+        given = {key for key in tracking.given_on_command_line("generation.") if key in DECODING}
+        # A run's final/ always sets max_new_tokens; a model from elsewhere decodes with the
+        # run's generation.* (and the task's target length), as its evaluation would.
+        saved = config.max_new_tokens is not None
+        kept = {k: getattr(config, k) for k in DECODING if saved and k not in given}
+        self._set_generation(unwrapped, run.generation)
+        for key, value in kept.items():
+            setattr(config, key, value)
+        decoding = {k: getattr(config, k) for k in DECODING}
+        where = "the model's generation_config" if saved else "generation.*"
+        log.info("predict decodes with %s (%s; command line: %s)", decoding, where, given or "-")
         texts, _ = self._generated_texts(model, run.tokenizer, loader, run.accelerator, False)
         if run.accelerator.is_main_process:
             write_jsonl(

@@ -88,6 +88,8 @@ class TokenClassification(Task[NerData]):
     args: TokenClassificationConfig
     main_metric = "f1"
     greater_is_better = True
+    # The entities predictions.jsonl lists follow the scheme the model was trained with.
+    final_settings = ("scheme",)
 
     def loss_shape(self) -> LossShape:
         """Summed cross-entropy of the labelled sub-words and their count: the loop divides by
