@@ -600,12 +600,9 @@ class Trainer:
         value = scores.get(self.main_metric)
         if value is None or not math.isfinite(value):
             return False
-        tie_key = f"eval/{task.tie_metric}"
-        tie_value = _finite_or_none(scores.get(tie_key))
+        tie_value = _finite_or_none(scores.get(f"eval/{task.tie_metric}"))
         if best is not None:
-            order = _compare(value, best["value"], task.greater_is_better)
-            if order == 0:
-                order = _compare(tie_value, best.get("tie_value"), task.tie_greater_is_better)
+            order = rank_against_best(value, tie_value, best, task)
             if order < 0:
                 return False
             if order == 0:  # a full tie: the latest evaluation, no improvement
@@ -1023,6 +1020,18 @@ def _compile(model: torch.nn.Module) -> None:
     else:  # torch < 2.2
         model.forward = torch.compile(model.forward)
     log.info("trainer.compile: the model is compiled on its first batches (slow first steps)")
+
+
+def rank_against_best(
+    value: float, tie_value: float | None, best: Mapping[str, Any], task: Any
+) -> int:
+    """1 when an evaluation's main metric ``value`` (and ``tie_value``, its
+    ``task.tie_metric``) beats ``best`` (``TrainerState.best``), -1 when it is worse, 0 on a
+    tie of both (a missing tie value ties)."""
+    order = _compare(value, best["value"], task.greater_is_better)
+    if order == 0:
+        order = _compare(tie_value, best.get("tie_value"), task.tie_greater_is_better)
+    return order
 
 
 def _compare(value: float | None, other: float | None, greater_is_better: bool) -> int:
