@@ -192,3 +192,72 @@ def test_causal_lm_continues_each_text(tmp_path, cache_dir):
         )
         assert p["generated"] == expected
     assert any(p["generated"].strip() for p in predicted)
+
+
+NER_DEV = ROOT / "recipes" / "assets" / "wnut17" / "smoke" / "dev.conll"
+TATOEBA_DEV = ROOT / "recipes" / "assets" / "tatoeba-en-de" / "dev.jsonl"
+
+
+def test_ner_predict_reads_the_runs_scheme_from_final(tmp_path, cache_dir):
+    """A model trained with task.scheme=IOB2 lists entities by IOB2's strict rules in predict,
+    though the predict command does not name the scheme (final/recipe.json carries it); named
+    on the command line, the command line wins and the difference is said."""
+    from recipes.data import read_conll
+    from recipes.tasks.token_classification import entities
+
+    run = tmp_path / "run"
+    _train("bert_ner", run, cache_dir, "trainer.max_steps=6", "task.scheme=IOB2")
+    assert json.loads((run / "final" / "recipe.json").read_text())["task"]["scheme"] == "IOB2"
+    sentences = read_conll(NER_DEV)["tokens"][:20]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"tokens": words}) + "\n" for words in sentences))
+
+    out = tmp_path / "predicted"
+    done = _predict("bert_ner", run, rows, out)
+    assert "task.scheme=IOB2, as" in done.stderr
+    for record in _jsonl(out / "predictions.jsonl"):
+        found = [(e["type"], e["words"]) for e in record["entities"]]
+        strict = entities(record["tags"], "IOB2")
+        assert len(found) == len(strict)
+
+    lenient = tmp_path / "lenient"
+    done = _predict("bert_ner", run, rows, lenient, "task.scheme=null")
+    assert (
+        "task.scheme=None (the command line)" in done.stderr and "trained with IOB2" in done.stderr
+    )
+    for record in _jsonl(lenient / "predictions.jsonl"):
+        assert len(record["entities"]) == len(entities(record["tags"], None))
+
+
+def test_seq2seq_predict_decodes_with_finals_generation_config(tmp_path, cache_dir):
+    """t5_translation trained with generation.max_new_tokens=3 writes it to
+    final/generation_config.json; predict decodes with it (not the recipe's 24) unless the
+    command line names generation.max_new_tokens."""
+    run = tmp_path / "run"
+    _train("t5_translation", run, cache_dir, "trainer.max_steps=4", "data.max_eval_examples=8",
+           "generation.max_new_tokens=3")  # fmt: skip
+    saved = json.loads((run / "final" / "generation_config.json").read_text())
+    assert saved["max_new_tokens"] == 3
+    rows = tmp_path / "rows.jsonl"
+    lines = TATOEBA_DEV.read_text().splitlines()[:12]
+    rows.write_text(
+        "".join(
+            json.dumps({"translation": {"en": json.loads(x)["translation"]["en"]}}) + "\n"
+            for x in lines
+        )
+    )
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+
+    def longest(folder: Path) -> int:
+        texts = [r["generated"] for r in _jsonl(folder / "predictions.jsonl")]
+        assert len(texts) == 12
+        return max(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
+
+    out = tmp_path / "predicted"
+    done = _predict("t5_translation", run, rows, out)
+    assert "'max_new_tokens': 3" in done.stderr
+    assert longest(out) <= 3
+    given = tmp_path / "given"
+    done = _predict("t5_translation", run, rows, given, "generation.max_new_tokens=8")
+    assert "'max_new_tokens': 8" in done.stderr  # (four steps of a random T5 say little)
+    assert longest(given) <= 8
