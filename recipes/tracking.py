@@ -8,6 +8,8 @@ import os
 import secrets
 import string
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +178,10 @@ def start_trackers(
         # keeps the best value of the main metric besides the last.
         run.define_metric("train/samples_seen")
         run.define_metric(main_metric, summary=("max" if greater_is_better else "min") + ",last")
+        log.info(
+            "wandb: its closing report (history, summary, sync command) goes to %s",
+            output_dir / "wandb" / WANDB_REPORT,
+        )
     if "tensorboard" in cfg.trackers:  # hparams take plain values only
         accelerator.get_tracker("tensorboard").store_init_configuration(_flat(config))
 
@@ -185,6 +191,33 @@ def finish_trackers(accelerator: Accelerator, cfg: LoggerConfig, final: dict[str
     if accelerator.is_main_process and "wandb" in cfg.trackers and final:
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.summary.update({f"final/{k.split('/', 1)[-1]}": v for k, v in final.items()})
+
+
+WANDB_REPORT = "summary.log"
+
+
+def end_training(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """``accelerator.end_training()`` (the trackers closed, the process group destroyed), with
+    wandb's closing report (run history, summary, the ``wandb sync`` command of an offline run:
+    about 30 lines) written to ``<output_dir>/wandb/summary.log`` instead of the terminal,
+    whose last line stays the run's own ``done:`` (or ``error:``). Redirecting the report, not
+    silencing it (wandb's ``quiet``), keeps it whole in every wandb release: wandb prints it to
+    the ``sys.stderr`` / ``sys.stdout`` of the moment."""
+    wandb_open = accelerator.is_main_process and any(
+        getattr(tracker, "name", None) == "wandb" for tracker in accelerator.trackers
+    )
+    if not wandb_open:
+        accelerator.end_training()
+        return
+    path = Path(output_dir) / "wandb" / WANDB_REPORT
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        report = path.open("a", encoding="utf-8")
+    except OSError:  # a full disk: the report on the terminal rather than lost
+        accelerator.end_training()
+        return
+    with report, redirect_stderr(report), redirect_stdout(report):
+        accelerator.end_training()
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -217,8 +250,12 @@ def write_results(output_dir: Path, results: dict[str, Any]) -> None:
 def _write_json(path: Path, record: dict[str, Any]) -> None:
     """Whole or not at all: sweep summaries and the GPU check read these while jobs run."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:  # a full disk: no half-written file is left (the run says so: faults.py)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _step_of(line: str) -> int | None:
@@ -239,9 +276,9 @@ class MetricsLogger:
         reached (logged before the interruption, to be logged again), so the file reads as one
         uninterrupted run."""
         self.accelerator = accelerator
+        self.path = path = output_dir / "metrics.jsonl"
         self._file = None
         if accelerator.is_main_process:
-            path = output_dir / "metrics.jsonl"
             if keep_until_step is not None and path.exists():
                 kept = [
                     line
@@ -262,10 +299,28 @@ class MetricsLogger:
             for k, v in metrics.items()
         }
         assert self._file is not None
-        self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
+        record = json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n"
+        with self._said_as_file():
+            self._file.write(record)
         self.accelerator.log(metrics, step=step)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with self._said_as_file():
+                self._file.close()
             self._file = None
+
+    @contextmanager
+    def _said_as_file(self) -> Iterator[None]:
+        """A failed write (a full disk) raised with the file's path, which an open file's error
+        lacks (the run's one-line message names it: recipes.faults.disk_full_stop); the file is
+        closed, so that nothing retries the write as the process ends. A torn last line is
+        dropped by a resumed run."""
+        try:
+            yield
+        except OSError as err:
+            file, self._file = self._file, None
+            if file is not None and not file.closed:
+                with suppress(OSError):
+                    file.close()  # flushes, fails again, and closes
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
