@@ -115,7 +115,9 @@ def _disk_full(output_dir: Path) -> None:
 
     def refused(file: Any, mode: str) -> bool:
         writes = any(m in mode for m in "wax+")
-        return writes and isinstance(file, (str, os.PathLike)) and run in Path(file).resolve().parents
+        return (
+            writes and isinstance(file, (str, os.PathLike)) and run in Path(file).resolve().parents
+        )
 
     real_open = builtins.open
 
