@@ -5,6 +5,8 @@
     python train.py recipe=bert_squad_v2 model=bert_base_uncased trainer.num_epochs=3
     accelerate launch --config_file conf/accelerate/multi_musa.yaml train.py recipe=bert_squad
 
+A run's folder is ``outputs/<recipe>/<date_time>``, or ``output_dir=X`` (Hydra's run folder too:
+nothing else is made; a sweep's jobs go to ``X/<job number>``).
 Any key can be overridden (``data.path=./squad model.name_or_path=./checkpoint``); ``--cfg job``
 prints the composed config without running it. A bad setting, including a misspelt key or config
 group option, stops the run with one ``error: ...`` line and exit code 2.
