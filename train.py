@@ -5,6 +5,8 @@
     python train.py recipe=bert_squad_v2 model=bert_base_uncased trainer.num_epochs=3
     accelerate launch --config_file conf/accelerate/multi_musa.yaml train.py recipe=bert_squad
 
+A run's folder is ``outputs/<recipe>/<date_time>``, or ``output_dir=X`` (Hydra's run folder too:
+nothing else is made; a sweep's jobs go to ``X/<job number>``).
 Any key can be overridden (``data.path=./squad model.name_or_path=./checkpoint``); ``--cfg job``
 prints the composed config without running it. A bad setting, including a misspelt key or config
 group option, stops the run with one ``error: ...`` line and exit code 2.
@@ -27,6 +29,7 @@ register_resolvers()
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the task's main metric of the final evaluation (F1 for QA,
     perplexity for language modelling, ...), the objective of a Hydra sweeper."""
+    _sweep_job_folder(cfg)
     try:
         # Settings first, before torch and transformers load: a bad one is refused in about a
         # second instead of ten (train() then checks the task, the data and the model).
@@ -51,15 +54,45 @@ def main(cfg: DictConfig) -> float | None:
     return result.main_value
 
 
+def _sweep_job_folder(cfg: DictConfig) -> None:
+    """In a sweep (-m) given ``output_dir=X``, each job's run folder is ``X/<job number>`` (the
+    sweep folder, which Hydra made ``X``: conf/train.yaml), not ``X`` itself, where the jobs
+    would refuse each other."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    job_folder = str(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and str(cfg.output_dir) != job_folder:
+        cfg.output_dir = job_folder
+
+
+def _swept_output_dir(args: list[str]) -> bool:
+    """Whether a sweep's command line sweeps output_dir (``-m output_dir=a,b``): refused before
+    Hydra makes any folder, since the sweep's summary reads its jobs from one folder."""
+    if not {"-m", "--multirun"} & set(args):
+        return False
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            [a for a in args if not a.startswith("-")]
+        )
+    except Exception:  # Hydra reports what it cannot parse itself (cli, below)
+        return False
+    return any(o.key_or_group == "output_dir" and o.is_sweep_override() for o in overrides)
+
+
 def _failed(cfg: DictConfig, err: Exception, exit_code: int) -> None:
     """Report a failed run and exit non-zero; in a sweep (-m), record the failure in the job's
     folder and let the other jobs run (the summary lists it, and the sweep exits 1)."""
     from pathlib import Path
 
-    from recipes.tracking import hydra_context, write_failure
+    from recipes.tracking import hydra_context, remove_unused_run_folder, write_failure
 
     sys.stderr.write(f"error: {err}\n")
     if not hydra_context().get("sweep_dir"):
+        remove_unused_run_folder(str(cfg.output_dir))  # a refused run leaves no empty folder
         sys.exit(exit_code)
     write_failure(Path(str(cfg.output_dir)), err)
     return None
@@ -88,6 +121,12 @@ def cli() -> None:
     settings that :func:`validate` refuses. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
+    if _swept_output_dir(sys.argv[1:]):
+        sys.stderr.write(
+            "error: output_dir cannot be swept (-m output_dir=a,b): give one output_dir=X, and "
+            "the sweep's jobs run in X/<job number> with its summary in X.\n"
+        )
+        sys.exit(2)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return

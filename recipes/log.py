@@ -6,6 +6,7 @@ ranks log warnings and errors so that a failure on any rank is still seen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -27,6 +28,32 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _RunLogFile(logging.FileHandler):
+    """``train.log``: a write that fails (a full disk) stops the file, said once on the terminal,
+    where the log goes on; logging's default is a traceback for every line from then on."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        with contextlib.suppress(OSError):
+            self.close()  # what is buffered cannot be written either
+        sys.stderr.write(
+            f"warning: {self.baseFilename}: {err.strerror or err}; the log goes on on the "
+            "terminal only\n"
+        )
+
+
 def get_logger(name: str) -> logging.Logger:
     """The package logger for a module (``recipes.<module>``)."""
     return logging.getLogger(name)
@@ -46,7 +73,7 @@ def setup_logging(is_main_process: bool, log_file: Path | None = None) -> None:
     console.setFormatter(logging.Formatter(FORMAT, DATEFMT))
     root.addHandler(console)
     if log_file is not None and is_main_process:
-        file_handler = logging.FileHandler(log_file)
+        file_handler = _RunLogFile(log_file)
         file_handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
         root.addHandler(file_handler)
     # accelerate reports every file of a checkpoint at INFO; the loop logs one line per checkpoint.

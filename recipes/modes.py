@@ -30,7 +30,7 @@ from transformers import DataCollatorWithPadding
 from recipes import adapters, checkpoint, device, evaluation, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig
-from recipes.faults import StopRequest, TrainingError, peer_failures_reported
+from recipes.faults import StopRequest, TrainingError, disk_full_stop, peer_failures_reported
 from recipes.log import get_logger, note_in_log_file, setup_logging
 from recipes.model import (
     config_overrides,
@@ -67,11 +67,17 @@ def run(settings: Settings) -> RunResult:
     except (ConfigError, data_lib.DataError, TrainingError) as err:
         note_in_log_file(f"error: {err}", settings.output_dir)  # train.py says it on the terminal
         raise
+    except OSError as err:  # a full disk in a write of one process (recipes.faults)
+        stop_line = disk_full_stop(err, settings.output_dir, str(settings.mode))
+        if stop_line is None:
+            raise
+        note_in_log_file(f"error: {stop_line}", settings.output_dir)
+        raise stop_line from err
     finally:
         stop.restore()
         runs.release_all()
         # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
-        accelerator.end_training()
+        tracking.end_training(accelerator, settings.output_dir)  # wandb's report to a file
         if tracking.hydra_context().get("sweep_dir"):
             _reset_accelerate()
 

@@ -8,6 +8,8 @@ import os
 import secrets
 import string
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +70,51 @@ def given_on_command_line(prefix: str) -> set[str]:
         if key.startswith(prefix):
             keys.add(key[len(prefix) :])
     return keys
+
+
+# Folders Hydra was asked to make for this process's run: path -> the highest of it and its
+# parents that did not exist yet (None: it existed). :func:`run_folder` notes it,
+# :func:`remove_unused_run_folder` reads it.
+_run_folders: dict[str, str | None] = {}
+
+
+def run_folder(default: str, *, _root_: Any) -> str:
+    """``${run_folder:default}``, Hydra's run (or sweep) folder: the run's ``output_dir`` when
+    one is set (command line, recipe, ``conf/local``), else ``default``.
+
+    ``output_dir`` defaults to Hydra's runtime folder, which is this one: reading it then would
+    be a cycle, so the raw value says whether it was set. Without this, every run given
+    ``output_dir=`` also left an empty ``outputs/<recipe>/<date_time>/``.
+    """
+    node = _root_._get_node("output_dir") if "output_dir" in _root_ else None
+    raw = "" if node is None else str(node._value())
+    chosen = default if not raw or "hydra:runtime.output_dir" in raw else str(_root_.output_dir)
+    path = os.path.abspath(chosen)
+    if path not in _run_folders:
+        new = None
+        for folder in [path, *map(str, Path(path).parents)]:
+            if os.path.exists(folder):
+                break
+            new = folder
+        _run_folders[path] = new
+    return chosen
+
+
+def remove_unused_run_folder(output_dir: str) -> None:
+    """Remove ``output_dir`` (and the parents made with it, ``outputs/<recipe>``) when Hydra made
+    it for this run and nothing was written to it (a run refused before it started): a refused
+    command leaves nothing behind."""
+    path = os.path.abspath(output_dir)
+    top = _run_folders.get(path)
+    if top is None:
+        return
+    for folder in [path, *map(str, Path(path).parents)]:
+        try:
+            os.rmdir(folder)  # only an empty folder
+        except OSError:
+            return
+        if folder == top:
+            return
 
 
 def run_tags(recipe: str | None, model: str, device_type: str, world_size: int) -> list[str]:
@@ -142,6 +189,10 @@ def start_trackers(
         # keeps the best value of the main metric besides the last.
         run.define_metric("train/samples_seen")
         run.define_metric(main_metric, summary=("max" if greater_is_better else "min") + ",last")
+        log.info(
+            "wandb: its closing report (history, summary, sync command) goes to %s",
+            output_dir / "wandb" / WANDB_REPORT,
+        )
     if "tensorboard" in cfg.trackers:  # hparams take plain values only
         accelerator.get_tracker("tensorboard").store_init_configuration(_flat(config))
 
@@ -151,6 +202,33 @@ def finish_trackers(accelerator: Accelerator, cfg: LoggerConfig, final: dict[str
     if accelerator.is_main_process and "wandb" in cfg.trackers and final:
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.summary.update({f"final/{k.split('/', 1)[-1]}": v for k, v in final.items()})
+
+
+WANDB_REPORT = "summary.log"
+
+
+def end_training(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """``accelerator.end_training()`` (the trackers closed, the process group destroyed), with
+    wandb's closing report (run history, summary, the ``wandb sync`` command of an offline run:
+    about 30 lines) written to ``<output_dir>/wandb/summary.log`` instead of the terminal,
+    whose last line stays the run's own ``done:`` (or ``error:``). Redirecting the report, not
+    silencing it (wandb's ``quiet``), keeps it whole in every wandb release: wandb prints it to
+    the ``sys.stderr`` / ``sys.stdout`` of the moment."""
+    wandb_open = accelerator.is_main_process and any(
+        getattr(tracker, "name", None) == "wandb" for tracker in accelerator.trackers
+    )
+    if not wandb_open:
+        accelerator.end_training()
+        return
+    path = Path(output_dir) / "wandb" / WANDB_REPORT
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        report = path.open("a", encoding="utf-8")
+    except OSError:  # a full disk: the report on the terminal rather than lost
+        accelerator.end_training()
+        return
+    with report, redirect_stderr(report), redirect_stdout(report):
+        accelerator.end_training()
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -183,8 +261,12 @@ def write_results(output_dir: Path, results: dict[str, Any]) -> None:
 def _write_json(path: Path, record: dict[str, Any]) -> None:
     """Whole or not at all: sweep summaries and the GPU check read these while jobs run."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:  # a full disk: no half-written file is left (the run says so: faults.py)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _step_of(line: str) -> int | None:
@@ -205,9 +287,9 @@ class MetricsLogger:
         reached (logged before the interruption, to be logged again), so the file reads as one
         uninterrupted run."""
         self.accelerator = accelerator
+        self.path = path = output_dir / "metrics.jsonl"
         self._file = None
         if accelerator.is_main_process:
-            path = output_dir / "metrics.jsonl"
             if keep_until_step is not None and path.exists():
                 kept = [
                     line
@@ -228,10 +310,28 @@ class MetricsLogger:
             for k, v in metrics.items()
         }
         assert self._file is not None
-        self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
+        record = json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n"
+        with self._said_as_file():
+            self._file.write(record)
         self.accelerator.log(metrics, step=step)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with self._said_as_file():
+                self._file.close()
             self._file = None
+
+    @contextmanager
+    def _said_as_file(self) -> Iterator[None]:
+        """A failed write (a full disk) raised with the file's path, which an open file's error
+        lacks (the run's one-line message names it: recipes.faults.disk_full_stop); the file is
+        closed, so that nothing retries the write as the process ends. A torn last line is
+        dropped by a resumed run."""
+        try:
+            yield
+        except OSError as err:
+            file, self._file = self._file, None
+            if file is not None and not file.closed:
+                with suppress(OSError):
+                    file.close()  # flushes, fails again, and closes
+            raise OSError(err.errno, err.strerror, str(self.path)) from err

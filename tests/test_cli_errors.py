@@ -196,3 +196,38 @@ def test_resume_of_nothing_or_of_a_finished_run_is_refused(tmp_path):
     stderr = _fails("resume=auto", tmp_path=tmp_path)
     assert "already holds a finished run (final/)" in stderr.splitlines()[-1]
     assert (run / "final" / "config.json").read_text() == "{}"
+
+
+def test_a_run_leaves_no_folder_beside_its_own(tmp_path, cache_dir):
+    """Hydra's run folder is the run's own: a run, an evaluation and a sweep given output_dir
+    make nothing under outputs/ or multirun/ (one afternoon of runs once left 62 empty
+    outputs/<recipe>/<date_time>/ folders); a refused run leaves no folder at all."""
+    gpt2 = (
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        "logger=none",
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=1",
+        "trainer.progress_bar=false",
+        "task.sample_prompt=null",
+    )
+    run_train(*gpt2, "output_dir=run", cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    run_train(*gpt2, "mode=eval", "model.name_or_path=run/final", "output_dir=scored", cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "scored"]
+
+    refused = run_train(*gpt2, "trainer.max_steps=-5", cwd=tmp_path, check=False)
+    assert refused.returncode == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "scored"]  # no outputs/
+
+    run_train("-m", *gpt2, "trainer.seed=1,2", "output_dir=sweep", cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "scored", "sweep"]
+    sweep = tmp_path / "sweep"
+    assert (sweep / "summary.md").is_file()
+    assert all((sweep / job / "results.json").is_file() for job in ("0", "1"))
+    swept = run_train("-m", *gpt2, "output_dir=a,b", cwd=tmp_path, check=False)
+    assert swept.returncode == 2
+    [line] = swept.stderr.strip().splitlines()
+    assert line.startswith("error: output_dir cannot be swept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "scored", "sweep"]

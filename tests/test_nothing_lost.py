@@ -303,3 +303,61 @@ def test_a_changed_learning_rate_on_resume_is_applied(tmp_path, cache_dir):
     assert "applied from step 2 on: optimizer.lr 0.001 -> 0.00025" in done.stderr
     lrs = {m["step"]: m["train/lr"] for m in read_metrics(run) if "train/lr" in m}
     assert lrs == {1: 1e-3, 2: 1e-3, 3: 2.5e-4, 4: 2.5e-4}
+
+
+@pytest.mark.parametrize(
+    "fault,processes",
+    [("full-after-checkpoint", 1), ("full-after-checkpoint", 2), ("full-after-final", 1)],
+)
+def test_a_full_disk_in_a_main_process_write_is_one_line(tmp_path, cache_dir, fault, processes):
+    """The disk fills after a checkpoint (or final/): the main process's own next write
+    (metrics.jsonl, results.json) stops the run in one line naming the file, what is saved and
+    how to go on; train.log's failure is one warning; no rank waits; nothing saved is lost."""
+    run = tmp_path / "run"
+    args = (*_gpt2(cache_dir), "trainer.mixed_precision=no", f"output_dir={run}")
+    if processes == 1:
+        proc = run_train(*args, script=(FAULTS, fault), check=False)
+    else:
+        from conftest import cpu_launch_command, free_port
+
+        proc = subprocess.run(
+            cpu_launch_command(f"--main_process_port={free_port()}", FAULTS, fault, *args),
+            cwd=ROOT,
+            env={**__import__("os").environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 1 if processes == 1 else proc.returncode != 0, proc.stderr[-3000:]
+    ours = proc.stderr.split("torch/distributed/elastic")[0]  # before the launcher's own report
+    assert "Traceback" not in ours and "Logging error" not in ours, ours[-3000:]
+    [line] = [x for x in ours.splitlines() if x.startswith("error: no space left")]
+    assert [x for x in ours.splitlines() if x.startswith("warning: ")] == [
+        f"warning: {run / 'train.log'}: No space left on device; the log goes on on the "
+        "terminal only"
+    ]
+    steps = [step for step, _ in _losses(run)]
+    assert not list(run.glob("*.tmp")) and not (run / "results.json").exists()
+    if fault == "full-after-final":
+        assert line.startswith(
+            f"error: no space left on device: could not write results.json in {run}"
+        )
+        assert f"the trained model is whole in {run / 'final'}" in line and "mode=eval" in line
+        assert steps == [1, 2, 3, 4]
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(run / "final")  # whole
+        return
+    assert line.startswith(
+        f"error: no space left on device: could not write metrics.jsonl in {run}"
+    )
+    assert "every checkpoint is kept (latest: step-00000002)" in line
+    assert f"output_dir={run} resume=auto" in line
+    assert steps == [1, 2]
+    if processes == 2:
+        assert "another process of this run failed" in ours  # said, not waited on
+        return
+    done = run_train(*args, "resume=auto")
+    assert "resumed from" in done.stderr
+    assert [step for step, _ in _losses(run)] == [1, 2, 3, 4]
+    assert json.loads((run / "results.json").read_text())["steps"] == 4
