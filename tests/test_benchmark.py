@@ -203,6 +203,29 @@ def test_benchmark_command_prints_the_scores_and_files_them_with_the_run(tmp_pat
     assert sorted(p.name for p in TINY_LLAMA.parent.iterdir()) == before
 
 
+@pytest.mark.slow
+def test_mode_benchmark_without_a_recipe_is_filed_under_benchmark(tmp_path):
+    """``mode=benchmark`` without ``recipe=`` or ``output_dir=``: the run folder is
+    ``outputs/benchmark/<date_time>``, not the default recipe's ``outputs/bert_squad/...``, and
+    no folder is left under the recipe's name."""
+    done = run_train(
+        "mode=benchmark",
+        f"model.name_or_path={TINY_LLAMA}",
+        "benchmark.tasks=[recipes_hellaswag]",
+        "benchmark.limit=4",
+        "logger=none",
+        "trainer.progress_bar=false",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    assert run.parent.name == "benchmark", run
+    results = json.loads((run / "results.json").read_text())
+    assert results["mode"] == "benchmark" and results["main_value"] > 0
+    assert (run / "benchmark" / "samples_recipes_hellaswag.jsonl").is_file()
+    assert f"output_dir: {run}" in (run / "config.yaml").read_text()
+
+
 # --- end to end: our mode=benchmark against lm-eval's command line --------------------------
 
 
