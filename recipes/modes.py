@@ -361,7 +361,13 @@ def evaluate(session: Session) -> RunResult:
     """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint of
     ``resume=...``) on the eval split, with the task's own evaluation; nothing trains, and no
     optimizer is built."""
+    from recipes.tasks.reference import check_evaluated_model  # chat tasks' module
+
     accelerator, task = session.accelerator, session.task
+    # A final/ evaluated against a reference built from itself: refused before any work.
+    check_evaluated_model(
+        session.settings.task, session.settings.model.name_or_path, session.resume_from
+    )
     data = session.build_data()
     # The weights of model.name_or_path as they are; with resume=..., the checkpoint's replace
     # them (a task's reference model is built from the starting weights first).
