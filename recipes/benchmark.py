@@ -6,7 +6,12 @@ class (``HFLM``) on the device accelerate chose, in one process or data-parallel
     accelerate launch --config_file conf/accelerate/multi_musa.yaml train.py mode=benchmark ...
     python -m recipes.benchmark <run>/final --tasks recipes_local --limit 50
 
-Scores go to metrics.jsonl and the trackers as ``benchmark/<task>/<metric>``, lm-eval's results
+``python -m recipes.benchmark`` prints the score table (task, metric, value, standard error) and
+writes results.json, the samples and the task files to ``--output-dir``: by default the
+``benchmark/`` folder of the training run whose ``final/`` it scores (``<run>/benchmark``), else
+a new ``outputs/benchmark/<date_time>/``.
+
+In ``mode=benchmark``, scores go to metrics.jsonl and the trackers as ``benchmark/<task>/<metric>``, lm-eval's results
 dict to results.json (``lm_eval``), and every example with its answer to
 ``benchmark/samples_<task>.jsonl``. The bundled offline tasks are in ``recipes/assets/lm_eval``;
 docs/benchmarks.md has the hub's (mmlu, gsm8k, ceval-valid, cmmlu).
@@ -20,6 +25,7 @@ import difflib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from typing import Any
 
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
@@ -39,7 +46,7 @@ from recipes.config import ASSETS, BenchmarkConfig, ConfigError, ModelConfig, We
 from recipes.log import get_logger, setup_logging
 from recipes.model import _source, load_model, load_tokenizer
 
-log = get_logger(__name__)
+log = get_logger("recipes.benchmark")  # also under `python -m`, where __name__ is __main__
 
 LOCAL_TASKS = ASSETS / "lm_eval"  # the bundled task YAMLs (their data_files relative to it)
 FOLDER = "benchmark"  # in the run folder: tasks/ (the bundled YAMLs as lm-eval reads them), samples
@@ -87,9 +94,12 @@ class Benchmarks:
             self.tasks, [write_local_tasks(self.folder / "tasks")], own, key
         )
 
-    def run(self, model_cfg: ModelConfig, accelerator: Accelerator) -> Report:
+    def run(
+        self, model_cfg: ModelConfig, accelerator: Accelerator, log_table: bool = True
+    ) -> Report:
         """The tasks on ``model_cfg``'s model, placed by ``accelerator``; with several processes
-        each scores its share of the requests and the main process gets the scores."""
+        each scores its share of the requests and the main process gets the scores (and logs
+        their table, unless ``log_table`` is false: the command line prints it itself)."""
         cfg = self.cfg
         lm = language_model(model_cfg, cfg, accelerator)
         log.info(
@@ -116,7 +126,8 @@ class Benchmarks:
         results = json.loads(json.dumps(results, default=handle_non_serializable))
         for task, rows in samples.items():
             self._write_samples(task, rows)
-        log.info("benchmark results:\n%s", make_table(results))
+        if log_table:
+            log.info("benchmark results:\n%s", score_table(results))
         return Report(flat_scores(results), results)
 
     def _write_samples(self, task: str, rows: list[dict]) -> None:
@@ -238,15 +249,32 @@ def flat_scores(results: dict[str, Any]) -> dict[str, float]:
     return scores
 
 
+def default_folder(model: str) -> Path:
+    """Where ``python -m recipes.benchmark`` writes without ``--output-dir``: the ``benchmark/``
+    folder of the run whose ``final/`` is scored (its parent holds the run's config.yaml), else a
+    new ``outputs/benchmark/<date_time>/`` (a hub name, or a model folder of no run, which is
+    left as it is)."""
+    path = Path(model).expanduser()
+    if path.is_dir() and (path.resolve().parent / "config.yaml").is_file():
+        return path.resolve().parent / FOLDER
+    return Path("outputs") / FOLDER / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m recipes.benchmark <model> --tasks ...``: mode=benchmark without Hydra."""
-    parser = argparse.ArgumentParser(prog="python -m recipes.benchmark", description=__doc__)
+    """``python -m recipes.benchmark <model> --tasks ...``: mode=benchmark without Hydra; prints
+    the score table and where results.json is."""
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.benchmark",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", help="a run's final/ (or any model folder or hub name)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     parser.add_argument(
         "--output-dir",
         type=Path,
-        help="results, samples and task YAMLs; default <model>/../benchmark",
+        help="results.json, samples and task YAMLs (replaced if there); default: <run>/benchmark "
+        "for a run's final/, else outputs/benchmark/<date_time>",
     )
     defaults = BenchmarkConfig()
     parser.add_argument("--num-fewshot", type=int, default=defaults.num_fewshot)
@@ -266,12 +294,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         include_path=args.include_path,
         apply_chat_template=args.apply_chat_template,
     )
-    folder = args.output_dir or Path(args.model).expanduser().resolve().parent / FOLDER
     accelerator = Accelerator()
     setup_logging(accelerator.is_main_process)
+    # One folder for every process (each would read its own clock).
+    folder = Path(broadcast_object_list([str(args.output_dir or default_folder(args.model))])[0])
     try:
         report = Benchmarks(tasks, cfg, folder, "--tasks").run(
-            ModelConfig(name_or_path=args.model, dtype=WeightDtype(args.dtype)), accelerator
+            ModelConfig(name_or_path=args.model, dtype=WeightDtype(args.dtype)),
+            accelerator,
+            log_table=False,
         )
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
@@ -279,7 +310,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         accelerator.end_training()
     if report.results is not None:
         (folder / "results.json").write_text(json.dumps(report.results, indent=2) + "\n")
-        print(f"results: {folder / 'results.json'}")  # the table is in the log above
+        print(score_table(report.results))  # the command's answer, on stdout
+        print(f"results: {folder / 'results.json'}")
+
+
+def score_table(results: dict[str, Any]) -> str:
+    """lm-eval's own table of ``results`` (task, filter, shots, metric, value, standard error),
+    and its groups' table where tasks were grouped, as its command line prints them."""
+    tables = [make_table(results)]
+    if results.get("groups"):
+        tables.append(make_table(results, "groups"))
+    return "\n".join(tables)
 
 
 if __name__ == "__main__":

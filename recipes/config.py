@@ -779,6 +779,12 @@ def _nearest(word: str, choices: list[str]) -> list[str]:
 def _missing_option(err: Any) -> str:
     """``recipe=bert_sqad``: a config group option that has no file."""
     group, _, name = str(err.missing_cfg_file).rpartition("/")
+    if group == "model/smoke":  # conf/debug/smoke.yaml's choice, not the user's
+        return (
+            f"debug=smoke: recipe={name} has no bundled smoke model (conf/model/smoke/{name}.yaml); "
+            "add one (as conf/model/smoke/bert_squad.yaml), or name the model to train on the "
+            "smoke data with model=<name>."
+        )
     options = list(err.options)
     near = _nearest(name, options)
     where = re.match(r"In '([^']+)'", str(err))

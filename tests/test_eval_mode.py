@@ -1,7 +1,9 @@
 """``mode=eval``: a trained model scored on the eval split without training, from its final/ or
 from a run's checkpoint, on one process or two, gives the training run's last evaluation; and
 ``mode=predict`` and ``python -m recipes.answer`` on the same questions without their answers
-give the same answers."""
+give the same answers. A task scored against its reference model (DPO, KTO) refuses a final/,
+which would be its own reference, and scores a checkpoint against the model its run started
+from."""
 
 from __future__ import annotations
 
@@ -139,3 +141,58 @@ def _check_predictions(run: Path, tmp_path: Path, cache: str) -> None:
         top = max(c["start_logit"] + c["end_logit"] for c in spans_only)
         tied = {c["text"] for c in spans_only if c["start_logit"] + c["end_logit"] == top}
         assert answers[qid] in tied, qid
+
+
+KTO = ("recipe=llama_kto", "debug=smoke", "logger=none", "trainer.progress_bar=false")
+TINY_LLAMA = ROOT / "recipes" / "assets" / "tiny-llama"
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_eval_against_a_reference_refuses_a_final_and_scores_a_checkpoint(tmp_path, cache_dir):
+    """KTO's final/ would be its own reference (every reward and the KL exactly 0, where the
+    training run's last evaluation had real ones): refused in one line, nothing written; with
+    resume=<run> the checkpoint gets the run's numbers. DPO is refused as KTO; ORPO, which has
+    no reference, is scored."""
+    run, cache = tmp_path / "run", f"data.cache_dir={cache_dir}"
+    run_train(
+        *KTO,
+        cache,
+        f"output_dir={run}",
+        "trainer.max_steps=4",
+        "trainer.save_every_n_steps=4",
+        "trainer.eval_at_start=false",
+    )
+    trained = json.loads((run / "results.json").read_text())["metrics"]
+    assert trained["eval/kl"] > 0 and trained["eval/rewards/margins"] != 0
+
+    final = tmp_path / "final"
+    refused = run_train(
+        *KTO,
+        cache,
+        "mode=eval",
+        f"model.name_or_path={run}/final",
+        f"output_dir={final}",
+        check=False,
+    )
+    line = _one_error(refused)
+    assert "task=kto" in line and "resume=<run folder>" in line
+    assert not (final / "results.json").exists() and not (final / "metrics.jsonl").exists()
+
+    checkpoint = tmp_path / "checkpoint"
+    run_train(*KTO, cache, "mode=eval", f"resume={run}", f"output_dir={checkpoint}")
+    scored = json.loads((checkpoint / "results.json").read_text())["metrics"]
+    for key in ("eval/kl", "eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margins"):
+        assert scored[key] == pytest.approx(trained[key], rel=1e-6), key
+
+    dpo = ("recipe=llama_dpo", "debug=smoke", "logger=none", cache, "mode=eval")
+    model = f"model.name_or_path={TINY_LLAMA}"
+    line = _one_error(run_train(*dpo, model, f"output_dir={tmp_path / 'dpo'}", check=False))
+    assert "task=dpo" in line
+    orpo = tmp_path / "orpo"
+    run_train(*dpo, model, "task.loss_type=orpo", f"output_dir={orpo}")
+    assert "eval/loss" in json.loads((orpo / "results.json").read_text())["metrics"]
