@@ -11,7 +11,9 @@ advantages, and the policy takes TRL's clipped policy-gradient step. The definit
   micro-batch), ``dr_grpo`` (the token sum over completions x ``max_completion_length``);
 * advantages: reward minus its group's mean, divided by the group's standard deviation (n - 1)
   plus 1e-4 (``scale_rewards=group``), by the whole batch's (``batch``, over every process) or
-  not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0;
+  not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0
+  (warned about once per log window), and a step none of whose completions is scored stops the
+  run (:class:`ScoreTally`);
 * the ratio to the old policy clipped to [1 - ``epsilon``, 1 + ``epsilon_high``] (0.2 each);
   log-probabilities of the completion at the sampling temperature, as TRL computes them;
 * ``beta`` (0: no KL term and no reference): the k3 estimate of KL to the reference, times the
@@ -660,7 +662,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self, model: nn.Module, loader: Batches, data: GrpoData, run: RunContext
     ) -> Metrics:
         """The rewards of one greedy completion per held-out prompt (every process answers its
-        share): ``reward`` (weighted sum) and each function's mean, and the completions'
+        share): ``reward`` (the weighted sum's mean over the completions some function
+        scored; none scored stops the run) and each function's mean, and the completions'
         length."""
         prompts = [row["input_ids"] for row in data.eval]
         greedy = GenerationConfig(batch_size=run.generation.batch_size)
