@@ -247,7 +247,7 @@ def test_smoke_reward_rises_and_final_reloads(tmp_path):
 
     run = tmp_path / "run"
     proc = run_train("recipe=llama_grpo", "debug=smoke", "logger=none", f"output_dir={run}")
-    assert "tie_word_embeddings" not in proc.stderr  # peft's notices on lm_head: said our way
+    assert "UserWarning" not in proc.stderr  # peft's two on the tied lm_head: said our way
     records = read_metrics(run)
     train = [r["train/reward"] for r in records if "train/reward" in r]
     evals = [r["eval/reward"] for r in records if "eval/reward" in r]
