@@ -663,8 +663,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     ) -> Metrics:
         """The rewards of one greedy completion per held-out prompt (every process answers its
         share): ``reward`` (the weighted sum's mean over the completions some function
-        scored; none scored stops the run) and each function's mean, and the completions'
-        length."""
+        scored; none scored stops the run) and each function's mean (left out where it scored
+        none), and the completions' length."""
         prompts = [row["input_ids"] for row in data.eval]
         greedy = GenerationConfig(batch_size=run.generation.batch_size)
         completions = generation_lib.complete_ids(
@@ -686,13 +686,12 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 "stopped. A function returns None (or NaN) only where it does not apply: check "
                 "that the functions apply to the evaluation rows."
             )
+        means = {n: float(torch.nanmean(per_func[:, i])) for i, n in enumerate(self.reward_names)}
         return {
             "reward": float(totals[scored].mean()),
-            # NaN (null in metrics.jsonl) where the function scored none: never a made-up 0.
-            **{
-                f"rewards/{n}/mean": float(torch.nanmean(per_func[:, i]))
-                for i, n in enumerate(self.reward_names)
-            },
+            # Left out where the function scored none: never a made-up 0 (nor a NaN that
+            # results.json could not hold).
+            **{f"rewards/{n}/mean": v for n, v in means.items() if v == v},
             "completions/mean_length": float(np.mean([len(c) for c in completions])),
             "prompts": float(len(prompts)),
         }
