@@ -21,7 +21,9 @@ import copy
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,16 @@ ADAPTER_DIR = (
     "adapter"  # in final/ and in each checkpoint: what peft.PeftModel.from_pretrained loads
 )
 BASE_DIR = "base"  # in final/, where model.name_or_path does not load the adapter's base
+# What peft (>= 0.18) warns, on every such run, when a layer the model ties to another (its
+# output layer, tied to the input embedding) is in peft.modules_to_save: it trains a copy of that
+# layer alone, and merging then unties the two (config.tie_word_embeddings=false). That is what
+# training the output layer in full asks for (debug=smoke of llama_grpo does), not a slip its
+# ensure_weight_tying (which would train the input embedding with it) would fix; final/ is saved
+# untied, as safetensors, and reloads (tests/test_grpo.py). apply_lora says so once instead.
+_TIED_NOTICES = (
+    "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter",
+    "Input and output embeddings are no longer tied after merging",
+)
 
 
 @dataclass
@@ -165,8 +177,10 @@ def apply_lora(
         fan_in_fan_out=any(isinstance(m, _conv1d()) for m in model.modules()),
         trainable_token_indices=_token_rows(model, new_tokens),
     )
+    tied = _tied_in(model, heads)
     try:
-        wrapped = get_peft_model(model, config)
+        with _tied_notices_quiet(tied):
+            wrapped = get_peft_model(model, config)
     except ValueError as err:  # a matched module peft cannot adapt (a LayerNorm, say)
         raise ConfigError(
             f"peft.target_modules={targets}: peft refused it ({first_line(err)}). Name linear "
@@ -183,7 +197,45 @@ def apply_lora(
         or "nothing else",
     )
     log.info(trainable_summary(wrapped))
+    if tied:
+        log.info(
+            "%s trains in full apart from the input embedding it is tied to: final/ holds them "
+            "untied (tie_word_embeddings=false)",
+            ", ".join(tied),
+        )
     return wrapped
+
+
+def _tied_in(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """The modules among ``names`` (trained in full) that are the model's output layer or input
+    embedding while the two share one weight; ``model`` plain or peft-wrapped."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        ends = [base.get_input_embeddings(), base.get_output_embeddings()]
+    except (AttributeError, NotImplementedError):
+        return []
+    ends = [getattr(m, "original_module", m) for m in ends]  # under peft's ModulesToSaveWrapper
+    weights = [getattr(m, "weight", None) for m in ends]
+    if weights[0] is None or weights[0] is not weights[1]:
+        return []
+    found = {
+        name.rsplit(".", 1)[-1]
+        for name, module in base.named_modules()
+        if name.rsplit(".", 1)[-1] in names
+        and any(getattr(module, "original_module", module) is end for end in ends)
+    }
+    return sorted(found)
+
+
+@contextmanager
+def _tied_notices_quiet(tied: Sequence[str]) -> Iterator[None]:
+    """Without peft's two warnings on a tied layer trained in full (:data:`_TIED_NOTICES`)
+    where ``tied`` names one; anything else peft warns still shows."""
+    with warnings.catch_warnings():
+        if tied:
+            for message in _TIED_NOTICES:
+                warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+        yield
 
 
 def _token_rows(model: torch.nn.Module, tokens: Sequence[int]) -> dict[str, list[int]] | None:
@@ -421,7 +473,9 @@ def save_final(
     adapter_config["base_model_name_or_path"] = base
     adapter_config["revision"] = revision
     config_file.write_text(json.dumps(adapter_config, indent=2) + "\n")
-    merged = copy.deepcopy(model).merge_and_unload()
+    trained_in_full = model.peft_config[model.active_adapter].modules_to_save or []
+    with _tied_notices_quiet(_tied_in(model, trained_in_full)):  # said by apply_lora
+        merged = copy.deepcopy(model).merge_and_unload()
     state = merged.state_dict()
     leftovers = [k for k in state if _PEFT_KEY.search(k)]
     if leftovers:

@@ -226,7 +226,11 @@ class Session:
 
     def context(self) -> RunContext:
         return RunContext(
-            self.accelerator, self.tokenizer, self.output_dir, self.settings.generation
+            self.accelerator,
+            self.tokenizer,
+            self.output_dir,
+            self.settings.generation,
+            self.settings.trainer.log_every_n_steps,
         )
 
     # ------------------------------------------------------------------------ data and model

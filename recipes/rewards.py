@@ -31,18 +31,25 @@ Built in:
 
 ``answer_*`` and ``math_answer`` read the reference from the column ``column`` (``answer`` by
 default): a string or a list of strings.
+
+:func:`scores` calls a function and checks what it gives: one that raises, returns something
+other than a number or None, returns infinity, or returns the wrong count stops the run in one
+line naming the function and the completion, before any optimizer step uses its rewards.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
+import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-from recipes.config import ConfigError
+from recipes.config import ConfigError, first_line
 from recipes.metrics.squad import exact_match_score, f1_score, normalize_answer
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -220,12 +227,119 @@ def _imported(path: str, options: Mapping[str, Any]) -> RewardFn:
     if not module_name or not attr:
         raise ConfigError(
             f"task.rewards: {path!r} is neither a built-in ({', '.join(BUILT_IN)}) nor an import "
-            "path (package.module:function)."
+            f"path (package.module:function){_did_you_mean(path, BUILT_IN)}"
         )
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
         raise ConfigError(f"task.rewards: cannot import {path!r} ({err}).") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        names = [n for n in vars(module) if not n.startswith("_")]
+        raise ConfigError(
+            f"task.rewards: cannot import {path!r} (module {module_name!r} has no attribute "
+            f"{attr!r}){_did_you_mean(attr, names)}"
+        )
     if not callable(fn):
         raise ConfigError(f"task.rewards: {path!r} is not a function.")
     return functools.partial(fn, **options) if options else fn
+
+
+def scores(
+    fn: RewardFn,
+    name: str,
+    places: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: Mapping[str, Sequence[Any]],
+) -> list[float]:
+    """``fn``'s rewards of ``completions`` (NaN where it returned None or NaN: not scored), called
+    as TRL calls it. ``places`` says where each completion's prompt is (``train row 7``), for the
+    refusals: a function that raises, returns a non-number or infinity, or the wrong count is a
+    :class:`ConfigError` naming it and the completion (the run stops before any optimizer step
+    uses these rewards)."""
+    calls = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    stopped = "; the run stopped before any step used its rewards."
+    try:
+        returned = fn(**calls, **columns)
+    except ConfigError:
+        raise  # a built-in's own refusal (a column the rows lack) says what to change
+    except Exception as err:  # the user's code: anything it raises is reported the same way
+        which = _first_failing(fn, calls, columns, len(completions))
+        at = (
+            f"on completion {which} (the prompt of {places[which]})"
+            if which is not None
+            else f"on the batch of {len(completions)} completions (on none of them alone)"
+        )
+        raise ConfigError(
+            f"task.rewards: {name} raised {type(err).__name__} ({first_line(err)[:200]}) {at}, "
+            f"at {_where(err)}{stopped} Fix the function: it must return a float, or None, per "
+            "completion."
+        ) from None
+    if isinstance(returned, str | bytes | Mapping) or not isinstance(returned, Iterable):
+        raise ConfigError(
+            f"task.rewards: {name} returned {returned!r:.80} ({type(returned).__name__}) for "
+            f"{len(completions)} completions{stopped} It must return a list: one float (or None) "
+            "per completion."
+        )
+    values = list(returned)
+    if len(values) != len(completions):
+        raise ConfigError(
+            f"task.rewards: {name} returned {len(values)} rewards for {len(completions)} "
+            f"completions{stopped} It must return one (a float, or None) per completion."
+        )
+    out = []
+    for i, value in enumerate(values):
+        number = _number(value)
+        if number is None or math.isinf(number):
+            raise ConfigError(
+                f"task.rewards: {name} returned {value!r:.80} ({type(value).__name__}) for "
+                f"completion {i} (the prompt of {places[i]}){stopped} It must return a finite "
+                "float, or None where it does not apply, per completion."
+            )
+        out.append(number)
+    return out
+
+
+def _number(value: Any) -> float | None:
+    """A reward as a float (NaN for None: not scored), or None when it is no number: a string
+    (even ``"1.0"``, which TRL refuses too), a list, a dict."""
+    if value is None:
+        return math.nan
+    if isinstance(value, str | bytes):
+        return None
+    try:
+        return float(value)  # int, bool, numpy scalars, one-element tensors
+    except (TypeError, ValueError):
+        return None
+
+
+def _first_failing(
+    fn: RewardFn, calls: Mapping[str, Sequence], columns: Mapping[str, Sequence], count: int
+) -> int | None:
+    """The first completion that makes ``fn`` raise when called on it alone (called only once
+    the whole batch raised), or None when none does alone."""
+    for i in range(count):
+        alone = {key: [values[i]] for key, values in (*calls.items(), *columns.items())}
+        try:
+            fn(**alone)
+        except Exception:
+            return i
+    return None
+
+
+def _where(err: BaseException) -> str:
+    """``my_rewards.py:12`` (file and line): where the innermost frame of ``err`` raised."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "an unknown line"
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}"
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    """``; did you mean <closest>?`` when one of ``choices`` is close to ``word`` (difflib, as
+    :mod:`recipes.config` answers a misspelt option), else ``.``."""
+    near = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {near[0]}?" if near else "."

@@ -6,6 +6,7 @@ TRL's GRPOTrainer are in tests/test_grpo_trl.py."""
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
 
 import pytest
@@ -83,6 +84,9 @@ def test_user_reward_by_import_path_with_options(tmp_path, monkeypatch):
     ("spec", "words"),
     [
         ({"name": "no_such_reward"}, "neither a built-in"),
+        ({"name": "answer_f2"}, "did you mean answer_f1?"),
+        ({"name": "math_anwser"}, "did you mean math_answer?"),
+        ({"name": "json:dumpz"}, "no attribute 'dumpz'); did you mean dump?"),
         ({"name": "my_missing_module:fn"}, "cannot import"),
         ({"name": "answer_f1", "weight": "high"}, "weight='high' must be a number"),
         ({"name": "format", "pattern": "("}, "is not a regular expression"),
@@ -113,6 +117,39 @@ def test_unscorable_completions_get_no_advantage_and_scaling_options():
     assert stats["frac_reward_zero_std"] == 0.0  # the NaN group's std is NaN, not zero
     task.args.scale_rewards = "none"
     assert task.advantages(table)[0][0] == pytest.approx(0.5)
+
+
+def test_user_reward_failures_name_the_function_and_the_completion():
+    rows = [{"prompt": "p", "place": "row 3"}, {"prompt": "q", "place": "row 4"}]
+
+    def table(fn):
+        return grpo.reward_table([fn], ["mine"], rows, ["a", "7"], [[1], [2]])
+
+    def parse(prompts, completions, **kw):
+        return [float(int(c)) for c in completions]
+
+    with pytest.raises(ConfigError) as err:
+        table(parse)
+    assert "mine raised ValueError" in str(err.value)
+    assert "on completion 0 (the prompt of train row 3)" in str(err.value)
+    assert "stopped before any step used its rewards" in str(err.value)
+    with pytest.raises(ConfigError, match=r"returned '1\.0' \(str\) for completion 0"):
+        table(lambda prompts, completions, **kw: ["1.0", 1.0])
+    with pytest.raises(ConfigError, match=r"returned inf \(float\) for completion 1 \(the"):
+        table(lambda prompts, completions, **kw: [0.0, math.inf])
+    with pytest.raises(ConfigError, match=r"returned 0\.5 \(float\) for 2 completions"):
+        table(lambda prompts, completions, **kw: 0.5)
+    # None and NaN are "not scored" (TRL's rule); numpy and one-element tensors are numbers.
+    got = table(lambda prompts, completions, **kw: [None, torch.tensor(2.0)])
+    assert math.isnan(got[0, 0]) and got[1, 0] == 2.0
+
+
+def test_a_reward_that_scores_no_completion_logs_no_number_not_zero():
+    task = make_task("grpo", num_generations=2, rewards=[{"name": "answer_f1"}, {"name": "length"}])
+    table = torch.tensor([[math.nan, -0.5], [math.nan, -0.25]])
+    _, stats = task.advantages(table)
+    assert math.isnan(stats["rewards/answer_f1/mean"])  # null in metrics.jsonl, not 0
+    assert stats["reward"] == pytest.approx(-0.375)
 
 
 def test_user_reward_returning_the_wrong_count_is_refused():
@@ -209,7 +246,8 @@ def test_smoke_reward_rises_and_final_reloads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    run_train("recipe=llama_grpo", "debug=smoke", "logger=none", f"output_dir={run}")
+    proc = run_train("recipe=llama_grpo", "debug=smoke", "logger=none", f"output_dir={run}")
+    assert "UserWarning" not in proc.stderr  # peft's two on the tied lm_head: said our way
     records = read_metrics(run)
     train = [r["train/reward"] for r in records if "train/reward" in r]
     evals = [r["eval/reward"] for r in records if "eval/reward" in r]
@@ -287,3 +325,73 @@ def test_two_processes_sample_and_learn_as_one(tmp_path):
 
     assert len(curve(one)) == 3 * 4 and any(curve(one)[3::4])  # gradients flowed
     assert curve(two) == pytest.approx(curve(one), rel=1e-4, abs=1e-6)
+
+
+# A user's reward module (task.rewards: my_rewards:<name>), for the runs below.
+MY_REWARDS = """
+import math
+
+
+def parse_int(prompts, completions, **kwargs):
+    return [float(int(c[0]["content"])) for c in completions]  # a tiny model writes no number
+
+
+def words(prompts, completions, **kwargs):
+    return ["good" for c in completions]
+
+
+def never(prompts, completions, **kwargs):
+    return [math.nan for c in completions]
+
+
+def every_third(prompts, completions, **kwargs):
+    return [None if i % 3 == 0 else 1.0 for i in range(len(completions))]
+"""
+
+
+def _run_with_reward(tmp_path, name, *settings):
+    (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    run = tmp_path / "run"
+    proc = run_train(
+        *SHORT,
+        f"task.rewards=[{{name: my_rewards:{name}}}]",
+        f"output_dir={run}",
+        *settings,
+        check=False,
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )
+    return run, proc
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "words"),
+    [
+        ("parse_int", 2, "parse_int raised ValueError (invalid literal for int()"),
+        ("words", 2, "words returned 'good' (str) for completion 0 (the prompt of train row"),
+        ("never", 1, "no function scored any of a training step's 16 completions"),
+    ],
+)
+def test_a_failing_reward_stops_the_run_in_one_line_recorded_in_train_log(
+    tmp_path, name, code, words
+):
+    run, proc = _run_with_reward(tmp_path, name, "trainer.max_steps=2")
+    assert proc.returncode == code, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "UserWarning" not in proc.stderr
+    assert "stopped before" in errors[0]
+    assert errors[0] in (run / "train.log").read_text()
+    assert not (run / "final").exists()
+    assert not [r for r in read_metrics(run) if "train/reward" in r]  # no step was logged
+
+
+@pytest.mark.slow
+def test_completions_no_function_scores_are_warned_once_per_log_window(tmp_path):
+    run, proc = _run_with_reward(
+        tmp_path, "every_third", "trainer.max_steps=4", "trainer.log_every_n_steps=2"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert log.count("got no reward from any function") == 2, log  # steps 1 and 3, not 4 times
+    rewards = [r["train/reward"] for r in read_metrics(run) if "train/reward" in r]
+    assert rewards == [1.0, 1.0]  # the mean of the scored completions, not diluted by zeros

@@ -203,12 +203,14 @@ class LossShape:
 @dataclass
 class RunContext:
     """What a task's run-time calls get from the run: the accelerator, the tokenizer the data
-    was built with, the run folder (None where nothing may be written) and ``generation.*``."""
+    was built with, the run folder (None where nothing may be written), ``generation.*`` and
+    the log window (``trainer.log_every_n_steps``: a task's warnings come once per window)."""
 
     accelerator: Accelerator
     tokenizer: PreTrainedTokenizerBase
     output_dir: Path | None
     generation: GenerationConfig
+    log_every_n_steps: int = 1
 
 
 class Task(abc.ABC, Generic[DataT]):

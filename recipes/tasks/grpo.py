@@ -11,7 +11,9 @@ advantages, and the policy takes TRL's clipped policy-gradient step. The definit
   micro-batch), ``dr_grpo`` (the token sum over completions x ``max_completion_length``);
 * advantages: reward minus its group's mean, divided by the group's standard deviation (n - 1)
   plus 1e-4 (``scale_rewards=group``), by the whole batch's (``batch``, over every process) or
-  not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0;
+  not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0
+  (warned about once per log window), and a step none of whose completions is scored stops the
+  run (:class:`ScoreTally`);
 * the ratio to the old policy clipped to [1 - ``epsilon``, 1 + ``epsilon_high``] (0.2 each);
   log-probabilities of the completion at the sampling temperature, as TRL computes them;
 * ``beta`` (0: no KL term and no reference): the k3 estimate of KL to the reference, times the
@@ -58,6 +60,7 @@ from recipes import generation as generation_lib
 from recipes import rewards as reward_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
+from recipes.faults import TrainingError
 from recipes.log import get_logger
 from recipes.tasks import chat_features, conversations
 from recipes.tasks.base import (
@@ -105,6 +108,8 @@ class Rollout:
     ref_logps: torch.Tensor | None  # (B*G, C), beta > 0
     stats: dict[str, float]
     uses_left: int = 0
+    # Completions that no reward function scored (each returned None or NaN): ScoreTally's.
+    unscored: int = 0
     # Padding-free (task.padding_free): the sequences as one row (:func:`_flat_sequences`).
     flat: tuple[torch.Tensor, ...] | None = None
 
@@ -150,14 +155,75 @@ def _moved(rollout: Rollout, device: torch.device) -> Rollout:
     return Rollout(**{k: move(v) for k, v in vars(rollout).items()})
 
 
+class ScoreTally:
+    """Completions that no reward function scored (every one returned None or NaN), counted
+    per optimizer step and per log window. TRL's rule stays: such a completion takes no part in
+    its group's statistics and gets advantage 0. But a step none of whose completions (on any
+    process) was scored would update on nothing, and its logged reward would be no number: it
+    stops the run (:class:`TrainingError`) before that step's update. Fewer are warned about
+    at the first step that has them, then at most once per log window (TRL warns at every
+    generation)."""
+
+    def __init__(self, run: RunContext, names: Sequence[str]) -> None:
+        self.accelerator = run.accelerator
+        self.every = max(1, run.log_every_n_steps)
+        self.names = ", ".join(names)
+        self.step = [0, 0]  # unscored, completions: this process, this step
+        self.quiet = 0  # steps left before another warning may come
+
+    def count(self, rollout: Rollout) -> None:
+        """Count a micro-batch's rollout; at the step's last micro-batch (the optimizer step
+        follows), check the step, and warn when due."""
+        self.step[0] += rollout.unscored
+        self.step[1] += len(rollout.advantages)
+        if self.accelerator.sync_gradients:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        unscored, total = self.step
+        self.step = [0, 0]
+        if self.accelerator.num_processes > 1:  # one small all-reduce; the sampling syncs anyway
+            summed = torch.tensor([unscored, total], device=self.accelerator.device)
+            unscored, total = (int(v) for v in self.accelerator.reduce(summed, "sum").tolist())
+        if total and unscored == total:
+            raise TrainingError(
+                f"task.rewards: no function scored any of a training step's {total} "
+                f"completions ({self.names} returned None or NaN for every one), so the step "
+                "had nothing to learn from and no reward to log; the run stopped before that "
+                "step's update. A function returns None (or NaN) only where it does not apply: "
+                "check that the functions apply to these rows (their columns, the answer's form)."
+            )
+        self.quiet -= 1
+        if not unscored or self.quiet > 0 or not self.accelerator.is_main_process:
+            return
+        self.quiet = self.every  # the next warning a log window later at the earliest
+        log.warning(
+            "%d of a training step's %d completions got no reward from any function (%s "
+            "returned None or NaN for them): they count in no group's mean or std and their "
+            "advantage is 0 (said at most once per trainer.log_every_n_steps=%d steps)",
+            unscored,
+            total,
+            self.names,
+            self.every,
+        )
+
+
 class Rollouts:
     """What GRPO's loss reads besides its batch, built once in ``before_training``: the run
     (the tokenizer and accelerator it samples with, ``generation.batch_size``), the training
     prompts' rows (the rewards read their columns), the tokens that end a completion, the
-    reference policy (``beta`` > 0) and the :class:`RolloutBuffer` (checkpointed)."""
+    reference policy (``beta`` > 0), the :class:`RolloutBuffer` (checkpointed) and the
+    :class:`ScoreTally` of completions no function scored."""
 
-    def __init__(self, run: RunContext, data: GrpoData, reference: Reference | None) -> None:
+    def __init__(
+        self,
+        run: RunContext,
+        data: GrpoData,
+        reference: Reference | None,
+        reward_names: Sequence[str] = (),
+    ) -> None:
         self.run = run
+        self.tally = ScoreTally(run, reward_names)
         self.rows = data.rows["train"]
         self.reference = reference
         self.buffer = RolloutBuffer(run.accelerator)
@@ -320,7 +386,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         accelerator = run.accelerator
         if accelerator.distributed_type == DistributedType.FSDP:
             raise ConfigError(FSDP_REFUSAL)
-        self.rollouts = Rollouts(run, data, None)
+        self.rollouts = Rollouts(run, data, None, self.reward_names)
         if self.args.num_iterations > 1:
             accelerator.register_for_checkpointing(self.rollouts.buffer)
         if self.args.beta:
@@ -389,7 +455,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
         indices = batch["index"].tolist()
         row_list = [rollouts.rows[i] for i in indices for _ in range(group)]
-        per_func = self._rewards(run.tokenizer, row_list, completions)
+        per_func = self._rewards(run.tokenizer, row_list, completions, "train")
         advantages, reward_stats = self.advantages(per_func.to(device), accelerator)
         sampled = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         flat = _flat_sequences(repeated, completions, device) if self.flat else None
@@ -408,18 +474,20 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             "generation/tokens_per_second": float(lengths.sum()) / max(seconds, 1e-9),
             "generation/seconds": seconds,
         }
-        return Rollout(*sampled, advantages, old, ref, stats, flat=flat)
+        unscored = int(torch.isnan(per_func).all(dim=1).sum())
+        return Rollout(*sampled, advantages, old, ref, stats, flat=flat, unscored=unscored)
 
     def _rewards(
         self,
         tokenizer: PreTrainedTokenizerBase,
         rows: Sequence[Mapping[str, Any]],
         completions: list[list[int]],
+        split: str = "train",
     ) -> torch.Tensor:
         """(completions, reward functions): each function's rewards of the completions of
-        ``rows`` (one row per completion), NaN where it gave None."""
+        ``rows`` (one row per completion, of ``split``), NaN where it gave None."""
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return reward_table(self.reward_fns, self.reward_names, rows, texts, completions)
+        return reward_table(self.reward_fns, self.reward_names, rows, texts, completions, split)
 
     def advantages(
         self, per_func: torch.Tensor, accelerator: Accelerator | None = None
@@ -455,8 +523,9 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         }
         for i, name in enumerate(self.reward_names):
             column = per_func[:, i]
-            stats[f"rewards/{name}/mean"] = _or_zero(torch.nanmean(column))
-            stats[f"rewards/{name}/std"] = _or_zero(_nanstd(column))
+            # NaN where the function scored none of them: logged as null, never a made-up 0.
+            stats[f"rewards/{name}/mean"] = float(torch.nanmean(column))
+            stats[f"rewards/{name}/std"] = float(_nanstd(column))
         return advantages, stats
 
     # ------------------------------------------------------------------------------- loss
@@ -518,6 +587,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         rollout = self._rollout(model, batch)
+        assert self.rollouts is not None  # set by _rollout's own check
+        self.rollouts.tally.count(rollout)  # stops the run at a step no function scored
         entropies: list[torch.Tensor] = []
         logps = self._logps(
             model,
@@ -591,8 +662,9 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self, model: nn.Module, loader: Batches, data: GrpoData, run: RunContext
     ) -> Metrics:
         """The rewards of one greedy completion per held-out prompt (every process answers its
-        share): ``reward`` (weighted sum) and each function's mean, and the completions'
-        length."""
+        share): ``reward`` (the weighted sum's mean over the completions some function
+        scored; none scored stops the run) and each function's mean (left out where it scored
+        none), and the completions' length."""
         prompts = [row["input_ids"] for row in data.eval]
         greedy = GenerationConfig(batch_size=run.generation.batch_size)
         completions = generation_lib.complete_ids(
@@ -603,14 +675,23 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             self.args.max_completion_length,
             accelerator=run.accelerator,
         )
-        per_func = self._rewards(run.tokenizer, data.rows["eval"], completions)
+        per_func = self._rewards(run.tokenizer, data.rows["eval"], completions, "eval")
         totals = (per_func * self.reward_weights).nansum(dim=1)
+        scored = ~torch.isnan(per_func).all(dim=1)  # as in training: the others are no score
+        if not bool(scored.any()):
+            raise TrainingError(
+                f"task.rewards: no function scored any of the {len(completions)} held-out "
+                f"completions ({', '.join(self.reward_names)} returned None or NaN for every "
+                "one), so eval/reward, which ranks checkpoints, would be no number; the run "
+                "stopped. A function returns None (or NaN) only where it does not apply: check "
+                "that the functions apply to the evaluation rows."
+            )
+        means = {n: float(torch.nanmean(per_func[:, i])) for i, n in enumerate(self.reward_names)}
         return {
-            "reward": float(totals.mean()),
-            **{
-                f"rewards/{n}/mean": _or_zero(torch.nanmean(per_func[:, i]))
-                for i, n in enumerate(self.reward_names)
-            },
+            "reward": float(totals[scored].mean()),
+            # Left out where the function scored none: never a made-up 0 (nor a NaN that
+            # results.json could not hold).
+            **{f"rewards/{n}/mean": v for n, v in means.items() if v == v},
             "completions/mean_length": float(np.mean([len(c) for c in completions])),
             "prompts": float(len(prompts)),
         }
@@ -628,10 +709,13 @@ def reward_table(
     rows: Sequence[Mapping[str, Any]],
     texts: Sequence[str],
     completion_ids: Sequence[Sequence[int]],
+    split: str = "train",
 ) -> torch.Tensor:
     """(completions, functions) rewards, NaN where a function returned None; the function is
     called as TRL calls it: prompts, completions (a list holding the assistant message for a
-    conversational prompt), completion_ids and every other column of the row."""
+    conversational prompt), completion_ids and every other column of the row. A function that
+    raises or returns no number is refused naming the completion's row of ``split``
+    (:func:`recipes.rewards.scores`)."""
     prompts = [row["prompt"] for row in rows]
     conversational = bool(prompts) and isinstance(prompts[0], list)
     completions = (
@@ -639,17 +723,11 @@ def reward_table(
     )
     columns = [k for k in rows[0] if k not in ("prompt", "completion", "place")] if rows else []
     kwargs = {k: [row.get(k) for row in rows] for k in columns}
+    places = [f"{split} {row.get('place', f'completion {i}')}" for i, row in enumerate(rows)]
     table = torch.full((len(texts), len(fns)), torch.nan)
     for j, (fn, name) in enumerate(zip(fns, names, strict=True)):
-        values = list(
-            fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        )
-        if len(values) != len(texts):
-            raise ConfigError(
-                f"task.rewards: {name} returned {len(values)} rewards for {len(texts)} "
-                "completions; it must return one (a float, or None) per completion."
-            )
-        table[:, j] = torch.tensor([torch.nan if v is None else float(v) for v in values])
+        values = reward_lib.scores(fn, name, places, prompts, completions, completion_ids, kwargs)
+        table[:, j] = torch.tensor(values, dtype=torch.float32)
     return table
 
 
@@ -764,8 +842,3 @@ def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim) * count / (count - 1)
     return variance.sqrt()
-
-
-def _or_zero(value: torch.Tensor) -> float:
-    number = float(value)
-    return 0.0 if number != number else number
