@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -293,6 +294,33 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(DataError, match=words):
             unpaired.read_unpaired(path)
+
+
+def test_rows_cut_or_dropped_by_the_length_are_counted_in_the_log(tmp_path, caplog):
+    """A row whose prompt alone fills task.max_seq_length keeps no completion token once cut:
+    it is dropped even under truncation=truncate, and the log counts it (as SFT's does)."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    long_prompt = [{"role": "user", "content": "Where is Paris? " * 200}]
+    long_reply = [{"role": "assistant", "content": "In France. " * 200}]
+    rows = [
+        *ROWS,
+        {"prompt": long_prompt, "completion": ROWS[0]["completion"], "label": True},
+        {"prompt": ROWS[0]["prompt"], "completion": long_reply, "label": False},
+    ]
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    for truncation, kept, words in (
+        ("truncate", 9, "1 truncated, 1 dropped (task.truncation=truncate"),
+        ("drop", 8, "0 truncated, 2 dropped (task.truncation=drop"),
+    ):
+        caplog.clear()
+        kto = make_task("kto", chat_template="llama3", max_seq_length=256, truncation=truncation)
+        with caplog.at_level(logging.INFO, logger="recipes"):
+            data = kto.build_data(cfg, tokenizer)
+        assert len(data.train) == kept and "cut" not in data.train.column_names
+        assert f"train: 10 rows -> {kept} features" in caplog.text
+        assert f"task.max_seq_length=256: {words}" in caplog.text
 
 
 def test_settings_are_checked():
