@@ -284,7 +284,9 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
     assert "line 2: field 'label' is missing: true (desirable) or false" in message
     assert "line 3: field 'label' is str 'true', not a boolean" in message
     assert "line 4: field 'label' is int 1, not a boolean" in message
-    assert "(and 3 more)" in message and "task.format=" in message
+    assert "(and 3 more)" in message
+    # Not a layout problem: the layout is plain (a label), so task.format is no fix.
+    assert "task.format" not in message and message.endswith("Fix or remove them.")
     # Each kind alone, to see its own words.
     for row, words in (
         (rows[4], "line 1: field 'completion' is empty"),
@@ -294,6 +296,20 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(DataError, match=words):
             unpaired.read_unpaired(path)
+    # A row of no layout at all: the message names both layouts, and task.format as a fix.
+    path.write_text(json.dumps({"question": "Where is Paris?", "answer": "In France."}) + "\n")
+    with pytest.raises(DataError) as err:
+        unpaired.read_unpaired(path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert (
+        "line 1: fits no layout (fields: answer, question); expected prompt/completion/label"
+        in (message)
+    )
+    assert message.endswith(
+        "Fix or remove them, or name the layout with "
+        "task.format=unpaired|explicit|implicit|ultrafeedback."
+    )
 
 
 def test_rows_cut_or_dropped_by_the_length_are_counted_in_the_log(tmp_path, caplog):

@@ -166,7 +166,7 @@ def to_conversation(
     prompt-completion row (0 for a conversation), and whether the row was plain text."""
     layout = detect_format(row, prompt) if fmt == "auto" else fmt
     if layout is None:
-        raise ValueError(
+        raise LayoutError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
             "conversations (ShareGPT), instruction/input/output (Alpaca), "
             "instruction/context/response (Dolly) or prompt/completion"
@@ -401,9 +401,11 @@ def rows_dataset(
     """``columns`` (the last one ``place``) of the rows ``convert`` turns into the other
     columns' values (None: a row left out); the rows it refuses (ValueError naming the field)
     are reported together in one DataError, ``problem`` (with ``{count}``) then the first few,
-    then ``fix``."""
+    then ``fix`` where a row fit no layout (:class:`LayoutError`): a bad label or an empty
+    reply is not solved by naming the layout."""
     out: dict[str, list] = {name: [] for name in columns}
     problems = []
+    layout_problem = False
     for place, row in data_lib.progress(rows, desc="read rows", unit=" rows"):
         try:
             if not isinstance(row, Mapping):
@@ -411,6 +413,7 @@ def rows_dataset(
             values = convert(row)
         except ValueError as err:
             problems.append(f"{place}: {err}")
+            layout_problem = layout_problem or isinstance(err, LayoutError)
             continue
         if values is None:
             continue
@@ -419,8 +422,9 @@ def rows_dataset(
     if problems:
         shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
         more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
+        hint = f", or {fix}" if layout_problem else ""
         raise DataError(
-            f"{problem.format(count=len(problems))}: {shown}{more}. Fix or remove them, or {fix}."
+            f"{problem.format(count=len(problems))}: {shown}{more}. Fix or remove them{hint}."
         )
     return Dataset.from_dict(out)
 
@@ -581,6 +585,11 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def has_generation_markers(template: str) -> bool:
     """Whether ``template`` marks the assistant's tokens with ``{% generation %}``."""
     return GENERATION_TAG.search(template) is not None
+
+
+class LayoutError(ValueError):
+    """A row that fits none of the layouts the reader knows: the one problem ``task.format``
+    can solve, so the only one whose refusal names it (:func:`rows_dataset`)."""
 
 
 class TemplateMismatch(ValueError):
