@@ -339,6 +339,21 @@ def test_rows_cut_or_dropped_by_the_length_are_counted_in_the_log(tmp_path, capl
         assert f"task.max_seq_length=256: {words}" in caplog.text
 
 
+def test_a_field_no_row_has_is_said_once_with_the_fields_the_rows_have(tmp_path):
+    """Every row refused for one reason (no row has a label): said once, with the row count
+    and the rows' fields, not line by line."""
+    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for r in ROWS]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        unpaired.read_unpaired(path)
+    assert str(err.value) == (
+        f"{path}: 8 row(s) are not unpaired preference rows or pairs: every row: field 'label' "
+        "is missing: true (desirable) or false (undesirable) (8 rows; the rows' fields: "
+        "completion, prompt). Fix them."
+    )
+
+
 def test_settings_are_checked():
     with pytest.raises(ConfigError, match=r"task\.loss_type='sigmoid'"):
         make_task("kto", loss_type="sigmoid")

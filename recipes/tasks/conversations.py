@@ -402,23 +402,39 @@ def rows_dataset(
     columns' values (None: a row left out); the rows it refuses (ValueError naming the field)
     are reported together in one DataError, ``problem`` (with ``{count}``) then the first few,
     then ``fix`` where a row fit no layout (:class:`LayoutError`): a bad label or an empty
-    reply is not solved by naming the layout."""
+    reply is not solved by naming the layout. When every row is refused for the same reason (a
+    field no row has), that reason is said once, with the fields the rows do have."""
     out: dict[str, list] = {name: [] for name in columns}
     problems = []
+    reasons: set[str] = set()
+    fields: set[str] = set()  # of the refused rows
     layout_problem = False
+    read = 0
     for place, row in data_lib.progress(rows, desc="read rows", unit=" rows"):
+        read += 1
         try:
             if not isinstance(row, Mapping):
                 raise ValueError(f"is {kind_of(row)}, not an object")
             values = convert(row)
         except ValueError as err:
             problems.append(f"{place}: {err}")
+            reasons.add(str(err))
+            if isinstance(row, Mapping):
+                fields.update(str(k) for k in row)
             layout_problem = layout_problem or isinstance(err, LayoutError)
             continue
         if values is None:
             continue
         for name, value in zip(columns, (*values, place), strict=True):
             out[name].append(value)
+    if read > 1 and len(problems) == read and len(reasons) == 1:
+        listed = fields and not layout_problem  # a layout refusal lists the fields itself
+        have = f"; the rows' fields: {', '.join(sorted(fields))}" if listed else ""
+        hint = f", or {fix}" if layout_problem else ""
+        raise DataError(
+            f"{problem.format(count=read)}: every row: {reasons.pop()} ({read} rows{have}). "
+            f"Fix them{hint}."
+        )
     if problems:
         shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
         more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
