@@ -226,8 +226,18 @@ def write_together(
 ) -> None:
     """Every process runs ``write_all`` (into ``tmp``), then the main process ``publish``es it.
     If any process fails, all of them learn it, ``tmp`` is removed and the same one-line
-    :class:`TrainingError` is raised everywhere (a full disk says so, with the space needed)."""
-    error = _agreed_failure(accelerator, _attempt(write_all))
+    :class:`TrainingError` is raised everywhere (a full disk says so, with the space needed).
+    Under FSDP, ``write_all`` gathers the shards with collectives: a process that fails inside
+    it has left the others inside one, which an agreement (one more collective) would never
+    meet (a hang on NCCL and MCCL, a mismatch on gloo). That process stops alone, with the same
+    line, and the launcher ends the others."""
+    own = _attempt(write_all)
+    if own is not None and accelerator.distributed_type == DistributedType.FSDP:
+        removed = accelerator.is_main_process  # else the next save's clean-up removes it
+        if removed:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingError(_write_failure(own, tmp, what, need, removed))
+    error = _agreed_failure(accelerator, own)
     if error is None:
         error = _agreed_failure(
             accelerator, _attempt(publish) if accelerator.is_main_process else None
@@ -238,16 +248,20 @@ def write_together(
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
+    raise TrainingError(_write_failure(error, tmp, what, max(need, written)))
+
+
+def _write_failure(
+    error: tuple[str, str], tmp: Path, what: str, need: int, removed: bool = True
+) -> str:
+    """The one line of a failed write (:func:`_attempt`'s ``error``) into ``tmp``."""
     kind, detail = error
+    partial = "the partial write was removed" if removed else f"the partial write {tmp} is left"
     if kind == "disk full":
-        raise TrainingError(
-            _no_space(
-                tmp.parent, what, max(need, written), f"the partial write was removed ({detail})"
-            )
-        )
-    raise TrainingError(
-        f"could not write {what} to {tmp.parent} ({detail}); the partial write was removed and "
-        "every earlier checkpoint is kept."
+        return _no_space(tmp.parent, what, need, f"{partial} ({detail})")
+    return (
+        f"could not write {what} to {tmp.parent} ({detail}); {partial} and every earlier "
+        "checkpoint is kept."
     )
 
 

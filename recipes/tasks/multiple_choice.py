@@ -434,9 +434,11 @@ def read_row(
 
     def text(column: str, allow_empty: bool = True) -> str:
         value = batch[column][i]
-        if value is None and not allow_empty:
+        if value is None:  # the row has no such key (JSON lines) or holds null there
+            what = "choice" if not allow_empty else "text"
             raise DataError(
-                f"{where}, field {column!r}: the choice is empty; fix or drop that row."
+                f"{where}, field {column!r}: the {what} is missing (no value, or null); fix or "
+                "drop that row."
             )
         if not isinstance(value, str):
             raise DataError(
@@ -460,6 +462,11 @@ def read_row(
             )
         choices = []
         for n, value in enumerate(values):
+            if value is None:
+                raise DataError(
+                    f"{where}, field {layout.choices!r}[{n}]: the choice is missing (null); fix "
+                    "or drop that row."
+                )
             if not isinstance(value, str):
                 raise DataError(
                     f"{where}, field {layout.choices!r}[{n}]: holds {value!r} "

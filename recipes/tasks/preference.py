@@ -58,7 +58,7 @@ def to_pair(
     nothing (an UltraFeedback row of ties). ValueError names the field that is wrong."""
     layout = detect_format(row) if fmt == "auto" else fmt
     if layout is None:
-        raise ValueError(
+        raise conversations.LayoutError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
             "prompt/chosen/rejected (TRL), chosen/rejected conversations sharing a prompt, or "
             "instruction/completions (UltraFeedback)"

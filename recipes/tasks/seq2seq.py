@@ -533,6 +533,19 @@ def _values(examples: Dataset, name: str, key: str, where: str, problems: list[s
     values = examples[column]
     if inner is None:
         return values
+    if not any(isinstance(v, Mapping) and v.get(inner) is not None for v in values):
+        # No row has it: a misnamed field (or a column of plain values), said once, with the
+        # fields the rows do have, rather than row by row.
+        have = sorted({k for v in values if isinstance(v, Mapping) for k in v if v[k] is not None})
+        if have:
+            fix = f"the rows' fields: {', '.join(have)}; name one with data.{key}={column}.<field>"
+        else:
+            kinds = ", ".join(sorted({_kind(v) for v in values}))
+            fix = f"it holds {kinds}, not objects; name it with data.{key}={column}"
+        raise DataError(
+            f"{where}: no row has field {inner!r} in column {column!r} ({len(values)} rows; "
+            f"data.{key}={name}): {fix}."
+        )
     out = []
     for i, value in enumerate(values):
         if isinstance(value, Mapping) and value.get(inner) is not None:
@@ -550,6 +563,8 @@ def _values(examples: Dataset, name: str, key: str, where: str, problems: list[s
 
 
 def _text_problem(value: Any, key: str, name: str) -> str | None:
+    if value is None:
+        return f"data.{key} {name!r} is missing (no value, or null)"
     if not isinstance(value, str):
         return f"data.{key} {name!r} holds {_kind(value)} {value!r:.40}, not text"
     if not value.strip():

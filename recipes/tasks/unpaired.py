@@ -19,7 +19,8 @@ Pure functions (no model, no loop), as :mod:`recipes.tasks.preference` is for pa
 
 A row that fits none of this (a missing or non-boolean label, a missing prompt, an empty
 completion, a prompt that ends with the assistant's turn) is refused, with its line and field,
-in one message for the whole file.
+in one message for the whole file; that message names ``task.format`` only where a row fits no
+layout at all, the one problem naming the layout solves.
 """
 
 from __future__ import annotations
@@ -55,8 +56,15 @@ def to_rows(
     """``row`` as checked (prompt, completion, label, text) rows: one for an unpaired row, two
     for a pair (chosen, then rejected), none for a pair of ties. ValueError names the field."""
     layout = detect_format(row) if fmt == "auto" else fmt
+    if layout is None:
+        raise conversations.LayoutError(
+            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
+            "prompt/completion/label (TRL's unpaired rows) or a preference pair: "
+            "prompt/chosen/rejected, chosen/rejected conversations sharing a prompt, or "
+            "instruction/completions (UltraFeedback)"
+        )
     if layout != "unpaired":
-        pair = preference.to_pair(row, "auto" if layout is None else layout)
+        pair = preference.to_pair(row, layout)
         if pair is None:
             return []
         prompt, chosen, rejected = pair
