@@ -639,8 +639,14 @@ def _check_early_stopping(trainer: TrainerConfig) -> None:
     else:
         return
     if trainer.eval_every_n_steps <= 0:
+        undo = (
+            "trainer.early_stopping_patience=null"
+            if patience is not None
+            else "trainer.load_best_model_at_end=false"
+        )
         raise ConfigError(
-            f"{key} needs evaluations during training: set trainer.eval_every_n_steps (e.g. 200)."
+            f"{key} needs evaluations during training: set trainer.eval_every_n_steps (e.g. 200), "
+            f"or {undo}."
         )
     if trainer.best_model_at_end and (
         trainer.save_every_n_steps <= 0 and not trainer.save_at_epoch_end

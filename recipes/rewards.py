@@ -4,7 +4,7 @@ A reward function takes ``prompts`` and ``completions`` (one per completion: tex
 conversational prompt a list holding the assistant message, as TRL passes them), the row's other
 columns as keyword arguments (one value per completion), and ``completion_ids``; it returns one
 float per completion, or None where it does not apply (left out of that completion's sum, as in
-TRL). ``task.rewards`` lists them, each a built-in name or an import path
+TRL). An ``async def`` function is awaited, as in TRL. ``task.rewards`` lists them, each a built-in name or an import path
 (``package.module:function``) with its weight and options::
 
     rewards:
@@ -32,16 +32,19 @@ Built in:
 ``answer_*`` and ``math_answer`` read the reference from the column ``column`` (``answer`` by
 default): a string or a list of strings.
 
-:func:`scores` calls a function and checks what it gives: one that raises, returns something
-other than a number or None, returns infinity, or returns the wrong count stops the run in one
+:func:`scores` calls a function and checks what it gives: one that cannot take TRL's keywords,
+raises, returns something other than a number or None, returns infinity (or a number float32
+cannot hold), or returns the wrong count stops the run in one
 line naming the function and the completion, before any optimizer step uses its rewards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
 import importlib
+import inspect
 import math
 import re
 import traceback
@@ -261,8 +264,9 @@ def scores(
     uses these rewards)."""
     calls = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
     stopped = "; the run stopped before any step used its rewards."
+    _check_signature(fn, name, [*calls, *columns], stopped)
     try:
-        returned = fn(**calls, **columns)
+        returned = _called(fn, calls, columns)
     except ConfigError:
         raise  # a built-in's own refusal (a column the rows lack) says what to change
     except Exception as err:  # the user's code: anything it raises is reported the same way
@@ -292,14 +296,48 @@ def scores(
     out = []
     for i, value in enumerate(values):
         number = _number(value)
-        if number is None or math.isinf(number):
+        if number is None or math.isinf(number) or abs(number) > _FLOAT32_MAX:
             raise ConfigError(
                 f"task.rewards: {name} returned {value!r:.80} ({type(value).__name__}) for "
                 f"completion {i} (the prompt of {places[i]}){stopped} It must return a finite "
-                "float, or None where it does not apply, per completion."
+                "float (within float32's range: the rewards are a float32 tensor), or None where "
+                "it does not apply, per completion."
             )
         out.append(number)
     return out
+
+
+def _check_signature(fn: RewardFn, name: str, keywords: list[str], stopped: str) -> None:
+    """A function that cannot take TRL's keywords is named with what it was given, rather than
+    reported as a TypeError "on completion 0"."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: it is simply called
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as err:
+        raise ConfigError(
+            f"task.rewards: {name} cannot be called as TRL calls a reward function ({err}){stopped}"
+            f" It is given the keywords {', '.join(keywords)}: declare the ones it uses and "
+            "**kwargs for the rest, e.g. def reward(completions, **kwargs)."
+        ) from None
+
+
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: larger becomes inf
+
+
+def _called(fn: RewardFn, calls: Mapping[str, Sequence], columns: Mapping[str, Sequence]) -> Any:
+    """``fn(**calls, **columns)``; an ``async def`` function is awaited, as TRL runs one (TRL
+    gathers several on a background loop; one at a time here, in the step's order)."""
+    returned = fn(**calls, **columns)
+    if inspect.isawaitable(returned):
+        return asyncio.run(_awaited(returned))
+    return returned
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _number(value: Any) -> float | None:
@@ -323,7 +361,7 @@ def _first_failing(
     for i in range(count):
         alone = {key: [values[i]] for key, values in (*calls.items(), *columns.items())}
         try:
-            fn(**alone)
+            _called(fn, alone, {})
         except Exception:
             return i
     return None

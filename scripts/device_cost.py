@@ -97,6 +97,7 @@ RUN = (
     "trainer.eval_at_start=false",
     "trainer.eval_at_end=false",
     "trainer.eval_every_n_steps=0",
+    "trainer.load_best_model_at_end=false",  # bert_swag's smoke keeps its best checkpoint
     "trainer.save_every_n_steps=0",
     "trainer.save_at_epoch_end=false",
     "trainer.save_final_model=false",

@@ -215,6 +215,7 @@ SHORT_STEPS = (
     "trainer.eval_at_start=false",
     "trainer.save_final_model=false",
     "trainer.save_every_n_steps=0",
+    "trainer.load_best_model_at_end=false",  # no checkpoints to choose among (bert_swag's smoke)
     "trainer.progress_bar=false",
     "logger=none",
 )

@@ -144,6 +144,24 @@ def test_user_reward_failures_name_the_function_and_the_completion():
     assert math.isnan(got[0, 0]) and got[1, 0] == 2.0
 
 
+def test_async_rewards_are_awaited_and_bad_signatures_or_float32_overflow_are_named():
+    rows = [{"prompt": "p", "place": "row 3"}, {"prompt": "q", "place": "row 4"}]
+
+    def table(fn):
+        return grpo.reward_table([fn], ["mine"], rows, ["a", "bb"], [[1], [2]])
+
+    async def lengths(prompts, completions, **kw):  # TRL awaits an async reward function
+        return [float(len(c)) for c in completions]
+
+    assert table(lengths).flatten().tolist() == [1.0, 2.0]
+    with pytest.raises(ConfigError) as err:
+        table(lambda completions: [0.0, 0.0])  # no **kwargs: TRL passes prompts too
+    assert "mine cannot be called as TRL calls a reward function" in str(err.value)
+    assert "def reward(completions, **kwargs)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"returned 1e\+39 \(float\) for completion 1"):
+        table(lambda prompts, completions, **kw: [0.0, 1e39])  # inf once a float32 tensor
+
+
 def test_a_reward_that_scores_no_completion_logs_no_number_not_zero():
     task = make_task("grpo", num_generations=2, rewards=[{"name": "answer_f1"}, {"name": "length"}])
     table = torch.tensor([[math.nan, -0.5], [math.nan, -0.25]])

@@ -348,7 +348,7 @@ def test_two_processes_and_resume_train_as_one(tmp_path, cache_dir):
     common = (f"data.path={data}", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
               "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2",
               "trainer.eval_at_start=false", "trainer.eval_every_n_steps=0",
-              "trainer.save_final_model=false", "task.max_seq_length=48",
+              "trainer.load_best_model_at_end=false", "trainer.save_final_model=false", "task.max_seq_length=48",
               # Dropout draws per process: without it one process and two compute alike.
               "+model.config_overrides.hidden_dropout_prob=0.0",
               "+model.config_overrides.attention_probs_dropout_prob=0.0")  # fmt: skip
