@@ -114,7 +114,8 @@ def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list
 
 
 def benchmark_run_folder(settings: Settings) -> Settings:
-    """``mode=benchmark`` without ``recipe=`` or ``output_dir=``: Hydra's folder is named for the
+    """``mode=benchmark`` with neither a model nor a recipe given is refused (it would score the
+    default recipe's model). Without ``recipe=`` or ``output_dir=``: Hydra's folder is named for the
     default recipe (``outputs/bert_squad/<date_time>``), which has nothing to do with the model
     benchmarked, so the run goes to ``outputs/benchmark/<date_time>`` and Hydra's folder, empty,
     is removed. A folder given (``output_dir=``, or a ``hydra.run.dir`` of one's own), a recipe
@@ -123,7 +124,15 @@ def benchmark_run_folder(settings: Settings) -> Settings:
 
     context = tracking.hydra_context()
     given = {o.split("=", 1)[0].lstrip("+~") for o in context.get("overrides", [])}
-    if settings.mode != "benchmark" or not context or context["sweep_dir"]:
+    if settings.mode != "benchmark" or not context:
+        return settings
+    if not {"recipe", "model", "model.name_or_path"} & given:
+        raise ConfigError(
+            "mode=benchmark scores a model, and none was given (the default recipe's "
+            f"{settings.model.name_or_path} would be): set model.name_or_path=<a run's final/ "
+            "or a Hub id>, or recipe=<the recipe whose model to score>."
+        )
+    if context["sweep_dir"]:
         return settings
     hydra_folder = Path(settings.output_dir)
     if (

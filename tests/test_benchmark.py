@@ -207,7 +207,14 @@ def test_benchmark_command_prints_the_scores_and_files_them_with_the_run(tmp_pat
 def test_mode_benchmark_without_a_recipe_is_filed_under_benchmark(tmp_path):
     """``mode=benchmark`` without ``recipe=`` or ``output_dir=``: the run folder is
     ``outputs/benchmark/<date_time>``, not the default recipe's ``outputs/bert_squad/...``, and
-    no folder is left under the recipe's name."""
+    no folder is left under the recipe's name. Without a model either, it is refused in one line
+    (it would score the default recipe's model), leaving no folder."""
+    refused = run_train(
+        "mode=benchmark", "benchmark.tasks=[recipes_hellaswag]", cwd=tmp_path, check=False
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "set model.name_or_path=" in refused.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("outputs/*/*")), list(tmp_path.rglob("*"))
     done = run_train(
         "mode=benchmark",
         f"model.name_or_path={TINY_LLAMA}",
