@@ -514,18 +514,19 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             advantages = advantages / (std + 1e-4)
         advantages = torch.nan_to_num(advantages, nan=0.0)
         group_std = _nanstd(grouped, dim=1)
-        stats = {
-            "reward": float(torch.nanmean(totals)),
-            "reward_std": float(_nanstd(totals)),
-            "frac_reward_zero_std": float(
-                torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
-            ),
-        }
+        names = ["reward", "reward_std", "frac_reward_zero_std"]
+        values = [
+            torch.nanmean(totals),
+            _nanstd(totals),
+            torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
+        ]
         for i, name in enumerate(self.reward_names):
             column = per_func[:, i]
             # NaN where the function scored none of them: logged as null, never a made-up 0.
-            stats[f"rewards/{name}/mean"] = float(torch.nanmean(column))
-            stats[f"rewards/{name}/std"] = float(_nanstd(column))
+            names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+            values += [torch.nanmean(column), _nanstd(column)]
+        # One read of the device for every statistic (each float() would be a host sync).
+        stats = dict(zip(names, torch.stack(values).float().tolist(), strict=True))
         return advantages, stats
 
     # ------------------------------------------------------------------------------- loss
