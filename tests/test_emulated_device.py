@@ -2,8 +2,10 @@
 checked in fresh processes under ``scripts/emulated_musa.py`` (the device is installed once per
 process and cannot be undone).
 
-- It refuses what a card refuses: a musa tensor mixed with a CPU tensor (a CPU scalar and CPU
-  indices are accepted, as on CUDA) or with another card's tensor.
+- It refuses what a card refuses: a musa tensor mixed with a CPU tensor (a CPU scalar where
+  TensorIterator takes one and CPU indices are accepted, as on CUDA; a 0-dim CPU tensor in an
+  operator whose wrapper checks devices is not) or with another card's tensor; a CPU generator
+  in a random operator; a CPU tensor in an MCCL collective; card use in a forked child.
 - Views, in-place and ``out=`` results are the musa tensors themselves, on the same memory.
 - Memory is counted per card; RNG is per card and never draws from the CPU's generator.
 - Autocast casts on musa with the dtypes the release and card have; the grad scaler steps.
@@ -21,7 +23,7 @@ import sys
 
 import pytest
 from conftest import ROOT, free_port, on_musa
-from musa_emulator import visible_cards
+from musa_emulator import checked_ops, visible_cards
 
 _SEMANTICS = r"""
 import io, json
@@ -125,6 +127,57 @@ model.extra = torch.nn.Linear(3, 3)
 model.extra.weight = model.weight  # tied, as a language model's head and embeddings
 model.to("musa")
 out["tied_after_to"] = model.extra.weight is model.weight
+
+# Random operators on the card refuse a CPU generator and take a card's.
+probabilities = torch.full((2, 4), 0.25, device="musa")
+draws = {
+    "multinomial": lambda g: torch.multinomial(probabilities, 2, generator=g),
+    "randn": lambda g: torch.randn(4, device="musa", generator=g),
+    "rand": lambda g: torch.rand(4, device="musa", generator=g),
+    "randint": lambda g: torch.randint(0, 9, (4,), device="musa", generator=g),
+    "randperm": lambda g: torch.randperm(4, device="musa", generator=g),
+    "normal_": lambda g: torch.empty(4, device="musa").normal_(generator=g),
+    "uniform_": lambda g: torch.empty(4, device="musa").uniform_(generator=g),
+    "bernoulli_": lambda g: torch.empty(4, device="musa").bernoulli_(0.5, generator=g),
+}
+cpu_generator = torch.Generator().manual_seed(0)
+card_generator = torch.Generator(device="musa")
+out["cpu_generator"] = {name: refused(lambda: draw(cpu_generator)) for name, draw in draws.items()}
+out["card_generator"] = {}
+for name, draw in draws.items():
+    card_generator.manual_seed(5)
+    first = draw(card_generator)
+    card_generator.manual_seed(5)
+    out["card_generator"][name] = [str(first.device), torch.equal(first.cpu(), draw(card_generator).cpu())]
+out["card_generator_device"] = str(card_generator.device)
+
+# A 0-dim CPU tensor: refused by an operator whose wrapper checks devices, a number to
+# TensorIterator's (device_check: NoCheck).
+log_probabilities = torch.log_softmax(x[0], 0)
+out["cpu_0dim_target"] = refused(
+    lambda: torch.nn.functional.nll_loss(log_probabilities, torch.tensor(1))
+)
+out["cpu_0dim_where"] = torch.where(x > 5, x, torch.tensor(-1.0)).sum().item()
+
+# A process forked after the card was used cannot use it; one that does not touch it runs.
+from torch.utils.data import DataLoader, Dataset
+
+class Rows(Dataset):
+    def __init__(self, device):
+        self.device = device
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return torch.full((2,), float(i), device=self.device)
+
+out["fork_card_worker"] = refused(
+    lambda: list(DataLoader(Rows("musa"), num_workers=1, multiprocessing_context="fork"))
+)
+out["fork_host_worker"] = [
+    str(batch.device)
+    for batch in DataLoader(Rows("cpu"), num_workers=1, multiprocessing_context="fork")
+]
+out["parent_bad_fork"] = torch.musa._is_in_bad_fork()
 print(json.dumps(out))
 """
 
@@ -160,11 +213,42 @@ def s4000() -> dict:
 @pytest.mark.slow
 def test_mixed_devices_are_refused_as_on_hardware(s4000) -> None:
     assert s4000["device"] == "musa:0"
-    for case in ("cpu_tensor", "cpu_weight", "cpu_target", "cpu_ids"):
-        assert "same device" in s4000[case] and "musa:0 and cpu" in s4000[case], case
+    # TensorIterator's words for add; the generated device wrapper's for mm, nll_loss, index_select.
+    assert "same device" in s4000["cpu_tensor"] and "musa:0 and cpu" in s4000["cpu_tensor"]
+    for case, argument in (("cpu_weight", "mat2"), ("cpu_target", "target"), ("cpu_ids", "index")):
+        wrapper = f"but got {argument} is on cpu, different from other tensors on musa:0"
+        assert "same device" in s4000[case] and wrapper in s4000[case], case
     assert "musa:0 and musa:1" in s4000["other_card"]
     assert s4000["cpu_scalar"] == 132.0  # a CPU scalar is a number
     assert s4000["cpu_indices"] == 6 + 38  # CPU indices are moved by indexing, as on CUDA
+
+
+def test_device_checked_operators_follow_native_functions_yaml() -> None:
+    checked = set(checked_ops())
+    # nll_loss_forward, mm and index_select check every argument's device in their wrapper;
+    # TensorIterator's binary ops, where and indexing are NoCheck and take a 0-dim CPU tensor.
+    assert {"aten::nll_loss_forward", "aten::mm", "aten::index_select", "aten::addmm"} <= checked
+    unchecked = {"aten::add.Tensor", "aten::mul.Tensor", "aten::where.self", "aten::index.Tensor"}
+    assert not unchecked & checked
+
+
+@pytest.mark.slow
+def test_card_refuses_cpu_generators_cpu_scalars_it_checks_and_bad_forks(s4000) -> None:
+    # As CUDA's "Expected a 'cuda' device type for generator but found 'cpu'".
+    for name, error in s4000["cpu_generator"].items():
+        assert error == "Expected a 'musa' device type for generator but found 'cpu'", name
+    for name, (device, repeats) in s4000["card_generator"].items():
+        assert device == "musa:0" and repeats, name  # a seeded card generator is taken
+    assert s4000["card_generator_device"] == "musa:0"
+    target = "but got target is on cpu, different from other tensors on musa:0"
+    assert target in s4000["cpu_0dim_target"]
+    assert s4000["cpu_0dim_where"] == 100 + 8 + 9 + 10 + 11 - 7  # where takes a CPU scalar
+    assert (
+        "Cannot re-initialize MUSA in forked subprocess. To use MUSA with multiprocessing, you "
+        "must use the 'spawn' start method"
+    ) in s4000["fork_card_worker"]
+    assert s4000["fork_host_worker"] == ["cpu", "cpu"]
+    assert s4000["parent_bad_fork"] is False
 
 
 @pytest.mark.slow
@@ -237,6 +321,35 @@ out["broadcast"] = b.tolist()
 objects = [None, None]
 dist.all_gather_object(objects, {"rank": rank})
 out["objects"] = objects
+
+# A CPU tensor in a collective with a card tensor: MCCL refuses it, as NCCL does ("Tensors must
+# be CUDA and dense"); all on the CPU, the group has no backend for it.
+def refused(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError) as err:
+        return str(err).splitlines()[0]
+    return None
+
+card, host = torch.ones(4, device=device), torch.ones(4)
+out["cpu_in_collective"] = {
+    "all_gather_into_tensor": refused(
+        lambda: dist.all_gather_into_tensor(torch.empty(8, device=device), host)
+    ),
+    "reduce_scatter_tensor": refused(
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), card)
+    ),
+    "all_to_all_single": refused(lambda: dist.all_to_all_single(torch.empty(4), card)),
+    "all_gather": refused(lambda: dist.all_gather([card, host], card)),
+    "all_reduce": refused(lambda: dist.all_reduce(host)),
+}
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+out["gather_for_metrics_cpu"] = refused(lambda: accelerator.gather_for_metrics(torch.ones(2)))
+out["gather_for_metrics_card"] = accelerator.gather_for_metrics(
+    torch.full((2,), float(rank), device=device)
+).tolist()
 dist.barrier()
 
 # DDP: the gradient of two processes with half a batch each is the gradient of the whole batch.
@@ -294,5 +407,12 @@ def test_mccl_collectives_and_ddp_on_two_cards(tmp_path) -> None:
         assert out["reduce_scatter"] == [[0.0, 3.0], [6.0, 9.0]][rank]
         assert out["broadcast"] == [1.0, 1.0]
         assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        refusals = out["cpu_in_collective"]
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            assert refusals[name] == "Tensors must be MUSA and dense", name
+        assert refusals["all_gather"] == "Tensors must be MUSA and dense"
+        assert "No backend type associated with device type cpu" in refusals["all_reduce"]
+        assert out["gather_for_metrics_cpu"] == "Tensors must be MUSA and dense"
+        assert out["gather_for_metrics_card"] == [0.0, 0.0, 1.0, 1.0]
         assert out["ddp_grad_error"] < 1e-6
         assert out["ddp_grad_device"] == f"musa:{rank}"

@@ -2,8 +2,9 @@
 
 ``csrc/emulator.cpp`` is torch's PrivateUse1 backend (host allocator, a device guard with N
 cards, copies, a fallback that runs every other operator's CPU kernel on the same memory and
-refuses mixed devices, a generator per card, autocast, and an ``mccl`` backend of gloo over the
-same memory). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
+refuses mixed devices as torch's device wrappers do, a generator per card that random operators
+insist on, autocast, an ``mccl`` backend of gloo over the same memory that takes card tensors
+only, and the bad-fork refusal of a child forked after the card was used). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
 build and source (``$MUSA_EMULATOR_CACHE``, else ``~/.cache/musa-recipes/emulated-musa``).
 
 :func:`install` puts ``torch.musa`` on top of it as a torch_musa release has it: the functions,
@@ -191,8 +192,12 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
     on the emulated cards."""
     index = functools.partial(_index, ext=ext)
 
+    def device_count() -> int:
+        ext.poison_fork()  # as torch_musa's _musa_getDeviceCount: a later fork is a bad one
+        return int(ext.device_count())
+
     def is_available() -> bool:
-        return ext.device_count() > 0
+        return device_count() > 0
 
     def set_device(device) -> None:
         ext.set_device(index(device))
@@ -278,11 +283,13 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
     )
     functions = {
         "is_available": is_available,
-        "is_initialized": lambda: True,
+        "is_initialized": lambda: bool(ext.initialized()),
         "_initialized": True,
-        "_lazy_init": lambda: None,
-        "_is_in_bad_fork": lambda: False,
-        "device_count": lambda: int(ext.device_count()),
+        # torch calls _lazy_init before it makes the first musa tensor; in a process forked after
+        # the card was used it refuses, as torch_musa's core/_lazy_init.py does.
+        "_lazy_init": ext.lazy_init,
+        "_is_in_bad_fork": lambda: bool(ext.in_bad_fork()),
+        "device_count": device_count,
         "current_device": lambda: int(ext.current_device()),
         "set_device": set_device,
         "device": device,
@@ -329,6 +336,24 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
         if _in_release(name, release.tag):
             setattr(musa, name, value)
     sys.modules[f"{musa.__name__}.amp"] = amp
+
+
+def checked_ops() -> list[str]:
+    """The aten operators whose device wrappers refuse a tensor on another device, a 0-dim CPU
+    one included: those without ``device_check: NoCheck`` in the native_functions.yaml this
+    torch was generated from (shipped in ``torchgen/packaged``; torchgen's
+    ``RegisterDispatchKey.gen_device_check`` writes the check)."""
+    import torchgen
+    import yaml
+
+    path = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    entries = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+    return [
+        "aten::" + entry["func"].split("(", 1)[0]
+        for entry in entries
+        if entry.get("device_check") != "NoCheck"
+    ]
 
 
 def _keep_parameters_on_conversion() -> None:
@@ -446,6 +471,7 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
     _keep_parameters_on_conversion()
+    ext.set_checked_ops(checked_ops())
     mudnn = types.ModuleType("torch_musa.core.mudnn")
     mudnn.allow_tf32 = release.tf32_default
     torch.backends.mudnn = mudnn  # and no torch.backends.musa, as in every release

@@ -7,14 +7,18 @@
 //   memory.
 // - Every other operator: one boxed fallback that runs the operator's CPU kernel on CPU views of
 //   the musa tensors' memory (no copies of the inputs), then hands back musa tensors. Like real
-//   hardware, it refuses an operator that mixes a musa tensor with a non-scalar CPU tensor, or
+//   hardware, it refuses an operator that mixes a musa tensor with a CPU tensor (a 0-dim one
+//   too, unless the operator is NoCheck in native_functions.yaml and reads it as a number), or
 //   tensors of two cards: a fallback that quietly accepted the mix would hide exactly the bugs
 //   this device is for.
-// - RNG: a generator per card; random operators draw from the card's generator, never from the
-//   CPU's.
+// - RNG: a generator per card (a musa generator, as torch.Generator("musa") makes); random
+//   operators draw from the card's generator, never from the CPU's, and refuse a CPU generator as
+//   a card's kernels do.
+// - Forks: a process forked after it asked for the cards or used one cannot use them (the
+//   runtime cannot be re-initialized in a forked child).
 // - Autocast: the CUDA autocast op lists, registered for AutocastPrivateUse1.
 // - Collectives: a c10d backend ("mccl" from Python) that runs gloo on CPU views of the musa
-//   tensors' memory.
+//   tensors' memory, and takes musa tensors only, as MCCL does.
 //
 // Written after PyTorch's PrivateUse1 documentation and its OpenReg test backend (read, not
 // copied). What it cannot show: muDNN kernels, real numerics, speed, memory limits, MCCL topology
@@ -40,6 +44,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <pthread.h>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -54,14 +59,90 @@ constexpr c10::DeviceType kDev = c10::DeviceType::PrivateUse1;
 // Cards
 // ---------------------------------------------------------------------------------------------
 
+// A card's generator: a musa device to torch (so a kernel can tell it from a CPU generator, as
+// check_generator in ATen/core/Generator.h does for CUDA's), drawing through a CPU generator that
+// the CPU kernels are handed in its place.
+struct DeviceGenerator final : c10::GeneratorImpl {
+  DeviceGenerator(c10::DeviceIndex index, uint64_t seed)
+      : c10::GeneratorImpl(
+            c10::Device(kDev, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        host(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+  void set_current_seed(uint64_t seed) override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    host.set_current_seed(seed);
+  }
+  void set_offset(uint64_t offset) override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    host.set_offset(offset);
+  }
+  uint64_t get_offset() const override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    return host.get_offset();
+  }
+  uint64_t current_seed() const override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    return host.current_seed();
+  }
+  uint64_t seed() override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    return host.seed();
+  }
+  void set_state(const c10::TensorImpl& state) override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    host.unsafeGetGeneratorImpl()->set_state(state);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    std::lock_guard<std::mutex> lock(host.mutex());
+    return host.unsafeGetGeneratorImpl()->get_state();
+  }
+  mutable at::Generator host;  // what the CPU kernels draw from
+
+ private:
+  DeviceGenerator* clone_impl() const override {
+    auto* copy = new DeviceGenerator(device_.index(), 0);
+    copy->set_state(*get_state());
+    return copy;
+  }
+};
+
+at::Generator new_generator(c10::DeviceIndex index, uint64_t seed) {
+  return at::make_generator<DeviceGenerator>(index, seed);
+}
+
+// The CPU generator a card's generator draws through.
+at::Generator host_generator(const at::Generator& generator) {
+  return generator.get<DeviceGenerator>()->host;
+}
+
 struct Card {
   std::atomic<int64_t> allocated{0};
   std::atomic<int64_t> peak{0};
-  at::Generator generator;
+  at::Generator generator;  // a DeviceGenerator
 };
 
 std::vector<std::unique_ptr<Card>> g_cards;  // the visible cards, by ordinal
 thread_local c10::DeviceIndex t_current = 0;
+
+// A process forked after its parent asked for the cards or used one cannot use them: torch_musa's
+// csrc/core/Module.cpp arms a pthread_atfork handler (poison_fork) in _musa_getDeviceCount (so
+// torch.musa.device_count and is_available) and _musa_init, which marks every later child as in
+// a bad fork, as torch/csrc/cuda/Module.cpp does; core/_lazy_init.py then refuses with this line.
+std::atomic<bool> g_armed{false};  // the fork handler is armed
+std::atomic<bool> g_used{false};   // this process initialized the card
+std::atomic<bool> g_bad_fork{false};
+
+void forked_child() {
+  g_bad_fork = g_armed.load();
+}
+
+void use_card() {
+  TORCH_CHECK(
+      !g_bad_fork,
+      "Cannot re-initialize MUSA in forked subprocess. To use MUSA with multiprocessing, you must "
+      "use the 'spawn' start method");
+  g_armed = true;
+  g_used = true;
+}
 
 c10::DeviceIndex count() {
   return static_cast<c10::DeviceIndex>(g_cards.size());
@@ -101,6 +182,7 @@ void free_block(void* ctx) {
 
 struct DeviceAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
+    use_card();
     c10::DeviceIndex index = t_current;
     check_index(index);
     c10::Device device(kDev, index);
@@ -278,8 +360,10 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
     return card(index < 0 ? t_current : index).generator;
   }
-  at::Generator getNewGenerator(c10::DeviceIndex) const override {
-    return at::make_generator<at::CPUGeneratorImpl>(c10::detail::getNonDeterministicRandom());
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    index = index < 0 ? t_current : index;
+    check_index(index);
+    return new_generator(index, c10::detail::getNonDeterministicRandom());
   }
   c10::Device getDeviceFromPtr(void*) const override {
     return {kDev, t_current};
@@ -473,6 +557,7 @@ at::Tensor& set_empty(at::Tensor& self) {
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  use_card();
   TORCH_CHECK(
       self.is_cpu() || self.is_privateuseone(), "cannot copy from ", self.device(), " to musa");
   TORCH_CHECK(
@@ -498,6 +583,60 @@ void record_stream(at::Tensor&, c10::Stream) {}
 
 std::mutex g_ops_mutex;
 std::unordered_set<std::string> g_missing_ops;  // operators this release has no kernel for
+// Operators whose generated device wrapper checks that every tensor argument is on one device:
+// those without `device_check: NoCheck` in native_functions.yaml (set from Python).
+std::unordered_set<std::string> g_checked_ops;
+
+// The check torchgen writes into a device backend's wrapper of each such operator
+// (RegisterDispatchKey.gen_device_check: out= arguments, then the positional ones, through
+// c10::impl::check_and_update_common_device): the first defined tensor's device is the common
+// one and any other device is refused, a 0-dim CPU tensor included. Operators marked NoCheck
+// (TensorIterator's, which take a 0-dim CPU tensor as a scalar, and indexing) check in their
+// kernels instead, which the fallback below models.
+void device_check(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
+  const auto& schema = op.schema();
+  const std::string name = c10::toString(schema.operator_name());
+  {
+    std::lock_guard<std::mutex> lock(g_ops_mutex);
+    if (g_checked_ops.count(name) == 0) {
+      return;
+    }
+  }
+  std::optional<c10::Device> common;
+  auto visit = [&](const at::Tensor& t, const c10::Argument& argument) {
+    if (!t.defined()) {
+      return;
+    }
+    if (!common.has_value()) {
+      common = t.device();
+      return;
+    }
+    TORCH_CHECK(
+        *common == t.device(), "Expected all tensors to be on the same device, but got ",
+        argument.name(), " is on ", t.device(), ", different from other tensors on ", *common,
+        " (when checking argument in method wrapper_MUSA_", schema.name().substr(6), "_",
+        schema.overload_name(), ")");
+  };
+  const auto& arguments = schema.arguments();
+  for (bool outs : {true, false}) {
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const auto& argument = arguments[i];
+      if (outs ? !argument.is_out() : argument.kwarg_only()) {
+        continue;
+      }
+      const c10::IValue& value = stack[first + i];
+      if (value.isTensor()) {
+        visit(value.toTensor(), argument);
+      } else if (value.isList()) {
+        for (const c10::IValue& item : value.toListRef()) {
+          if (item.isTensor()) {
+            visit(item.toTensor(), argument);
+          }
+        }
+      }
+    }
+  }
+}
 
 // Random operators without a generator argument that draw from the default generator inside
 // their CPU kernel: the card's generator stands in for the CPU's while they run. (Those with a
@@ -537,6 +676,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         "Could not run '", name,
         "' with arguments from the 'musa' backend: this torch_musa release has no kernel for it");
   }
+  use_card();
+  device_check(op, *stack, first);
 
   std::optional<c10::DeviceIndex> index;  // the card every musa argument is on
   bool index_op = schema.name() == "aten::index" || schema.name() == "aten::index_put" ||
@@ -566,8 +707,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (t.is_privateuseone()) {
       return on_device(t, argument);
     }
-    // CPU indices are moved to the device by indexing, as on CUDA; a CPU scalar (0-dim) is
-    // accepted as a number. Any other CPU tensor is the bug real hardware would stop on.
+    // Past the wrapper's check (device_check above): CPU indices are moved to the device by
+    // indexing, as on CUDA, and a CPU scalar (0-dim) is a number to TensorIterator. Any other CPU
+    // tensor is the bug real hardware would stop on.
     if (t.is_cpu() && t.dim() > 0 && !(index_op && argument.name() == "indices")) {
       cpu_arguments.push_back(&argument);
     }
@@ -611,16 +753,25 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   const c10::DeviceIndex device = index.value_or(t_current);
 
-  // Random operators draw from the card's generator.
+  // Random operators draw from the card's generator, or from the musa generator they are given.
+  // A CPU generator is refused as a card's kernels refuse it (check_generator, through
+  // get_generator_or_default<MUSAGeneratorImpl> in torch_musa's kernels).
   std::optional<at::Generator> swapped;
   at::Tensor cpu_state;
   bool takes_generator = false;
   for (size_t i = 0; i < n; ++i) {
     if (is_generator(arguments[i])) {
       takes_generator = true;
-      if ((*stack)[first + i].isNone()) {
-        (*stack)[first + i] = c10::IValue(card(device).generator);
+      c10::IValue& value = (*stack)[first + i];
+      if (value.isNone()) {
+        value = c10::IValue(host_generator(card(device).generator));
+        continue;
       }
+      at::Generator given = value.toGenerator();
+      TORCH_CHECK(
+          given.device().type() == kDev, "Expected a '", kDev,
+          "' device type for generator but found '", given.device().type(), "'");
+      value = c10::IValue(host_generator(given));
     }
   }
   if (!takes_generator && kDefaultGeneratorOps.count(schema.name())) {
@@ -767,15 +918,20 @@ namespace emu {
 // Collectives: gloo on CPU views of the same memory
 // ---------------------------------------------------------------------------------------------
 
+// MCCL takes card tensors only, in every collective: torch_musa's ProcessGroupMCCL.cpp
+// (check_gpu_single_tensor, check_gpu_tensors_same_device) refuses any other with this line, as
+// NCCL's "Tensors must be CUDA and dense".
+at::Tensor host(const at::Tensor& t) {
+  use_card();
+  TORCH_CHECK(t.is_privateuseone() && !t.is_sparse(), "Tensors must be MUSA and dense");
+  return cpu_view(t);
+}
+
 std::vector<at::Tensor> host(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
   for (const auto& t : tensors) {
-    TORCH_CHECK(
-        t.is_privateuseone(),
-        "mccl collectives take musa tensors (as MCCL takes device tensors), got one on ",
-        t.device());
-    out.push_back(cpu_view(t));
+    out.push_back(host(t));
   }
   return out;
 }
@@ -880,12 +1036,13 @@ struct Collectives final : c10d::Backend {
 
   // ``whole``'s memory as one CPU view per rank, each shaped as ``part``.
   std::vector<at::Tensor> per_rank(const at::Tensor& whole, const at::Tensor& part) const {
+    auto view = host(whole);
     TORCH_CHECK(
         whole.numel() == part.numel() * getSize(),
         "mccl: the tensor of all ranks has ", whole.numel(), " elements, expected ", getSize(),
         " x ", part.numel());
     TORCH_CHECK(whole.is_contiguous(), "mccl: the tensor of all ranks must be contiguous");
-    auto flat = cpu_view(whole).view({-1});
+    auto flat = view.view({-1});
     std::vector<at::Tensor> out;
     for (int64_t r = 0; r < getSize(); ++r) {
       out.push_back(flat.narrow(0, r * part.numel(), part.numel()).view(part.sizes()));
@@ -924,8 +1081,8 @@ struct Collectives final : c10d::Backend {
   // gloo wants one output per rank shaped as the input: views of the same memory.
   c10::intrusive_ptr<c10d::Work> _allgather_base(
       at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override {
+    std::vector<at::Tensor> hi = {host(input)};
     std::vector<std::vector<at::Tensor>> ho = {per_rank(output, input)};
-    std::vector<at::Tensor> hi = {cpu_view(input)};
     return wrap(gloo_->allgather(ho, hi, opts), {output});
   }
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
@@ -970,7 +1127,7 @@ struct Collectives final : c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
-    std::vector<at::Tensor> ho = {cpu_view(output)};
+    std::vector<at::Tensor> ho = {host(output)};
     std::vector<std::vector<at::Tensor>> hi = {per_rank(input, output)};
     return wrap(gloo_->reduce_scatter(ho, hi, opts), {output});
   }
@@ -988,8 +1145,8 @@ struct Collectives final : c10d::Backend {
       std::vector<int64_t>& output_split_sizes,
       std::vector<int64_t>& input_split_sizes,
       const c10d::AllToAllOptions& opts) override {
-    auto ho = cpu_view(output);
-    auto hi = cpu_view(input);
+    auto ho = host(output);
+    auto hi = host(input);
     return wrap(
         gloo_->alltoall_base(ho, hi, output_split_sizes, input_split_sizes, opts), {output});
   }
@@ -1038,11 +1195,12 @@ void configure(int64_t visible) {
   TORCH_CHECK(g_cards.empty(), "the emulated MUSA device is configured once per process");
   for (int64_t i = 0; i < visible; ++i) {
     auto c = std::make_unique<Card>();
-    c->generator = at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
+    c->generator = new_generator(static_cast<c10::DeviceIndex>(i), c10::default_rng_seed_val);
     g_cards.push_back(std::move(c));
   }
   static Hooks hooks;
   at::RegisterPrivateUse1HooksInterface(&hooks);
+  pthread_atfork(nullptr, nullptr, &forked_child);
 }
 
 at::Tensor get_rng_state(int64_t index) {
@@ -1082,6 +1240,11 @@ void set_missing_ops(const std::vector<std::string>& names) {
   g_missing_ops = {names.begin(), names.end()};
 }
 
+void set_checked_ops(const std::vector<std::string>& names) {
+  std::lock_guard<std::mutex> lock(g_ops_mutex);
+  g_checked_ops = {names.begin(), names.end()};
+}
+
 // Kernels this release registers for musa by name (torch_musa's musa_functions.yaml), run through
 // the fallback: torch asks _dispatch_has_kernel_for_dispatch_key before it trusts one.
 std::unique_ptr<torch::Library> g_named_kernels;
@@ -1105,7 +1268,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &emu::configure);
   m.def("device_count", []() { return static_cast<int64_t>(emu::count()); });
   m.def("current_device", []() { return static_cast<int64_t>(emu::t_current); });
+  m.def("lazy_init", &emu::use_card);
+  m.def("poison_fork", []() { emu::g_armed = true; });
+  m.def("in_bad_fork", []() { return emu::g_bad_fork.load(); });
+  m.def("initialized", []() { return emu::g_used.load() && !emu::g_bad_fork.load(); });
   m.def("set_device", [](int64_t index) {
+    emu::use_card();
     emu::check_index(index);
     emu::t_current = static_cast<c10::DeviceIndex>(index);
   });
@@ -1121,6 +1289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seed", &emu::seed);
   m.def("initial_seed", &emu::initial_seed);
   m.def("set_missing_ops", &emu::set_missing_ops);
+  m.def("set_checked_ops", &emu::set_checked_ops);
   m.def("register_kernels", &emu::register_kernels);
   m.def("collectives", &emu::collectives);
 }
