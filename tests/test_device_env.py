@@ -133,6 +133,33 @@ def test_lookup_peak_unknown_is_none(name: str, dtype: str) -> None:
     assert device.peak_flops_by_name(name, dtype) is None
 
 
+def test_s5000_peak_table_says_what_is_not_published() -> None:
+    """The MTT S5000 (MUSA 3.1): Moore Threads' press figures give about 1,000 dense FP8
+    TFLOPS, 80 GB at 1.6 TB/s, and no bf16, fp16, TF32 or fp32 peak. The table holds the FP8
+    figure, says the rest is unpublished, and a bf16 run gets no MFU rather than a guess."""
+    note = device.peak_flops_note("MTT S5000")
+    assert note is not None and "bf16" in note and "MFU" in note
+    assert all(
+        device.peak_flops_by_name("MTT S5000", dtype) is None
+        for dtype in ("fp32", "tf32", "fp16", "bf16")
+    )
+    assert device.peak_flops_note("MTT S4000") is None  # its bf16 peak is published
+
+
+def test_s5000_advice_says_bf16_runs_have_no_mfu(tmp_path: Path) -> None:
+    report = _musa_report("MTT S5000", 8, mccl=True, bf16=True)
+    for dev in report["devices"]:
+        dev.update(capability="3.1", fp8=True, peak_flops_note=device.peak_flops_note(dev["name"]))
+    advice = env.advice(report)
+    (line,) = [line for line in advice if "no published bf16 peak" in line]  # once, not 8 times
+    assert line.startswith("MTT S5000:") and "no MFU" in line
+    assert not any("not in the peak FLOP/s table" in line for line in advice)
+    config = _write_and_load(report, tmp_path / "s5000.yaml")
+    assert config.distributed_type.value == "MULTI_MUSA" and config.mixed_precision == "bf16"
+    s4000 = env.advice(_musa_report("MTT S4000", 8, mccl=True, bf16=True))
+    assert not any("no published" in line for line in s4000)
+
+
 def test_lookup_peak_rejects_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         device.peak_flops_by_name("MTT S4000", "int4")

@@ -262,6 +262,48 @@ def test_doctor_reports_the_emulated_cards():
     assert probe["device"] == "musa:0" and probe["ok"] is True
 
 
+def test_s5000_decisions_on_the_device(tmp_path, cache_dir):
+    """An emulated MTT S5000 (MUSA 3.1, 80 GB, MCCL): the doctor reports bf16, TF32 and FP8
+    units, MCCL, and the peak table's FP8 figure only; a run picks bf16 and logs TFLOP/s but no
+    MFU, saying why (no published bf16 peak), where an S4000's run would report one."""
+    done = subprocess.run(
+        [sys.executable, *on_musa(sys.executable, "-m", "recipes.env", "--json", card="S5000")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (card,) = report["devices"]
+    assert (card["name"], card["capability"]) == ("MTT S5000", "3.1")
+    assert card["bf16"] and card["tf32"] and card["fp8"]
+    assert card["total_memory_bytes"] == 80 << 30
+    assert card["peak_flops"]["fp8"] == 1000e12 and card["peak_flops"]["bf16"] is None
+    assert "no published bf16 peak" in "\n".join(report["advice"])
+    assert report["default_mixed_precision"] == "bf16"
+    assert report["distributed_backend"] == "mccl"
+    run = tmp_path / "run"
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+        "trainer.mixed_precision=auto",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "task.sample_prompt=null",
+        script=on_musa(card="S5000"),
+    )
+    assert "MFU in bf16 on MTT S5000 is not reported" in done.stderr
+    logged = [m for m in read_metrics(run) if "train/loss" in m]
+    assert logged and all("train/tflops" in m and "train/mfu" not in m for m in logged)
+    assert "mixed precision bf16" in done.stderr  # trainer.mixed_precision=auto on a 3.1 card
+
+
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     """accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on two cards, which accelerate refuses on
     a CPU: LoRA trains as on one card with the same global batch, the checkpoints are sharded,

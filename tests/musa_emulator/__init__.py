@@ -44,7 +44,11 @@ class Card:
     mccl: bool  # S80 / S3000 builds of torch_musa ship without MCCL
 
 
+# The S5000 (MUSA 3.1, 80 GB; press figures, tests/test_device_env.py cites them) carries the
+# driver's name by analogy with the S4000's; MCCL as in the S4000's builds (multi-card training
+# on S5000 clusters is what Moore Threads sells it for).
 CARDS = {
+    "S5000": Card("MTT S5000", (3, 1), 80, True),
     "S4000": Card("MTT S4000", (2, 2), 48, True),
     "S3000": Card("MTT S3000", (2, 1), 32, False),
     "S80": Card("MTT S80", (2, 1), 16, False),
