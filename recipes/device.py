@@ -383,6 +383,23 @@ def checkpointing_autocast_unsupported_reason(
     )
 
 
+def deepspeed_unsupported_reason(name: str | None = None) -> str | None:
+    """Why a DeepSpeed launch cannot train on this backend, or None where it can.
+
+    Upstream DeepSpeed has no MUSA accelerator: its port (deepspeedai/DeepSpeed PR #8191, "add
+    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.17.2
+    in its training-suite containers, selected with ``DS_ACCELERATOR=musa``) has no public
+    source, so nothing here could be checked against it; FSDP2 covers what ZeRO-3 would do.
+    """
+    if (backend() if name is None else name) != MUSA:
+        return None
+    return (
+        "upstream DeepSpeed has no MUSA accelerator (its port, deepspeedai/DeepSpeed PR #8191, "
+        "was closed unmerged), and MT DeepSpeed, which Moore Threads' training containers run "
+        "with DS_ACCELERATOR=musa, has no public source this project could be tested against"
+    )
+
+
 @dataclass(frozen=True)
 class Default:
     """A ``trainer.*`` setting decided by the device when the recipe leaves it null."""

@@ -160,6 +160,16 @@ def test_s5000_advice_says_bf16_runs_have_no_mfu(tmp_path: Path) -> None:
     assert not any("no published" in line for line in s4000)
 
 
+def test_deepspeed_is_refused_on_musa_only() -> None:
+    """No MUSA accelerator upstream (DeepSpeed PR #8191 closed unmerged) and no public source
+    of MT DeepSpeed: refused on MUSA with both named; CUDA and CPU keep DeepSpeed."""
+    reason = device.deepspeed_unsupported_reason(device.MUSA)
+    assert reason is not None
+    assert all(part in reason for part in ("MT DeepSpeed", "DS_ACCELERATOR=musa", "#8191"))
+    assert device.deepspeed_unsupported_reason(device.CUDA) is None
+    assert device.deepspeed_unsupported_reason(device.CPU) is None
+
+
 def test_lookup_peak_rejects_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         device.peak_flops_by_name("MTT S4000", "int4")
@@ -205,6 +215,7 @@ def test_accelerate_configs_exist() -> None:
         "multi_musa_2nodes.yaml",
         "fsdp.yaml",
         "fsdp2.yaml",
+        "hsdp_musa.yaml",
         "cpu.yaml",
     } <= names
 
@@ -218,10 +229,11 @@ def test_accelerate_config_parses(path: Path) -> None:
     assert f"accelerate launch --config_file conf/accelerate/{path.name} " in first_line
     config = load_config_from_file(str(path))
     assert config.compute_environment.value == "LOCAL_MACHINE"
-    assert config.num_machines == (2 if "2nodes" in path.name else 1)
+    multi_node = "2nodes" in path.name or path.name.startswith("hsdp")
+    assert config.num_machines == (2 if multi_node else 1)
     if config.num_machines > 1:  # processes of all machines, the same number on each
         assert config.num_processes == 8 * config.num_machines
-        assert config.distributed_type.value == "MULTI_MUSA"
+        assert config.distributed_type.value in ("MULTI_MUSA", "FSDP")  # DDP or HSDP
 
 
 @pytest.mark.skipif(

@@ -304,6 +304,25 @@ def test_s5000_decisions_on_the_device(tmp_path, cache_dir):
     assert "mixed precision bf16" in done.stderr  # trainer.mixed_precision=auto on a 3.1 card
 
 
+def test_deepspeed_launch_on_the_device_is_refused_in_one_line(tmp_path):
+    """accelerate's DeepSpeed launch sets ACCELERATE_USE_DEEPSPEED for train.py; on a MUSA
+    card the run stops before any model is built, naming MT DeepSpeed, DS_ACCELERATOR=musa,
+    why, and the FSDP2 / HSDP configs to use instead."""
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"output_dir={tmp_path / 'run'}",
+        check=False,
+        env={"ACCELERATE_USE_DEEPSPEED": "true"},
+        script=on_musa(),
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "DEEPSPEED" in line]
+    for needed in ("MT DeepSpeed", "DS_ACCELERATOR=musa", "#8191", "fsdp2.yaml", "hsdp_musa.yaml"):
+        assert needed in line, needed
+
+
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     """accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on two cards, which accelerate refuses on
     a CPU: LoRA trains as on one card with the same global batch, the checkpoints are sharded,
