@@ -943,6 +943,10 @@ def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> No
             "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S3000-py38",
             "S3000",
         ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc5.1.0-v2.9.1-S5000-py310_tef",
+            "S5000",
+        ),
         ("registry.mthreads.com/mcconline/musa-pytorch-release-public:latest", None),
         ("python:3.11-slim", None),
         (None, None),
