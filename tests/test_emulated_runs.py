@@ -10,6 +10,7 @@ left on the CPU fails these runs instead of passing quietly.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -321,6 +322,44 @@ def test_deepspeed_launch_on_the_device_is_refused_in_one_line(tmp_path):
     (line,) = [line for line in done.stderr.splitlines() if "DEEPSPEED" in line]
     for needed in ("MT DeepSpeed", "DS_ACCELERATOR=musa", "#8191", "fsdp2.yaml", "hsdp_musa.yaml"):
         assert needed in line, needed
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchada") is None,
+    reason="torchada is not installed (.ci/run installs it with --no-deps)",
+)
+def test_torchada_imported_first_leaves_the_device_decisions_alone(tmp_path, cache_dir):
+    """torchada imported before anything else, with TORCHADA_FORCE_CUDA_AVAILABLE=1 (so
+    torch.cuda.is_available() says yes, and torch.cuda answers from torch.musa): the device is
+    still MUSA, with the S4000's decisions, and a run trains on it in bf16."""
+    found = tmp_path / "decisions.json"
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={tmp_path / 'run'}",
+        "trainer.mixed_precision=auto",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "task.sample_prompt=null",
+        env={"TORCHADA_FORCE_CUDA_AVAILABLE": "1"},
+        script=on_musa(sys.executable, str(ROOT / "tests" / "torchada_first.py"), str(found)),
+    )
+    decisions = json.loads(found.read_text())
+    assert decisions["torchada_active"] and decisions["cuda_is_available"]
+    assert decisions["backend"] == "musa" and decisions["names"] == ["MTT S4000"]
+    assert decisions["capability"] == [2, 2] and decisions["bf16"] and decisions["tf32"]
+    assert decisions["default_mixed_precision"] == "bf16"
+    assert decisions["attn_implementation"] == "sdpa"
+    assert decisions["distributed_backend"] == "mccl"
+    assert decisions["tf32_set"] == [True, False]  # both ways, on torch.backends.mudnn
+    assert decisions["fused_adamw"] and decisions["peak_bf16"] == 100e12
+    assert decisions["defaults"]["compile"] is False and decisions["defaults"]["pin_memory"]
+    assert "device musa, 1 process(es), mixed precision bf16" in done.stderr
+    assert len(_losses(tmp_path / "run")) == 2
 
 
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
