@@ -224,6 +224,13 @@ class Session:
         )
         for line in self.device_choices:
             log.info("%s", line)
+        parallel = getattr(accelerator, "parallelism_config", None)  # accelerate >= ND parallelism
+        if parallel is not None and parallel.dp_replicate_size > 1 and parallel.dp_shard_size > 1:
+            log.info(
+                "HSDP: the model sharded over %d processes (a node), replicated %d times",
+                parallel.dp_shard_size,
+                parallel.dp_replicate_size,
+            )
         _check_grad_scaler(accelerator)
         _check_device_support(trainer_cfg, accelerator)
         # Set both ways: torch_musa 2.7 turns TF32 on by default.

@@ -416,6 +416,52 @@ def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     assert answers[1] == answers[0] and len(answers[0]) == 3
 
 
+def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
+    """conf/accelerate/hsdp_musa.yaml through accelerate's launcher on four cards, as 2 "nodes"
+    of 2 (dp_replicate 2 x dp_shard 2): accelerate runs FSDP2 on the (replicate, shard) mesh it
+    builds, and LoRA trains as one card does with the same global batch. About 50 s of CPU on
+    2 cores (four processes); tests/test_hsdp.py checks the mesh itself on CPU processes."""
+    common = (
+        "recipe=llama_sft",
+        "debug=smoke",
+        "peft=lora",
+        "peft.dropout=0.0",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+    )
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_train(
+        *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
+    )
+    hsdp = on_musa(
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "conf/accelerate/hsdp_musa.yaml"),
+        "--num_machines", "1", "--num_processes", "4",
+        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
+        "--main_process_port", str(free_port()),
+        str(ROOT / "train.py"),
+        cards=4,
+    )  # fmt: skip
+    done = run_train(
+        *common,
+        "trainer.per_device_train_batch_size=4",
+        f"output_dir={four}",
+        script=hsdp,
+        env=ONE_THREAD,
+    )
+    assert "4 process(es), mixed precision no, distributed DistributedType.FSDP" in done.stderr
+    assert "HSDP: the model sharded over 2 processes (a node), replicated 2 times" in done.stderr
+    assert _losses(four) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(four)) == 3
+
+
 def _fsdp_launch(config: str) -> tuple[str, ...]:
     """train.py under ``accelerate launch --config_file conf/accelerate/<config>`` on two
     emulated cards."""
