@@ -1,17 +1,23 @@
-# Fine-tuning recipes on a MUSA host (Moore Threads S4000 / S3000 / S80); README.md, "Docker",
-# has the build and run commands (one host, several nodes, CPU only).
+# Fine-tuning recipes on a MUSA host (Moore Threads S4000 / S5000 / S3000 / S80); README.md,
+# "Docker", has the build and run commands (one host, several nodes, CPU only).
 #
 #   docker build -t musa-recipes .
 #   docker run --rm --init --env MTHREADS_VISIBLE_DEVICES=all --shm-size 16g musa-recipes
 #
 # CPU-only variant (no MUSA needed; torch comes from TORCH_INDEX_URL, the CPU wheels):
 #   docker build --build-arg BASE_IMAGE=python:3.11-slim -t musa-recipes:cpu .
-# The base is an explicit MTT S4000 build: torch_musa 1.3.0 on torch 2.2, Python 3.10, the tag
-# the vendor's torch_musa README lists (commit aa63a73, "Docker Image for User"). `:latest` is
-# whatever the vendor last pushed (its own example runs it as an S80 image). S80 / S3000 hosts:
-#   --build-arg BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S80-py310
-# (or -S3000-py310). `python -m recipes.env` in the container names the build (RECIPES_BASE_IMAGE).
-ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S4000-py310
+# The base is the newest MTT S4000 release image this project can name with a source: torch_musa
+# 2.9.1 on torch 2.9, MUSA SDK 5.1.0, Python 3.10 (torch_musa issue #138: 2.9.1 moves to SDK 5.1.0
+# and ships as an image; the tag itself is seen in public projects' Dockerfiles and CI, not in a
+# vendor listing). Other bases, by --build-arg BASE_IMAGE=registry.mthreads.com/mcconline/
+# musa-pytorch-release-public:<tag> (docs/launching.md, "Docker", pairs each with its SDK and card):
+#   rc5.1.0-v2.9.1-S5000-py310_tef   MTT S5000, torch_musa 2.9.1, SDK 5.1.0
+#   rc4.2.0-v2.1.0-S80-py310         MTT S80, torch_musa 2.1.0 on torch 2.5 (torch_musa v2.1.1 README)
+#   rc3.1.0-v1.3.0-S4000-py310       torch_musa 1.3.0 on torch 2.2 (torch_musa README, commit
+#                                    aa63a73); -S80-py310 / -S3000-py310 for those cards
+#   latest                           whatever the vendor last pushed
+# `python -m recipes.env` in the container names the build (RECIPES_BASE_IMAGE).
+ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc5.1.0-v2.9.1-S4000-py310
 FROM ${BASE_IMAGE}
 # An ARG before FROM is not visible after it unless declared again.
 ARG BASE_IMAGE

@@ -44,6 +44,10 @@ _MUSA_SDPA_BACKWARD = (1, 2, 1)
 # Compute capability from which bf16 and TF32 are native: MTT S4000 (arch QY2) on MUSA, Ampere
 # on NVIDIA (torch's own bf16 test, not counting emulation, which is slower than fp16).
 _NATIVE_BF16_TF32 = {MUSA: (2, 2), CUDA: (8, 0)}
+# Compute capability from which FP8 matmul units exist: MUSA 3.1, the MTT S5000 (the first MUSA
+# card with FP8; sglang sets its FP8 minimum to "SM 31" on MUSA, sgl-project/sglang PR #22774),
+# NVIDIA 8.9 (Ada, Hopper). Reported, not used: no recipe trains in fp8.
+_NATIVE_FP8 = {MUSA: (3, 1), CUDA: (8, 9)}
 
 _torch_musa_error: str | None = None
 
@@ -165,21 +169,21 @@ def own_device_index(module: types.ModuleType) -> int:
     return int(module.current_device())
 
 
-def _native(index: int | None) -> bool:
+def _native(index: int | None, table: dict[str, tuple[int, int]] = _NATIVE_BF16_TF32) -> bool:
     """Whether a device of this backend (this process's own by default) reaches the capability
-    from which bf16 and TF32 are native."""
+    from which a ``table``'s precisions are native (bf16 and TF32 by default)."""
     name = backend()
     module = device_module(name)
     if module is None:
         return False
     capability = device_capability(own_device_index(module) if index is None else index)
-    return capability is not None and capability >= _NATIVE_BF16_TF32.get(name, (99, 0))
+    return capability is not None and capability >= table.get(name, (99, 0))
 
 
 def supports_bf16(index: int | None = None) -> bool:
     """Whether bf16 runs natively on a device (the current one by default).
 
-    MUSA: capability >= 2.2 (S4000 class; S80/S3000 are fp16 only); NVIDIA: Ampere or newer;
+    MUSA: capability >= 2.2 (S4000, S5000; S80/S3000 are fp16 only); NVIDIA: Ampere or newer;
     ROCm: every device; cpu: True, because autocast accepts bf16 there (whether it is a good
     default is :func:`default_mixed_precision`'s call).
     """
@@ -196,6 +200,13 @@ def supports_tf32(index: int | None = None) -> bool:
     """Whether a device (the current one by default) has TF32 units: S4000-class MUSA devices
     and NVIDIA Ampere or newer; never on cpu."""
     return backend() != CPU and _native(index)
+
+
+def supports_fp8(index: int | None = None) -> bool:
+    """Whether a device (the current one by default) has FP8 matmul units: MUSA capability 3.1
+    (MTT S5000) and NVIDIA 8.9 or newer; never on cpu. The doctor reports it; the recipes train in
+    bf16 there (accelerate's fp8 needs TransformerEngine, torchao or MS-AMP, none set up here)."""
+    return backend() != CPU and _native(index, _NATIVE_FP8)
 
 
 def cpu_bf16_autocast() -> bool:
@@ -369,6 +380,23 @@ def checkpointing_autocast_unsupported_reason(
         f"torch_musa {version} lacks torch.musa.is_autocast_enabled / get_autocast_dtype, which "
         f"torch {release[0]}.{release[1]}'s checkpointing calls (they arrive in torch_musa "
         f"v1.3.2), so the recomputed layers would run without {mixed_precision} autocast"
+    )
+
+
+def deepspeed_unsupported_reason(name: str | None = None) -> str | None:
+    """Why a DeepSpeed launch cannot train on this backend, or None where it can.
+
+    Upstream DeepSpeed has no MUSA accelerator: its port (deepspeedai/DeepSpeed PR #8191, "add
+    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.17.2
+    in its training-suite containers, selected with ``DS_ACCELERATOR=musa``) has no public
+    source, so nothing here could be checked against it; FSDP2 covers what ZeRO-3 would do.
+    """
+    if (backend() if name is None else name) != MUSA:
+        return None
+    return (
+        "upstream DeepSpeed has no MUSA accelerator (its port, deepspeedai/DeepSpeed PR #8191, "
+        "was closed unmerged), and MT DeepSpeed, which Moore Threads' training containers run "
+        "with DS_ACCELERATOR=musa, has no public source this project could be tested against"
     )
 
 
@@ -556,7 +584,9 @@ _PEAK_FLOPS: tuple[tuple[re.Pattern[str], dict[str, float]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), figures)
     for pattern, figures in (
         # Moore Threads (vendor figures).
-        (r"\bS5000\b", _tflops(fp8=1000)),  # about 1,000 FP8 (920 air-cooled); others unpublished
+        # S5000: only the press figure of about 1,000 dense FP8 TFLOPS (920 air-cooled); see
+        # _PEAK_NOTES for what is not published.
+        (r"\bS5000\b", _tflops(fp8=1000)),
         (r"\bS4000\b", _tflops(fp32=25, tf32=50, fp16=100, bf16=100)),
         (r"\bS3000\b", _tflops(fp32=15.2)),
         (r"\bS80\b", _tflops(fp32=14.4)),
@@ -575,6 +605,20 @@ _PEAK_FLOPS: tuple[tuple[re.Pattern[str], dict[str, float]], ...] = tuple(
         (r"\bL4\b", _tflops(fp32=30.3, tf32=60, fp16=121, bf16=121)),
         # NVIDIA GeForce (the 4090 D is a different, slower part).
         (r"\bRTX 4090\b(?!\s*D\b)", _tflops(fp32=82.6, tf32=82.6, fp16=165.2, bf16=165.2)),
+    )
+)
+
+# What a vendor does not publish for a device in the table, said wherever its MFU is missing
+# (the doctor, the run's log) rather than filled with a guess.
+_PEAK_NOTES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), note)
+    for pattern, note in (
+        (
+            r"\bS5000\b",
+            "Moore Threads publishes only an FP8 figure for the MTT S5000 (about 1,000 dense "
+            "TFLOPS, press figures); no fp32, TF32, fp16 or bf16 peak, so MFU is not reported in "
+            "those precisions",
+        ),
     )
 )
 
@@ -622,6 +666,12 @@ def peak_flops_by_name(name: str, dtype: str) -> float | None:
     return next(figures[basis] for pattern, figures in _PEAK_FLOPS if pattern.search(name))
 
 
+def peak_flops_note(name: str) -> str | None:
+    """What the peak table lacks for a device because its vendor does not publish it (the MTT
+    S5000's bf16 peak); None for devices without such a gap."""
+    return next((note for pattern, note in _PEAK_NOTES if pattern.search(name)), None)
+
+
 def device_name(device: torch.device) -> str | None:
     """The driver's name of the device the model runs on (``"MTT S4000"``); None on cpu."""
     device, module = _module_for(device)
@@ -639,8 +689,8 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
 
 
 def mccl_available() -> bool:
-    """Whether torch_musa registered the ``mccl`` backend (S4000 builds; S80/S3000 builds ship
-    without it).
+    """Whether torch_musa registered the ``mccl`` backend (S4000 / S5000 builds; S80/S3000
+    builds ship without it).
 
     Read from ``torch.distributed.Backend.backend_list``, which ``register_backend`` extends only
     in builds with MCCL: ``dist.is_backend_available("mccl")`` resolves to torch_musa's patched

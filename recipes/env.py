@@ -74,6 +74,7 @@ def _devices() -> list[dict[str, Any]]:
                 "total_memory_bytes": memory,
                 "bf16": device.supports_bf16(index),
                 "tf32": device.supports_tf32(index),
+                "fp8": device.supports_fp8(index),
                 "peak_flops": {
                     dtype: device.peak_flops_by_name(name, dtype)
                     for dtype in ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -84,6 +85,8 @@ def _devices() -> list[dict[str, Any]]:
                     for dtype in ("fp32", "tf32", "fp16", "bf16", "fp8")
                     if (basis := device.peak_flops_basis(name, dtype)) not in (None, dtype)
                 },
+                # What the vendor does not publish (the S5000's bf16 peak): no MFU, not a guess.
+                "peak_flops_note": device.peak_flops_note(name),
             }
         )
     return devices
@@ -573,10 +576,22 @@ def _advice_other(report: dict[str, Any]) -> list[str]:
         f"{name} is not in the peak FLOP/s table: MFU will not be reported."
         for name in sorted(unlisted)
     )
+    precision = report.get("default_mixed_precision")
+    lines.extend(
+        f"{dev['name']}: no published {precision} peak ({dev['peak_flops_note']}); runs in "
+        f"{precision} log TFLOP/s but no MFU."
+        for dev in _distinct_devices(report)
+        if dev.get("peak_flops_note") and not dev["peak_flops"].get(precision or "")
+    )
     torch_version = report["versions"]["torch"]
     if _version_tuple(torch_version) < _MIN_TORCH:
         lines.append(f"torch {torch_version} is older than the supported 2.2.")
     return lines
+
+
+def _distinct_devices(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One device entry per device name (eight S5000s give one line of advice, not eight)."""
+    return list({dev["name"]: dev for dev in report["devices"]}.values())
 
 
 def advice(report: dict[str, Any]) -> list[str]:
@@ -743,7 +758,7 @@ def _device_row(dev: dict[str, Any]) -> tuple[str, str]:
         f"device {dev['index']}",
         f"{dev['name']}  capability {_fmt(dev['capability'])}  "
         f"{'-' if memory is None else f'{memory / _GIB:.1f} GiB'}  "
-        f"bf16 {_fmt(dev['bf16'])}  tf32 {_fmt(dev['tf32'])}  "
+        f"bf16 {_fmt(dev['bf16'])}  tf32 {_fmt(dev['tf32'])}  fp8 {_fmt(dev.get('fp8'))}  "
         f"peak TFLOP/s: {peak_text or 'not in table'}",
     )
 

@@ -34,6 +34,9 @@ class FlopCounter:
         # None on CPU and for devices not in the table.
         self.peak = None if name is None else device.peak_flops_by_name(name, precision)
         basis = None if name is None else device.peak_flops_basis(name, precision)
+        note = None if name is None else device.peak_flops_note(name)
+        if self.peak is None and note is not None:
+            log.info("MFU in %s on %s is not reported: %s", precision, name, note)
         if self.peak and precision in ("fp16", "bf16") and basis != precision:
             log.info(
                 "MFU in %s on %s is against its %s peak, %.4g TFLOP/s (no %s figure is "

@@ -58,6 +58,7 @@ def run(settings: Settings) -> RunResult:
         PeerFailed: another rank died or hung; already reported on stderr.
     """
     task = build_task(settings.task)
+    _check_launcher()
     settings, chosen = with_device_defaults(settings, task)
     settings = benchmark_run_folder(settings)
     with peer_failures_reported(settings.output_dir):  # a rank that never joined
@@ -223,6 +224,13 @@ class Session:
         )
         for line in self.device_choices:
             log.info("%s", line)
+        parallel = getattr(accelerator, "parallelism_config", None)  # accelerate >= ND parallelism
+        if parallel is not None and parallel.dp_replicate_size > 1 and parallel.dp_shard_size > 1:
+            log.info(
+                "HSDP: the model sharded over %d processes (a node), replicated %d times",
+                parallel.dp_shard_size,
+                parallel.dp_replicate_size,
+            )
         _check_grad_scaler(accelerator)
         _check_device_support(trainer_cfg, accelerator)
         # Set both ways: torch_musa 2.7 turns TF32 on by default.
@@ -550,6 +558,21 @@ def _reset_accelerate() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def _check_launcher() -> None:
+    """Refuse a DeepSpeed launch on MUSA before accelerate builds its engine (which would fail
+    there deep inside DeepSpeed, or run on whatever accelerator DeepSpeed guessed)."""
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not parse_flag_from_env(
+        "ACCELERATE_USE_CPU"
+    ):
+        reason = device.deepspeed_unsupported_reason()
+        if reason is not None:
+            raise ConfigError(
+                f"distributed_type: DEEPSPEED in the accelerate config: {reason}. Launch with "
+                "conf/accelerate/fsdp2.yaml on one node (ZeRO-3's sharding) or "
+                "conf/accelerate/hsdp_musa.yaml across nodes."
+            )
 
 
 def _check_grad_scaler(accelerator: Accelerator) -> None:

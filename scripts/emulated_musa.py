@@ -4,13 +4,14 @@
     python scripts/emulated_musa.py --cards 2 -- accelerate launch \\
         --config_file conf/accelerate/multi_musa.yaml --num_processes 2 train.py recipe=gpt2_clm debug=smoke
     python scripts/emulated_musa.py --release v1.3.0 --card S80 -- python -m recipes.env
+    python scripts/emulated_musa.py --card S5000 -- python -m recipes.env   # MUSA 3.1, FP8, 80 GB
 
 The command runs with a ``torch_musa`` stand-in of the chosen release on its import path. Its
 ``musa`` device holds tensors in host memory and runs every operator through its CPU kernel on
 the same memory (``tests/musa_emulator``, compiled once per torch build with g++ and ninja,
 about 40 s on 2 cores); like real hardware it refuses an operator that mixes a ``musa`` tensor with a
 CPU one. ``torch.musa`` has what that torch_musa tag has; ``mccl`` runs gloo over the same
-memory (S4000; S80 and S3000 builds have no MCCL). ``--cards`` is the number of cards in the
+memory (S4000, S5000; S80 and S3000 builds have no MCCL). ``--cards`` is the number of cards in the
 machine; ``MUSA_VISIBLE_DEVICES`` (which accelerate sets from ``gpu_ids``) chooses among them.
 
 What it cannot show: muDNN kernels, real numerics, speed, memory limits, MCCL topology and the

@@ -133,6 +133,43 @@ def test_lookup_peak_unknown_is_none(name: str, dtype: str) -> None:
     assert device.peak_flops_by_name(name, dtype) is None
 
 
+def test_s5000_peak_table_says_what_is_not_published() -> None:
+    """The MTT S5000 (MUSA 3.1): Moore Threads' press figures give about 1,000 dense FP8
+    TFLOPS, 80 GB at 1.6 TB/s, and no bf16, fp16, TF32 or fp32 peak. The table holds the FP8
+    figure, says the rest is unpublished, and a bf16 run gets no MFU rather than a guess."""
+    note = device.peak_flops_note("MTT S5000")
+    assert note is not None and "bf16" in note and "MFU" in note
+    assert all(
+        device.peak_flops_by_name("MTT S5000", dtype) is None
+        for dtype in ("fp32", "tf32", "fp16", "bf16")
+    )
+    assert device.peak_flops_note("MTT S4000") is None  # its bf16 peak is published
+
+
+def test_s5000_advice_says_bf16_runs_have_no_mfu(tmp_path: Path) -> None:
+    report = _musa_report("MTT S5000", 8, mccl=True, bf16=True)
+    for dev in report["devices"]:
+        dev.update(capability="3.1", fp8=True, peak_flops_note=device.peak_flops_note(dev["name"]))
+    advice = env.advice(report)
+    (line,) = [line for line in advice if "no published bf16 peak" in line]  # once, not 8 times
+    assert line.startswith("MTT S5000:") and "no MFU" in line
+    assert not any("not in the peak FLOP/s table" in line for line in advice)
+    config = _write_and_load(report, tmp_path / "s5000.yaml")
+    assert config.distributed_type.value == "MULTI_MUSA" and config.mixed_precision == "bf16"
+    s4000 = env.advice(_musa_report("MTT S4000", 8, mccl=True, bf16=True))
+    assert not any("no published" in line for line in s4000)
+
+
+def test_deepspeed_is_refused_on_musa_only() -> None:
+    """No MUSA accelerator upstream (DeepSpeed PR #8191 closed unmerged) and no public source
+    of MT DeepSpeed: refused on MUSA with both named; CUDA and CPU keep DeepSpeed."""
+    reason = device.deepspeed_unsupported_reason(device.MUSA)
+    assert reason is not None
+    assert all(part in reason for part in ("MT DeepSpeed", "DS_ACCELERATOR=musa", "#8191"))
+    assert device.deepspeed_unsupported_reason(device.CUDA) is None
+    assert device.deepspeed_unsupported_reason(device.CPU) is None
+
+
 def test_lookup_peak_rejects_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         device.peak_flops_by_name("MTT S4000", "int4")
@@ -178,6 +215,7 @@ def test_accelerate_configs_exist() -> None:
         "multi_musa_2nodes.yaml",
         "fsdp.yaml",
         "fsdp2.yaml",
+        "hsdp_musa.yaml",
         "cpu.yaml",
     } <= names
 
@@ -191,10 +229,11 @@ def test_accelerate_config_parses(path: Path) -> None:
     assert f"accelerate launch --config_file conf/accelerate/{path.name} " in first_line
     config = load_config_from_file(str(path))
     assert config.compute_environment.value == "LOCAL_MACHINE"
-    assert config.num_machines == (2 if "2nodes" in path.name else 1)
+    multi_node = "2nodes" in path.name or path.name.startswith("hsdp")
+    assert config.num_machines == (2 if multi_node else 1)
     if config.num_machines > 1:  # processes of all machines, the same number on each
         assert config.num_processes == 8 * config.num_machines
-        assert config.distributed_type.value == "MULTI_MUSA"
+        assert config.distributed_type.value in ("MULTI_MUSA", "FSDP")  # DDP or HSDP
 
 
 @pytest.mark.skipif(
@@ -903,6 +942,10 @@ def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> No
         (
             "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc3.1.0-v1.3.0-S3000-py38",
             "S3000",
+        ),
+        (
+            "registry.mthreads.com/mcconline/musa-pytorch-release-public:rc5.1.0-v2.9.1-S5000-py310_tef",
+            "S5000",
         ),
         ("registry.mthreads.com/mcconline/musa-pytorch-release-public:latest", None),
         ("python:3.11-slim", None),

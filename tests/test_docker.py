@@ -48,6 +48,7 @@ from fake_vendor_image import (
     write_wheel,
 )
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from recipes import backends
 
@@ -93,6 +94,47 @@ def test_default_base_image_is_the_documented_s4000_build() -> None:
     assert any(default in path.read_text(encoding="utf-8") for path in documents), default
     # The doctor names the build the container runs on from this variable.
     assert any(f"{backends.BASE_IMAGE_ENV_VAR}=${{BASE_IMAGE}}" in env for env in values("ENV"))
+
+
+def _image_table() -> list[dict[str, str]]:
+    """docs/launching.md's table of base images: tag, MUSA SDK, card, torch_musa, torch, and
+    ``default`` ("yes" on the Dockerfile's default)."""
+    text = (ROOT / "docs" / "launching.md").read_text(encoding="utf-8")
+    rows = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `rc") and len(cells) == 6:
+            rows.append(
+                {
+                    "tag": re.match(r"`([^`]+)`", cells[0])[1],
+                    "sdk": cells[1],
+                    "card": cells[2],
+                    "torch_musa": cells[3],
+                    "torch": cells[4],
+                    "default": "yes" if "(default)" in cells[0] else "no",
+                }
+            )
+    return rows
+
+
+def test_docs_pair_each_base_image_with_its_sdk_card_and_torch() -> None:
+    """Each documented tag names the SDK, card and torch_musa of its row (as the vendor's tags
+    read: rc<SDK>-v<torch_musa>-<card>-py<Python>); the default is the S4000 row with the newest
+    torch_musa, and every tag the Dockerfile's header offers is in the table."""
+    rows = _image_table()
+    assert len(rows) >= 4
+    for row in rows:
+        sdk, torch_musa, card = re.match(r"rc([\d.]+)-v([\d.]+)-(S\d+)-py", row["tag"]).groups()
+        assert (sdk, torch_musa) == (row["sdk"], row["torch_musa"]), row
+        assert f"MTT {card}" in row["card"] and backends.image_gpu(row["tag"]) == card, row
+    (default,) = [row for row in rows if row["default"] == "yes"]
+    assert build_args()["BASE_IMAGE"].endswith(":" + default["tag"])
+    s4000 = [row for row in rows if backends.image_gpu(row["tag"]) == "S4000"]
+    newest = max(s4000, key=lambda row: Version(row["torch_musa"]))
+    assert newest is default
+    header = DOCKERFILE.read_text(encoding="utf-8").split("FROM ", 1)[0]
+    offered = re.findall(r"^#\s+(rc[\w.-]+)\s", header, re.M)
+    assert offered and set(offered) <= {row["tag"] for row in rows}, offered
 
 
 def test_cpu_variant_torch_meets_the_project_floor() -> None:

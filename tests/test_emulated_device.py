@@ -282,6 +282,7 @@ def test_memory_rng_autocast_scaler_and_checkpoints(s4000) -> None:
 def test_torch_musa_has_what_the_release_has(s4000) -> None:
     v271 = set(s4000["names"])
     assert {"is_bf16_supported", "is_tf32_supported", "StreamContext", "amp"} <= v271
+    assert {"MUSAGraph", "graph"} <= v271  # torch_musa/musa_graph, from v2.0.0
     assert not {"is_autocast_enabled", "get_autocast_dtype", "reset_peak_stats"} & v271
     assert s4000["amp_dtypes"] == ["torch.float16", "torch.bfloat16"]  # v2.7 asks the card
     assert s4000["fused_adamw"] is None  # torch's _fused_adamw_ is registered for MUSA
@@ -289,7 +290,7 @@ def test_torch_musa_has_what_the_release_has(s4000) -> None:
     oldest = _semantics("v1.3.0", "S80")
     names = set(oldest["names"])
     assert {"is_autocast_musa_enabled", "get_autocast_musa_dtype", "reset_peak_stats"} <= names
-    assert not {"is_bf16_supported", "is_initialized", "is_autocast_enabled"} & names
+    assert not {"is_bf16_supported", "is_initialized", "is_autocast_enabled", "MUSAGraph"} & names
     assert oldest["amp_dtypes"] == ["torch.float16", "torch.bfloat16", "torch.float32"]
     assert oldest["device_name"] == "MTT S80" and oldest["capability"] == [2, 1]
     assert "_fused_adamw_" in oldest["fused_adamw"] and "'musa' backend" in oldest["fused_adamw"]

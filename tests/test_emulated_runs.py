@@ -10,6 +10,7 @@ left on the CPU fails these runs instead of passing quietly.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -262,6 +263,105 @@ def test_doctor_reports_the_emulated_cards():
     assert probe["device"] == "musa:0" and probe["ok"] is True
 
 
+def test_s5000_decisions_on_the_device(tmp_path, cache_dir):
+    """An emulated MTT S5000 (MUSA 3.1, 80 GB, MCCL): the doctor reports bf16, TF32 and FP8
+    units, MCCL, and the peak table's FP8 figure only; a run picks bf16 and logs TFLOP/s but no
+    MFU, saying why (no published bf16 peak), where an S4000's run would report one."""
+    done = subprocess.run(
+        [sys.executable, *on_musa(sys.executable, "-m", "recipes.env", "--json", card="S5000")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (card,) = report["devices"]
+    assert (card["name"], card["capability"]) == ("MTT S5000", "3.1")
+    assert card["bf16"] and card["tf32"] and card["fp8"]
+    assert card["total_memory_bytes"] == 80 << 30
+    assert card["peak_flops"]["fp8"] == 1000e12 and card["peak_flops"]["bf16"] is None
+    assert "no published bf16 peak" in "\n".join(report["advice"])
+    assert report["default_mixed_precision"] == "bf16"
+    assert report["distributed_backend"] == "mccl"
+    run = tmp_path / "run"
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={run}",
+        "trainer.mixed_precision=auto",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "task.sample_prompt=null",
+        script=on_musa(card="S5000"),
+    )
+    assert "MFU in bf16 on MTT S5000 is not reported" in done.stderr
+    logged = [m for m in read_metrics(run) if "train/loss" in m]
+    assert logged and all("train/tflops" in m and "train/mfu" not in m for m in logged)
+    assert "mixed precision bf16" in done.stderr  # trainer.mixed_precision=auto on a 3.1 card
+
+
+def test_deepspeed_launch_on_the_device_is_refused_in_one_line(tmp_path):
+    """accelerate's DeepSpeed launch sets ACCELERATE_USE_DEEPSPEED for train.py; on a MUSA
+    card the run stops before any model is built, naming MT DeepSpeed, DS_ACCELERATOR=musa,
+    why, and the FSDP2 / HSDP configs to use instead."""
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"output_dir={tmp_path / 'run'}",
+        check=False,
+        env={"ACCELERATE_USE_DEEPSPEED": "true"},
+        script=on_musa(),
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "DEEPSPEED" in line]
+    for needed in ("MT DeepSpeed", "DS_ACCELERATOR=musa", "#8191", "fsdp2.yaml", "hsdp_musa.yaml"):
+        assert needed in line, needed
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchada") is None,
+    reason="torchada is not installed (.ci/run installs it with --no-deps)",
+)
+def test_torchada_imported_first_leaves_the_device_decisions_alone(tmp_path, cache_dir):
+    """torchada imported before anything else, with TORCHADA_FORCE_CUDA_AVAILABLE=1 (so
+    torch.cuda.is_available() says yes, and torch.cuda answers from torch.musa): the device is
+    still MUSA, with the S4000's decisions, and a run trains on it in bf16."""
+    found = tmp_path / "decisions.json"
+    done = run_train(
+        "recipe=gpt2_clm",
+        "debug=smoke",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        f"output_dir={tmp_path / 'run'}",
+        "trainer.mixed_precision=auto",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "task.sample_prompt=null",
+        env={"TORCHADA_FORCE_CUDA_AVAILABLE": "1"},
+        script=on_musa(sys.executable, str(ROOT / "tests" / "torchada_first.py"), str(found)),
+    )
+    decisions = json.loads(found.read_text())
+    assert decisions["torchada_active"] and decisions["cuda_is_available"]
+    assert decisions["backend"] == "musa" and decisions["names"] == ["MTT S4000"]
+    assert decisions["capability"] == [2, 2] and decisions["bf16"] and decisions["tf32"]
+    assert decisions["default_mixed_precision"] == "bf16"
+    assert decisions["attn_implementation"] == "sdpa"
+    assert decisions["distributed_backend"] == "mccl"
+    assert decisions["tf32_set"] == [True, False]  # both ways, on torch.backends.mudnn
+    assert decisions["fused_adamw"] and decisions["peak_bf16"] == 100e12
+    assert decisions["defaults"]["compile"] is False and decisions["defaults"]["pin_memory"]
+    assert "device musa, 1 process(es), mixed precision bf16" in done.stderr
+    assert len(_losses(tmp_path / "run")) == 2
+
+
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     """accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on two cards, which accelerate refuses on
     a CPU: LoRA trains as on one card with the same global batch, the checkpoints are sharded,
@@ -314,6 +414,52 @@ def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     # The answers after training: generated by the sharded model, both cards stepping together.
     answers = [(run / "generations.jsonl").read_text().splitlines() for run in (one, two)]
     assert answers[1] == answers[0] and len(answers[0]) == 3
+
+
+def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
+    """conf/accelerate/hsdp_musa.yaml through accelerate's launcher on four cards, as 2 "nodes"
+    of 2 (dp_replicate 2 x dp_shard 2): accelerate runs FSDP2 on the (replicate, shard) mesh it
+    builds, and LoRA trains as one card does with the same global batch. About 50 s of CPU on
+    2 cores (four processes); tests/test_hsdp.py checks the mesh itself on CPU processes."""
+    common = (
+        "recipe=llama_sft",
+        "debug=smoke",
+        "peft=lora",
+        "peft.dropout=0.0",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+    )
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_train(
+        *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
+    )
+    hsdp = on_musa(
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "conf/accelerate/hsdp_musa.yaml"),
+        "--num_machines", "1", "--num_processes", "4",
+        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
+        "--main_process_port", str(free_port()),
+        str(ROOT / "train.py"),
+        cards=4,
+    )  # fmt: skip
+    done = run_train(
+        *common,
+        "trainer.per_device_train_batch_size=4",
+        f"output_dir={four}",
+        script=hsdp,
+        env=ONE_THREAD,
+    )
+    assert "4 process(es), mixed precision no, distributed DistributedType.FSDP" in done.stderr
+    assert "HSDP: the model sharded over 2 processes (a node), replicated 2 times" in done.stderr
+    assert _losses(four) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(four)) == 3
 
 
 def _fsdp_launch(config: str) -> tuple[str, ...]:

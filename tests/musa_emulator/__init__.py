@@ -45,7 +45,11 @@ class Card:
     mccl: bool  # S80 / S3000 builds of torch_musa ship without MCCL
 
 
+# The S5000 (MUSA 3.1, 80 GB; press figures, tests/test_device_env.py cites them) carries the
+# driver's name by analogy with the S4000's; MCCL as in the S4000's builds (multi-card training
+# on S5000 clusters is what Moore Threads sells it for).
 CARDS = {
+    "S5000": Card("MTT S5000", (3, 1), 80, True),
     "S4000": Card("MTT S4000", (2, 2), 48, True),
     "S3000": Card("MTT S3000", (2, 1), 32, False),
     "S80": Card("MTT S80", (2, 1), 16, False),
@@ -163,7 +167,38 @@ _SPANS = {
     "is_tf32_supported": ("v2.7.1", None),
     "StreamContext": ("v2.7.1", None),
     "reset_peak_stats": (None, "v1.3.2"),
+    "MUSAGraph": ("v2.0.0", None),  # torch_musa/musa_graph, star-imported by __init__.py
+    "graph": ("v2.0.0", None),
 }
+
+
+class MUSAGraph:
+    """torch_musa's graph class (``torch_musa/musa_graph/graphs.py``, from v2.0.0), which
+    torchada aliases as ``torch.cuda.CUDAGraph`` (transformers 5 names it in annotations at
+    import). The emulator captures no graphs: building one works, capturing or replaying it
+    refuses."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def _not_emulated(self, *args, **kwargs):
+        raise RuntimeError("MUSA graphs are not emulated (tests/musa_emulator)")
+
+    capture_begin = capture_end = replay = reset = pool = _not_emulated
+
+
+class graph:
+    """``torch.musa.graph(musa_graph, ...)``, the capture context: refused, as capturing is."""
+
+    def __init__(self, musa_graph, *args, **kwargs) -> None:
+        self.musa_graph = musa_graph
+
+    def __enter__(self):
+        self.musa_graph.capture_begin()
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
 
 _AUTOCAST_NAMES = {
     "musa": (
@@ -330,12 +365,29 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
         "default_stream": current_stream,
         "set_stream": lambda s: None,
         "stream": stream,
+        "MUSAGraph": MUSAGraph,
+        "graph": graph,
         **dict(zip(_AUTOCAST_NAMES[release.autocast_names], autocast_functions, strict=False)),
     }
     for name, value in functions.items():
         if _in_release(name, release.tag):
             setattr(musa, name, value)
     sys.modules[f"{musa.__name__}.amp"] = amp
+    # torch_musa/core/stream.py and core/_utils.py (every tag), where torchada looks for
+    # torch.cuda.StreamContext, torch.cuda.streams and torch.cuda._get_device_index.
+    core = types.ModuleType(f"{musa.__name__}.core")
+    core.stream = types.ModuleType(f"{musa.__name__}.core.stream")
+    for name, value in (("Stream", Stream), ("Event", Event), ("StreamContext", stream)):
+        setattr(core.stream, name, value)
+    for name in ("stream", "current_stream", "default_stream", "set_stream"):
+        setattr(core.stream, name, functions[name])
+    core._utils = types.ModuleType(f"{musa.__name__}.core._utils")
+    core._utils._get_musa_device_index = lambda device, optional=False, allow_cpu=False: index(
+        device
+    )
+    musa.core = core
+    for module in (core, core.stream, core._utils):
+        sys.modules[module.__name__] = module
 
 
 def checked_ops() -> list[str]:
