@@ -150,7 +150,7 @@ def _capability(props: types.SimpleNamespace) -> tuple[int, int]:
 
 
 def _tag(tag: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in tag.lstrip("v").split("."))
+    return tuple(int(part) for part in tag.lstrip("v").split(".")[:3])  # 2.11.0.post1: 2.11.0
 
 
 # Names of torch.musa that came or went between the tags (read at each tag; every other name
@@ -446,9 +446,9 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
     _keep_parameters_on_conversion()
-    mudnn = types.ModuleType("torch_musa.core.mudnn")
-    mudnn.allow_tf32 = release.tf32_default
-    torch.backends.mudnn = mudnn  # and no torch.backends.musa, as in every release
+    from fake_torch_musa import install_tf32_switches
+
+    install_tf32_switches(release)  # torch.backends.mudnn; torch.backends.musa from v2.9
     kernels = ["_fused_adamw_", "_fused_adam_"]
     if release.fused_adamw_kernel:
         ext.register_kernels(kernels)
