@@ -398,6 +398,56 @@ def test_doctor_versions_and_sdpa_check(case: str) -> None:
     assert found["tf32_after_doctor"] is True  # set on before the doctor ran
 
 
+_REFUSAL = """
+import os, sys
+from types import SimpleNamespace
+import torch
+from recipes import device
+from recipes.config import ConfigError, TrainerConfig
+from recipes.modes import _check_device_support
+
+device.backend()
+os.environ.update(dict(arg.split("=", 1) for arg in sys.argv[2:]))
+card = SimpleNamespace(device=torch.device("musa:0"), mixed_precision="no")
+try:
+    _check_device_support(TrainerConfig(tf32=sys.argv[1] == "true"), card)
+except ConfigError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow  # a fresh process per simulated release
+@pytest.mark.parametrize(
+    ("tag", "tf32", "env", "refused"),
+    [
+        # The override forces TF32 on the GEMMs of v2.9+, which trainer.tf32=false cannot undo.
+        ("v2.9.0", "false", "TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1", "trainer.tf32=false: "),
+        # v2.7.0 has no overlap levels: the variable would be ignored without a word.
+        (
+            "v2.7.0",
+            "true",
+            "TORCH_MUSA_FSDP2_OVERLAP_LEVEL=3",
+            "TORCH_MUSA_FSDP2_OVERLAP_LEVEL=3: ",
+        ),
+    ],
+)
+def test_settings_the_release_ignores_are_refused_in_one_line(
+    tmp_path: Path, tag: str, tf32: str, env: str, refused: str
+) -> None:
+    write_release(tmp_path, tag)
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSAL, tf32, env],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(refused), done.stdout
+
+
 @pytest.mark.slow  # a fresh process per simulated release
 def test_broken_autoloaded_torch_musa_and_the_doctor(tmp_path: Path) -> None:
     write_release(tmp_path, "v2.7.1", broken=True)
