@@ -64,6 +64,11 @@ _TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str, str], ...] = (
     ("v2.1.x", (2, 1), "2.5.0", "2.5.0"),
     ("v2.5.0", (2, 5), "2.5.0", "2.5.0"),
     ("v2.7.x", (2, 7), "2.7.1", "2.7.1"),
+    # Releases without a readable tag: the torch each release note names ("Along with torch2.9.0",
+    # tag v2.9.0; "the first release based on PyTorch 2.11", 2.11.0.post1), and that torch as the
+    # oldest, as at every tag from v2.1.
+    ("v2.9.x", (2, 9), "2.9.0", "2.9.0"),
+    ("2.11.x", (2, 11), "2.11.0", "2.11.0"),
 )
 
 # The Dockerfile passes its base image on; the vendor's tags name the GPU family they are built
@@ -116,6 +121,11 @@ def torch_musa_releases_for_torch(torch_version: str) -> list[str]:
         if _major_minor(built) == key and have >= Version(low)
     ]
     return list(dict.fromkeys(releases))
+
+
+def torches_with_torch_musa() -> list[str]:
+    """Every torch release some torch_musa release is built against, oldest first."""
+    return sorted({built for _, _, built, _ in _TORCH_MUSA_BUILDS}, key=Version)
 
 
 def image_gpu(image: str | None) -> str | None:

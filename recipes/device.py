@@ -41,6 +41,25 @@ GLOO = "gloo"
 # dispatches SDPA to its math kernel, which has a backward in those releases too.
 _MUSA_SDPA_BACKWARD = (1, 2, 1)
 
+# torch_musa releases from which GEMMs read their own TF32 switch, off by default:
+# ``torch.backends.musa.matmul.allow_tf32`` or the environment variable below (v2.9.0 release
+# notes, github.com/MooreThreads/torch_musa/releases/tag/v2.9.0). Before, one switch,
+# ``torch.backends.mudnn.allow_tf32``, covered matmuls and convolutions (on by default in v2.7.x).
+_MUSA_MATMUL_TF32_SWITCH = (2, 9, 0)
+MUBLAS_TF32_OVERRIDE = "TORCH_ALLOW_TF32_MUBLAS_OVERRIDE"
+_MUDNN_TF32 = "torch.backends.mudnn.allow_tf32"
+_MUSA_MATMUL_TF32 = "torch.backends.musa.matmul.allow_tf32"
+# Releases whose compiled kernels are slower than v2.7.0's ("Known && blocked issues" of the
+# v2.9.0 release notes; not reported fixed in v2.9.1 or 2.11.0.post1).
+_MUSA_COMPILE_SLOWER = (2, 9, 0)
+# torch_musa's FSDP2 overlap of communication with computation, 0 (none, the default) to 4, read
+# once when torch_musa is imported: from v2.7.1
+# (torch_musa/distributed/_composable/fsdp/custom_overlap_patch.py; v2.7.0 has only
+# TORCH_MUSA_FSDP2_DISABLE_OVERLAP). Set it in the launch's environment.
+FSDP2_OVERLAP_ENV = "TORCH_MUSA_FSDP2_OVERLAP_LEVEL"
+_MUSA_FSDP2_OVERLAP = (2, 7, 1)
+_FSDP2_OVERLAP_LEVELS = range(5)
+
 # Compute capability from which bf16 and TF32 are native: MTT S4000 (arch QY2) on MUSA, Ampere
 # on NVIDIA (torch's own bf16 test, not counting emulation, which is slower than fp16).
 _NATIVE_BF16_TF32 = {MUSA: (2, 2), CUDA: (8, 0)}
@@ -471,10 +490,13 @@ def _compile_default(
     if kind == MUSA:
         if compile_unsupported_reason(MUSA) is not None:
             return False, f"torch_musa {musa_version or '(this release)'} has no compile backend"
-        return False, (
-            "not measured on a MUSA card; torch_musa v2.9.0's notes report compiled kernels "
-            "slower than v2.7.0's"
-        )
+        found = None if musa_version is None else _release(musa_version)
+        if found is not None and found >= _MUSA_COMPILE_SLOWER:
+            return False, (
+                f"torch_musa {musa_version}: compiled kernels are slower than v2.7.0's (a known "
+                "issue in the v2.9.0 release notes)"
+            )
+        return False, "not measured on a MUSA card"
     if generates:
         return False, "generation would recompile the model for every KV-cache length"
     if not whole_model:
@@ -513,12 +535,15 @@ def set_tf32(enabled: bool) -> bool:
 
     Both ways matter: torch_musa 2.7 enables TF32 by default (``allow_tf32_ = true`` in
     ``csrc/aten/utils/Context.h``; false up to 2.5), so ``trainer.tf32=false`` must switch it off.
+    On MUSA every switch the release has is set (:func:`musa_tf32_switches`): from v2.9 GEMMs
+    read ``torch.backends.musa.matmul.allow_tf32``, and muDNN keeps its own.
     """
     name = backend()
     if name == MUSA:
-        mudnn = getattr(torch.backends, "mudnn", None)
-        if mudnn is not None:
-            mudnn.allow_tf32 = enabled
+        for switch in musa_tf32_switches(torch_musa_info()["version"]):
+            owner = _switch_owner(switch)
+            if owner is not None:
+                owner.allow_tf32 = enabled
     elif name == CUDA:
         if _has_fp32_precision():
             precision = "tf32" if enabled else "ieee"
@@ -534,12 +559,108 @@ def tf32_enabled() -> bool:
     """Whether fp32 matmuls on this machine's accelerator run in TF32 now (False on cpu)."""
     name = backend()
     if name == MUSA:
-        return bool(getattr(getattr(torch.backends, "mudnn", None), "allow_tf32", False))
+        # The first switch is the one the release's GEMMs read (the override forces it on).
+        version = torch_musa_info()["version"]
+        if musa_tf32_override(version):
+            return True
+        owner = _switch_owner(musa_tf32_switches(version)[0])
+        return bool(getattr(owner, "allow_tf32", False))
     if name == CUDA:
         if _has_fp32_precision():
             return torch.backends.cuda.matmul.fp32_precision == "tf32"
         return bool(torch.backends.cuda.matmul.allow_tf32)
     return False
+
+
+def tf32_switches(name: str | None = None) -> tuple[str, ...]:
+    """The switches :func:`set_tf32` sets on a backend (:func:`backend` by default), the one
+    its matmuls read first; none on cpu."""
+    name = backend() if name is None else name
+    if name == MUSA:
+        return musa_tf32_switches(torch_musa_info()["version"])
+    if name == CUDA:
+        if _has_fp32_precision():
+            return (
+                "torch.backends.cuda.matmul.fp32_precision",
+                "torch.backends.cudnn.conv.fp32_precision",
+            )
+        return ("torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32")
+    return ()
+
+
+def musa_tf32_switches(version: str | None) -> tuple[str, ...]:
+    """The TF32 switches a torch_musa release reads, the one its GEMMs read first:
+    ``torch.backends.musa.matmul.allow_tf32`` then muDNN's from v2.9.0 (off by default),
+    ``torch.backends.mudnn.allow_tf32`` alone before."""
+    found = None if version is None else _release(version)
+    if found is not None and found >= _MUSA_MATMUL_TF32_SWITCH:
+        return (_MUSA_MATMUL_TF32, _MUDNN_TF32)
+    return (_MUDNN_TF32,)
+
+
+def _switch_owner(switch: str) -> Any:
+    """The object whose ``allow_tf32`` a switch's dotted name ends in; None where this build
+    lacks it."""
+    owner: Any = torch
+    for part in switch.split(".")[1:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def musa_tf32_override(version: str | None) -> bool:
+    """Whether ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1`` turns TF32 on for this release's GEMMs
+    (v2.9.0 and later), whatever ``torch.backends.musa.matmul.allow_tf32`` says."""
+    switches = musa_tf32_switches(version)
+    return _MUSA_MATMUL_TF32 in switches and os.environ.get(MUBLAS_TF32_OVERRIDE) == "1"
+
+
+def tf32_unsupported_reason(enabled: bool, name: str | None = None) -> str | None:
+    """Why ``trainer.tf32`` cannot take effect here, or None: ``false`` with
+    ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1`` on a torch_musa that reads it (GEMMs stay in TF32)."""
+    name = backend() if name is None else name
+    version = torch_musa_info()["version"] if name == MUSA else None
+    if enabled or name != MUSA or not musa_tf32_override(version):
+        return None
+    return (
+        f"{MUBLAS_TF32_OVERRIDE}=1 is set, which turns TF32 on for every GEMM of torch_musa "
+        f"{version}"
+    )
+
+
+def fsdp2_overlap_unsupported_reason(name: str | None = None) -> str | None:
+    """Why ``TORCH_MUSA_FSDP2_OVERLAP_LEVEL`` (set in the launch's environment) would not apply
+    here, or None where it is unset or this torch_musa reads it (v2.7.1 and later, 0 to 4)."""
+    value = os.environ.get(FSDP2_OVERLAP_ENV)
+    name = backend() if name is None else name
+    if value is None or name != MUSA:
+        return None
+    version = torch_musa_info()["version"]
+    found = None if version is None else _release(version)
+    if found is None or found < _MUSA_FSDP2_OVERLAP:
+        return (
+            f"torch_musa {version or '(unknown version)'} does not read it (torch_musa v2.7.1 "
+            "is the first that does): unset it, or use a MUSA image with v2.7.1 or later"
+        )
+    if not value.strip().isdigit() or int(value) not in _FSDP2_OVERLAP_LEVELS:
+        return "torch_musa takes a level from 0 (no overlap, its default) to 4: set one of those"
+    return None
+
+
+def default_adamw(name: str | None = None) -> str:
+    """The AdamW ``optimizer.fused=null`` builds for parameters on a backend's device
+    (:func:`recipes.optim.build_optimizer`'s choice), as the environment doctor reports it."""
+    name = backend() if name is None else name
+    if name == MUSA and musa_fused_adamw() is not None:
+        return "torch_musa.optim.FusedAdamW"
+    if name != CPU and device_module(name) is None:
+        return "torch.optim.AdamW (foreach)"
+    return (
+        "torch.optim.AdamW(fused=True)"
+        if fused_adamw_ok(name, name)
+        else "torch.optim.AdamW (foreach)"
+    )
 
 
 def _module_for(device: torch.device | str) -> tuple[torch.device, types.ModuleType | None]:

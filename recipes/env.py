@@ -205,6 +205,32 @@ def _probe_dtypes(backend: str) -> list[torch.dtype]:
     return [half, torch.float32]
 
 
+def _decisions(backend: str) -> dict[str, Any]:
+    """What a run decides from this backend and its torch_musa release: the TF32 switches
+    ``trainer.tf32`` sets, whether ``trainer.compile`` defaults on (for a model trained whole),
+    the AdamW ``optimizer.fused=null`` builds, and on MUSA the FSDP2 overlap level."""
+    musa_version = device.torch_musa_info()["version"] if backend == device.MUSA else None
+    compiled = next(
+        default
+        for default in device.training_defaults(
+            backend, generates=False, whole_model=True, musa_version=musa_version
+        )
+        if default.name == "compile"
+    )
+    found: dict[str, Any] = {
+        "tf32_switches": list(device.tf32_switches(backend)),
+        "tf32_on_now": device.tf32_enabled(),
+        "compile": compiled.value,
+        "compile_why": compiled.why,
+        "adamw": device.default_adamw(backend),
+    }
+    if backend == device.MUSA:
+        found["tf32_override"] = os.environ.get(device.MUBLAS_TF32_OVERRIDE)
+        found["fsdp2_overlap_level"] = os.environ.get(device.FSDP2_OVERLAP_ENV)
+        found["fsdp2_overlap_problem"] = device.fsdp2_overlap_unsupported_reason(backend)
+    return found
+
+
 def _probe_device(backend: str) -> str:
     module = device.device_module(backend)
     return backend if module is None else f"{backend}:{module.current_device()}"
@@ -254,6 +280,7 @@ def collect() -> dict[str, Any]:
         "precision": precision,
         "default_mixed_precision": precision["default_mixed_precision"],
         "default_attn_implementation": device.default_attn_implementation(),
+        "decisions": _decisions(backend),
         "sdpa_probe": sdpa_probe(_probe_device(backend), _probe_dtypes(backend)),
         "image": os.environ.get(backends.BASE_IMAGE_ENV_VAR),
         "image_gpu": backends.image_gpu(os.environ.get(backends.BASE_IMAGE_ENV_VAR)),
@@ -309,8 +336,9 @@ def _install_torch_musa(torch_version: str) -> str:
             f"{torch_version}) from {backends.TORCH_MUSA_RELEASES_URL}"
         )
     # 2.0.0 also has builds, but the project needs torch >= 2.2.
+    built = ", ".join(v for v in backends.torches_with_torch_musa() if Version(v) >= Version("2.2"))
     return (
-        f"pair a torch that has torch_musa builds (2.2.0, 2.5.0 or 2.7.1; this torch "
+        f"pair a torch that has torch_musa builds ({built}; this torch "
         f"{torch_version} has none) with its torch_musa from {backends.TORCH_MUSA_RELEASES_URL}"
     )
 
@@ -614,8 +642,17 @@ def advice(report: dict[str, Any]) -> list[str]:
         *_advice_precision(report),
         *_advice_attention(report),
         *_advice_image(report),
+        *_advice_fsdp2_overlap(report),
         *_advice_other(report),
     ]
+
+
+def _advice_fsdp2_overlap(report: dict[str, Any]) -> list[str]:
+    problem = report.get("decisions", {}).get("fsdp2_overlap_problem")
+    if not problem:
+        return []
+    value = report["decisions"]["fsdp2_overlap_level"]
+    return [f"{device.FSDP2_OVERLAP_ENV}={value}: {problem}; runs refuse it until then."]
 
 
 def accelerate_config(report: dict[str, Any]) -> dict[str, Any]:
@@ -737,6 +774,31 @@ def _tf32_text(report: dict[str, Any]) -> str:
     return "yes (trainer.tf32=true uses it)" if tf32["supported"] else "no"
 
 
+def _decision_rows(report: dict[str, Any]) -> list[tuple[str, Any]]:
+    found = report.get("decisions")
+    if not found:
+        return []
+    switches = found["tf32_switches"]
+    tf32 = (
+        f"{' and '.join(switches)} (on now: {_fmt(found['tf32_on_now'])}; trainer.tf32 sets "
+        "them before a run)"
+        if switches
+        else "none on cpu"
+    )
+    rows = [
+        ("tf32 switches", tf32),
+        ("compile default", f"{_fmt(found['compile'])} ({found['compile_why']})"),
+        ("AdamW (fused=null)", found["adamw"]),
+    ]
+    if "fsdp2_overlap_level" in found:
+        override, level = found["tf32_override"], found["fsdp2_overlap_level"]
+        problem = found["fsdp2_overlap_problem"]
+        shown = f"{device.FSDP2_OVERLAP_ENV}={level or ''}"
+        rows.append(("tf32 override", f"{device.MUBLAS_TF32_OVERRIDE}={override or ''}"))
+        rows.append(("FSDP2 overlap", f"{shown} (refused: {problem})" if problem else shown))
+    return rows
+
+
 def _probe_text(probe: dict[str, Any]) -> str:
     parts = [
         f"{dtype} {'ok' if found['ok'] else 'FAILED'}"
@@ -798,6 +860,7 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("SDPA check", _probe_text(report["sdpa_probe"])),
             ],
         ),
+        ("Run decisions", _decision_rows(report)),
         (
             "Distributed",
             [

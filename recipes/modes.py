@@ -10,6 +10,7 @@ up whatever happens), :class:`Session`, then the runners. Training itself is
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -593,6 +594,15 @@ def _check_device_support(trainer_cfg: TrainerConfig, accelerator: Accelerator) 
     where, precision = accelerator.device.type, accelerator.mixed_precision
     if trainer_cfg.compile and (reason := device.compile_unsupported_reason(where)):
         raise ConfigError(f"trainer.compile=true: {reason}. Set trainer.compile=false.")
+    if reason := device.tf32_unsupported_reason(trainer_cfg.tf32, where):
+        raise ConfigError(
+            f"trainer.tf32=false: {reason}. Unset {device.MUBLAS_TF32_OVERRIDE}, or set "
+            "trainer.tf32=true."
+        )
+    if reason := device.fsdp2_overlap_unsupported_reason(where):
+        raise ConfigError(
+            f"{device.FSDP2_OVERLAP_ENV}={os.environ[device.FSDP2_OVERLAP_ENV]}: {reason}."
+        )
     if trainer_cfg.gradient_checkpointing and (
         reason := device.checkpointing_autocast_unsupported_reason(precision, where)
     ):

@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
-from fake_torch_musa import RELEASES, write_release  # noqa: E402
+from fake_torch_musa import NEWEST, RELEASES, write_release  # noqa: E402
 from musa_emulator import CARDS, build_dir, cache_root, extension  # noqa: E402
 
-DEFAULT_RELEASE = "v2.7.1"
+DEFAULT_RELEASE = NEWEST
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

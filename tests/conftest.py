@@ -30,6 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Tests build their tasks from conf/task/*.yaml, where the defaults are written (after the
 # settings above: it imports the project).
+from fake_torch_musa import NEWEST
 from task_yaml import make_task  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ EMULATED_MUSA = ROOT / "scripts" / "emulated_musa.py"
 
 
 def on_musa(
-    *command: str, cards: int = 1, release: str = "v2.7.1", card: str = "S4000"
+    *command: str, cards: int = 1, release: str = NEWEST, card: str = "S4000"
 ) -> tuple[str, ...]:
     """``command`` (train.py by default) on ``cards`` emulated MUSA cards, as the arguments of
     ``python``: a ``script`` for :func:`run_train` / :func:`start_train`."""
@@ -144,7 +145,7 @@ def on_musa(
     )
 
 
-def musa_launch(processes: int = 2, *, release: str = "v2.7.1") -> tuple[str, ...]:
+def musa_launch(processes: int = 2, *, release: str = NEWEST) -> tuple[str, ...]:
     """train.py under ``accelerate launch --config_file conf/accelerate/multi_musa.yaml`` on
     ``processes`` emulated cards (one thread each), as the arguments of ``python``."""
     return on_musa(

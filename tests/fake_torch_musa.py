@@ -24,6 +24,17 @@ github.com/MooreThreads/torch_musa:
   ``USE_MCCL`` in Module.cpp), while the patched ``torch.distributed.is_mccl_available``
   returns a constant True in every build (torch_patches/torch_distributed_distributed_c10d).
 - the ``torch.backends`` entry point (torch loads it on ``import torch``): from v2.0.0-pt25.
+- ``TORCH_MUSA_FSDP2_OVERLAP_LEVEL`` read (an int below 5, asserted) when torch_musa is imported:
+  from v2.7.1 (distributed/_composable/fsdp/custom_overlap_patch.py).
+
+Releases without a readable tag (v2.9.0, v2.9.1, 2.11.0.post1) are written from their release
+notes (github.com/MooreThreads/torch_musa/releases): ``__version__`` from the commit each release
+page names; GEMMs in FP32 by default, in TF32 only with ``torch.backends.musa.matmul.allow_tf32``
+or ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1`` (v2.9.0's notes). What the notes do not mention is
+kept as at v2.7.1 (FusedAdamW for musa and cpu, the autocast names, the entry point), and
+``torch.backends.mudnn.allow_tf32`` stays (for muDNN's kernels), off as the GEMMs' switch.
+``torch.musa._gemm_tf32()`` says whether a GEMM of the release would run in TF32 now: the switch
+the release reads, which the project never calls (tests ask it).
 
 The devices are simulated (cards of the given name and capability; the indices whose
 capability or properties are read are kept in ``torch.musa.queried``); tensors cannot be moved
@@ -34,7 +45,11 @@ cards that hold tensors and run every operator, as ``scripts/emulated_musa.py`` 
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import textwrap
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,19 +65,80 @@ class Release:
     autocast_names: str  # "musa": is_autocast_musa_enabled...; "plain": is_autocast_enabled...
     autoload_entry_point: bool
     amp_bf16_by_capability: bool = False  # get_amp_supported_dtype() asks the card
+    matmul_tf32_switch: bool = False  # GEMMs read torch.backends.musa.matmul.allow_tf32 (v2.9+)
+    fsdp2_overlap_env: bool = False  # reads TORCH_MUSA_FSDP2_OVERLAP_LEVEL at import (v2.7.1+)
+
+    @property
+    def parts(self) -> tuple[int, int, int]:
+        """``(2, 11, 0)`` of ``2.11.0.post1``: the release, for comparisons."""
+        major, minor, patch = self.tag.lstrip("v").split(".")[:3]
+        return int(major), int(minor), int(patch)
 
 
 MUSA_ONLY = ("musa",)
+MUSA_CPU = ("musa", "cpu")
+
+
+def _since_v2_7_1(tag: str, version: str, *, tf32_default: bool, gemm_switch: bool) -> Release:
+    return Release(
+        tag, version, tf32_default, True, MUSA_CPU, True, "none", True, True, gemm_switch, True
+    )
+
+
 RELEASES = {
     "v1.3.0": Release("v1.3.0", "1.3.0+73c9f5b", False, False, (), False, "musa", False),
     "v1.3.2": Release("v1.3.2", "1.3.2+af1592c", False, True, (), False, "plain", False),
     "v2.0.0": Release("v2.0.0", "2.0.0+8c8e412", False, True, (), False, "plain", False),
     "v2.5.0": Release("v2.5.0", "2.5.0+0dbf6f1", False, True, MUSA_ONLY, True, "plain", True),
     "v2.7.0": Release("v2.7.0", "2.7.0+7a6f07a", True, True, MUSA_ONLY, True, "none", True, True),
-    "v2.7.1": Release(
-        "v2.7.1", "2.7.1+0bc05bf", True, True, ("musa", "cpu"), True, "none", True, True
+    "v2.7.1": _since_v2_7_1("v2.7.1", "2.7.1+0bc05bf", tf32_default=True, gemm_switch=False),
+    "v2.9.0": _since_v2_7_1("v2.9.0", "2.9.0+1dc7872", tf32_default=False, gemm_switch=True),
+    "v2.9.1": _since_v2_7_1("v2.9.1", "2.9.1+467bb87", tf32_default=False, gemm_switch=True),
+    "2.11.0.post1": _since_v2_7_1(
+        "2.11.0.post1", "2.11.0.post1+246d43e", tf32_default=False, gemm_switch=True
     ),
 }
+NEWEST = "2.11.0.post1"  # what CI's emulated runs stand in for
+# A file the stand-in writes at exit: whether its GEMMs would run in TF32 then (true / false).
+GEMM_TF32_REPORT = "FAKE_TORCH_MUSA_GEMM_TF32_REPORT"
+
+
+class _Matmul:
+    """``torch.backends.musa.matmul`` of v2.9 and later: GEMMs' TF32 switch, off by default."""
+
+    allow_tf32 = False
+
+
+def install_tf32_switches(release: Release) -> None:
+    """``torch.backends.mudnn`` (every release) and, from v2.9, ``torch.backends.musa``, as the
+    release has them, and ``torch.musa._gemm_tf32``: what its GEMMs read."""
+    import torch
+
+    mudnn = types.ModuleType("torch_musa.core.mudnn")
+    mudnn.allow_tf32 = release.tf32_default
+    torch.backends.mudnn = mudnn
+    if release.matmul_tf32_switch:
+        backends = types.ModuleType("torch.backends.musa")
+        backends.matmul = _Matmul()
+        torch.backends.musa = backends
+
+        def gemm_tf32() -> bool:
+            override = os.environ.get("TORCH_ALLOW_TF32_MUBLAS_OVERRIDE") == "1"
+            return override or bool(torch.backends.musa.matmul.allow_tf32)
+    else:
+
+        def gemm_tf32() -> bool:
+            return bool(torch.backends.mudnn.allow_tf32)
+
+    torch.musa._gemm_tf32 = gemm_tf32
+    report = os.environ.get(GEMM_TF32_REPORT)
+    if report:  # what a process's last GEMM would have run in, for tests of whole runs
+        atexit.register(lambda: Path(report).write_text(json.dumps(gemm_tf32())))
+    if release.fsdp2_overlap_env and "TORCH_MUSA_FSDP2_OVERLAP_LEVEL" in os.environ:
+        level = int(os.environ["TORCH_MUSA_FSDP2_OVERLAP_LEVEL"])
+        assert level < 5  # as torch_musa's _get_fsdp2_overlap_level
+        torch.musa._fsdp2_overlap_level = level
+
 
 _INIT = """
 import sys
@@ -159,9 +235,11 @@ def {get_autocast_dtype}():
 
 torch.musa = sys.modules[__name__]
 
-mudnn = types.ModuleType("torch_musa.core.mudnn")
-mudnn.allow_tf32 = {tf32_default!r}
-torch.backends.mudnn = mudnn
+if {tests!r} not in sys.path:
+    sys.path.append({tests!r})
+from fake_torch_musa import RELEASES as _RELEASES, install_tf32_switches as _tf32
+
+_tf32(_RELEASES[{tag!r}])
 
 # The vendor's patched distributed_c10d: a constant, in builds with and without MCCL.
 dist.distributed_c10d.is_mccl_available = lambda: True
@@ -290,7 +368,8 @@ def write_release(
             name=device_name,
             capability=capability,
             devices=devices,
-            tf32_default=release.tf32_default,
+            tests=str(Path(__file__).resolve().parent),
+            tag=tag,
             mccl=mccl,
             fused_adamw_kernel=release.fused_adamw_kernel,
             **dict(zip(autocast, names, strict=True)),

@@ -1,5 +1,5 @@
-"""Every recipe on the emulated MUSA device (``scripts/emulated_musa.py``, torch_musa v2.7.1 on
-S4000 cards unless a test says otherwise), as ``python train.py`` and under
+"""Every recipe on the emulated MUSA device (``scripts/emulated_musa.py``, the newest torch_musa
+stand-in, ``fake_torch_musa.NEWEST``, on S4000 cards unless a test says otherwise), as ``python train.py`` and under
 ``accelerate launch --config_file conf/accelerate/multi_musa.yaml``.
 
 - On one card, in fp32 with the same seed, each step's loss equals the CPU run's within 1e-5:

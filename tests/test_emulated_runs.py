@@ -31,6 +31,7 @@ from conftest import (
     squad_questions,
     start_train,
 )
+from fake_torch_musa import GEMM_TF32_REPORT
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,7 @@ def test_eval_predict_and_answer_on_the_device(tmp_path, cache_dir):
     questions without answers, and recipes.answer on the dev file."""
     run = tmp_path / "run"
     cache = f"data.cache_dir={cache_dir}"
+    gemm_tf32 = tmp_path / "gemm_tf32.json"  # the stand-in's GEMM TF32 switch at exit
     run_train(
         *SQUAD_V2,
         cache,
@@ -77,9 +79,13 @@ def test_eval_predict_and_answer_on_the_device(tmp_path, cache_dir):
         "trainer.max_steps=10",
         "trainer.eval_at_start=false",
         script=on_musa(),
+        env={GEMM_TF32_REPORT: str(gemm_tf32)},
     )
     trained = _scores(run)
     assert trained["eval/f1"] > 0
+    # trainer.tf32=true (the default) reached the switch the release's GEMMs read (off by default
+    # from v2.9), and trainer.tf32=false below turns it off.
+    assert json.loads(gemm_tf32.read_text()) is True
 
     one = tmp_path / "eval-one"
     done = run_train(
@@ -88,9 +94,12 @@ def test_eval_predict_and_answer_on_the_device(tmp_path, cache_dir):
         "mode=eval",
         f"model.name_or_path={run}/final",
         f"output_dir={one}",
+        "trainer.tf32=false",
         script=on_musa(),
+        env={GEMM_TF32_REPORT: str(gemm_tf32)},
     )
     assert "device musa" in done.stderr
+    assert json.loads(gemm_tf32.read_text()) is False
     assert _scores(one) == trained
     two = tmp_path / "eval-two"
     done = run_train(
@@ -261,6 +270,11 @@ def test_doctor_reports_the_emulated_cards():
     assert report["default_mixed_precision"] == "bf16"
     probe = report["sdpa_probe"]  # the attention check ran on the card, and passed
     assert probe["device"] == "musa:0" and probe["ok"] is True
+    # What a run decides at the newest release: its GEMM switch, compile off, torch_musa's AdamW.
+    decisions = report["decisions"]
+    assert decisions["tf32_switches"][0] == "torch.backends.musa.matmul.allow_tf32"
+    assert decisions["compile"] is False and "slower" in decisions["compile_why"]
+    assert decisions["adamw"] == "torch_musa.optim.FusedAdamW"
 
 
 def test_s5000_decisions_on_the_device(tmp_path, cache_dir):

@@ -47,10 +47,25 @@ device.default_mixed_precision()
 queried_by_rank_3 = sorted(set(torch.musa.queried))
 del os.environ["LOCAL_RANK"]
 tf32_default = device.tf32_enabled()
+gemm_default = torch.musa._gemm_tf32()  # the switch this release's GEMMs read
 off = device.set_tf32(False)
+gemm_off = torch.musa._gemm_tf32()
 peak_off = device.peak_flops(musa, precision_for_peak("no", off))
+# What the old set_tf32 did (muDNN's switch alone): does it reach this release's GEMMs?
+torch.backends.mudnn.allow_tf32 = True
+mudnn_alone = torch.musa._gemm_tf32()
 on = device.set_tf32(True)
+gemm_on = torch.musa._gemm_tf32()
 peak_on = device.peak_flops(musa, precision_for_peak("no", on))
+os.environ[device.MUBLAS_TF32_OVERRIDE] = "1"
+override = [device.set_tf32(False), torch.musa._gemm_tf32(), device.tf32_unsupported_reason(False)]
+del os.environ[device.MUBLAS_TF32_OVERRIDE]
+device.set_tf32(True)
+overlap = {}
+for level in ("3", "9"):
+    os.environ[device.FSDP2_OVERLAP_ENV] = level
+    overlap[level] = device.fsdp2_overlap_unsupported_reason()
+del os.environ[device.FSDP2_OVERLAP_ENV]
 model = torch.nn.Linear(4, 4)
 explicit = build_optimizer(
     functools.partial(torch.optim.AdamW, lr=1e-3, fused=True), torch.nn.Linear(4, 4), musa
@@ -98,6 +113,9 @@ print(json.dumps({
     "attn": device.default_attn_implementation(),
     "compile": device.compile_unsupported_reason(),
     "tf32_default": tf32_default, "tf32_off": off, "tf32_on": on,
+    "gemm": [gemm_default, gemm_off, gemm_on], "mudnn_alone": mudnn_alone,
+    "override": override, "overlap": overlap, "switches": list(device.tf32_switches()),
+    "decisions": report["decisions"],
     "peak_off": peak_off, "peak_on": peak_on,
     "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
     "optimizer_fused": optimizer.defaults.get("fused"),
@@ -135,7 +153,11 @@ CASES = {
     "v2.7.0": Case("MTT S4000", (2, 2), mccl=True),
     "v2.7.1": Case("MTT S4000", (2, 2), mccl=True),
     "v2.7.1-no-mccl": Case("MTT S3000", (2, 1), mccl=False),
+    "v2.9.0": Case("MTT S4000", (2, 2), mccl=True),
+    "v2.9.1": Case("MTT S4000", (2, 2), mccl=True),
+    "2.11.0.post1": Case("MTT S4000", (2, 2), mccl=True),
 }
+NEW_GEMM_SWITCH = ("v2.9.0", "v2.9.1", "2.11.0.post1")  # GEMMs read backends.musa.matmul
 
 
 @functools.cache
@@ -196,12 +218,68 @@ def test_sdpa_is_the_default_from_v1_2_1(case: str) -> None:
 @SLOW
 @pytest.mark.parametrize(
     ("case", "default"),
-    [("v1.3.0", False), ("v2.0.0", False), ("v2.5.0", False), ("v2.7.0", True), ("v2.7.1", True)],
+    [
+        ("v1.3.0", False),
+        ("v2.0.0", False),
+        ("v2.5.0", False),
+        ("v2.7.0", True),
+        ("v2.7.1", True),
+        # v2.9.0's notes: GEMMs in FP32 by default, TF32 from backends.musa.matmul.allow_tf32.
+        ("v2.9.0", False),
+        ("v2.9.1", False),
+        ("2.11.0.post1", False),
+    ],
 )
 def test_tf32_is_set_both_ways(case: str, default: bool) -> None:
     found = decisions(case)
     assert found["tf32_default"] is default
     assert (found["tf32_off"], found["tf32_on"]) == (False, True)
+    # trainer.tf32 reaches the switch this release's GEMMs read, both ways (read from the
+    # stand-in, not from the project's own read-back).
+    assert found["gemm"] == [default, False, True]
+    new_switch = case in NEW_GEMM_SWITCH
+    assert found["switches"][0] == (
+        "torch.backends.musa.matmul.allow_tf32" if new_switch else "torch.backends.mudnn.allow_tf32"
+    )
+    # muDNN's switch alone, which set_tf32 set before v2.9 existed, no longer reaches GEMMs.
+    assert found["mudnn_alone"] is not new_switch
+    assert found["decisions"]["tf32_switches"] == found["switches"]
+
+
+@SLOW
+@pytest.mark.parametrize("case", ["v2.7.1", "v2.9.0"])
+def test_mublas_override_keeps_tf32_on_and_tf32_false_is_refused(case: str) -> None:
+    tf32_now, gemm, reason = decisions(case)["override"]
+    if case in NEW_GEMM_SWITCH:  # the variable forces TF32 on, whatever the switch says
+        assert (tf32_now, gemm) == (True, True)
+        assert "TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1" in reason and "2.9.0+1dc7872" in reason
+    else:  # v2.7 does not read it
+        assert (tf32_now, gemm, reason) == (False, False, None)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("case", "compile_why"),
+    [("v2.7.1", "not measured"), ("v2.9.0", "slower than v2.7.0"), ("2.11.0.post1", "slower")],
+)
+def test_compile_stays_off_by_default(case: str, compile_why: str) -> None:
+    found = decisions(case)["decisions"]
+    assert found["compile"] is False
+    assert compile_why in found["compile_why"]
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("case", "refused"),
+    [("v2.5.0", True), ("v2.7.0", True), ("v2.7.1", False), ("v2.9.1", False)],
+)
+def test_fsdp2_overlap_level_where_the_release_reads_it(case: str, refused: bool) -> None:
+    overlap = decisions(case)["overlap"]
+    if refused:  # set, but this release would ignore it
+        assert "v2.7.1" in overlap["3"]
+    else:
+        assert overlap["3"] is None
+        assert "0" in overlap["9"] and "4" in overlap["9"]  # out of torch_musa's range
 
 
 @SLOW
@@ -230,11 +308,24 @@ def test_mfu_of_fp16_runs_on_s80_and_s3000(case: str, peak: float) -> None:
         ("v2.5.0", "torch.optim.adamw.AdamW", True),
         ("v2.7.0", "torch.optim.adamw.AdamW", True),
         ("v2.7.1", "torch_musa.optim.FusedAdamW", True),
+        ("v2.9.0", "torch_musa.optim.FusedAdamW", True),
+        ("v2.9.1", "torch_musa.optim.FusedAdamW", True),
+        ("2.11.0.post1", "torch_musa.optim.FusedAdamW", True),
     ],
 )
 def test_fused_optimizer_choice(case: str, optimizer: str, fused: bool | None) -> None:
     found = decisions(case)
     assert (found["optimizer"], found["optimizer_fused"]) == (optimizer, fused)
+    # The doctor names what a run builds for parameters on the card.
+    expected = {
+        "torch_musa.optim.FusedAdamW": "torch_musa.optim.FusedAdamW",
+        "torch.optim.adamw.AdamW": "torch.optim.AdamW(fused=True)"
+        if found["fused_kernel_ok"]
+        else "torch.optim.AdamW (foreach)",
+    }
+    if case in ("v2.5.0", "v2.7.0"):  # FusedAdamW takes card parameters there, not CPU ones
+        expected[optimizer] = "torch_musa.optim.FusedAdamW"
+    assert found["decisions"]["adamw"] == expected[optimizer]
     assert found["groups_fused"] == [fused, fused]  # what steps, group by group
     # optimizer.fused=true on MUSA also means torch_musa's kernel where there is one.
     assert found["explicit_fused"] == optimizer.rpartition(".")[2]
@@ -304,7 +395,57 @@ def test_doctor_versions_and_sdpa_check(case: str) -> None:
     assert "musa:0" in advice and "model.attn_implementation=eager" in advice
     # The fp32 check runs in full fp32 (torch_musa 2.7 has TF32 on), and TF32 is back after.
     assert probe["dtypes"]["float32"]["tf32"] is False
-    assert found["tf32_after_doctor"] is True
+    assert found["tf32_after_doctor"] is True  # set on before the doctor ran
+
+
+_REFUSAL = """
+import os, sys
+from types import SimpleNamespace
+import torch
+from recipes import device
+from recipes.config import ConfigError, TrainerConfig
+from recipes.modes import _check_device_support
+
+device.backend()
+os.environ.update(dict(arg.split("=", 1) for arg in sys.argv[2:]))
+card = SimpleNamespace(device=torch.device("musa:0"), mixed_precision="no")
+try:
+    _check_device_support(TrainerConfig(tf32=sys.argv[1] == "true"), card)
+except ConfigError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow  # a fresh process per simulated release
+@pytest.mark.parametrize(
+    ("tag", "tf32", "env", "refused"),
+    [
+        # The override forces TF32 on the GEMMs of v2.9+, which trainer.tf32=false cannot undo.
+        ("v2.9.0", "false", "TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1", "trainer.tf32=false: "),
+        # v2.7.0 has no overlap levels: the variable would be ignored without a word.
+        (
+            "v2.7.0",
+            "true",
+            "TORCH_MUSA_FSDP2_OVERLAP_LEVEL=3",
+            "TORCH_MUSA_FSDP2_OVERLAP_LEVEL=3: ",
+        ),
+    ],
+)
+def test_settings_the_release_ignores_are_refused_in_one_line(
+    tmp_path: Path, tag: str, tf32: str, env: str, refused: str
+) -> None:
+    write_release(tmp_path, tag)
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSAL, tf32, env],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(refused), done.stdout
 
 
 @pytest.mark.slow  # a fresh process per simulated release

@@ -155,7 +155,7 @@ def _capability(props: types.SimpleNamespace) -> tuple[int, int]:
 
 
 def _tag(tag: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in tag.lstrip("v").split("."))
+    return tuple(int(part) for part in tag.lstrip("v").split(".")[:3])  # 2.11.0.post1: 2.11.0
 
 
 # Names of torch.musa that came or went between the tags (read at each tag; every other name
@@ -524,9 +524,9 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
     )
     _keep_parameters_on_conversion()
     ext.set_checked_ops(checked_ops())
-    mudnn = types.ModuleType("torch_musa.core.mudnn")
-    mudnn.allow_tf32 = release.tf32_default
-    torch.backends.mudnn = mudnn  # and no torch.backends.musa, as in every release
+    from fake_torch_musa import install_tf32_switches
+
+    install_tf32_switches(release)  # torch.backends.mudnn; torch.backends.musa from v2.9
     kernels = ["_fused_adamw_", "_fused_adam_"]
     if release.fused_adamw_kernel:
         ext.register_kernels(kernels)
