@@ -202,7 +202,8 @@ def _parent_site() -> Path:
 
 
 def torch_pins(python: Path, env: dict[str, str]) -> dict[str, str]:
-    """torch-family packages as ``python``'s pip sees them (name -> version)."""
+    """torch-family packages as ``python``'s pip sees them (name -> version); torchada, a
+    wrapper that installs nothing of torch's (CI's newest env has it), is not one."""
     done = subprocess.run(
         [str(python), "-m", "pip", "list", "--format=freeze"],
         capture_output=True,
@@ -211,7 +212,9 @@ def torch_pins(python: Path, env: dict[str, str]) -> dict[str, str]:
         timeout=INSTALL_TIMEOUT_S,
     )
     pairs = (line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
-    return {n.lower(): v for n, v in pairs if n.lower().startswith("torch")}
+    return {
+        n.lower(): v for n, v in pairs if n.lower().startswith("torch") and n.lower() != "torchada"
+    }
 
 
 @dataclass
