@@ -397,24 +397,11 @@ def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     run_train(
         *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
     )
-    fsdp2 = on_musa(
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "conf/accelerate/fsdp2.yaml"),
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        str(ROOT / "train.py"),
-        cards=2,
-    )
     done = run_train(
         *common,
         "trainer.per_device_train_batch_size=8",
         f"output_dir={two}",
-        script=fsdp2,
+        script=_fsdp_launch("fsdp2.yaml"),
         env=ONE_THREAD,
     )
     assert "DistributedType.FSDP" in done.stderr
@@ -452,17 +439,9 @@ def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
     run_train(
         *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
     )
-    hsdp = on_musa(
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "conf/accelerate/hsdp_musa.yaml"),
-        "--num_machines", "1", "--num_processes", "4",
+    hsdp = _fsdp_launch(
+        "hsdp_musa.yaml", 4, "--num_machines", "1",
         "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
-        "--main_process_port", str(free_port()),
-        str(ROOT / "train.py"),
-        cards=4,
     )  # fmt: skip
     done = run_train(
         *common,
@@ -476,9 +455,9 @@ def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
     assert _losses(four) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(four)) == 3
 
 
-def _fsdp_launch(config: str) -> tuple[str, ...]:
-    """train.py under ``accelerate launch --config_file conf/accelerate/<config>`` on two
-    emulated cards."""
+def _fsdp_launch(config: str, cards: int = 2, *options: str) -> tuple[str, ...]:
+    """train.py under ``accelerate launch --config_file conf/accelerate/<config>`` on ``cards``
+    emulated cards, one process each; ``options``: more of the launcher's own."""
     return on_musa(
         sys.executable,
         "-m",
@@ -486,11 +465,12 @@ def _fsdp_launch(config: str) -> tuple[str, ...]:
         "--config_file",
         str(ROOT / "conf/accelerate" / config),
         "--num_processes",
-        "2",
+        str(cards),
+        *options,
         "--main_process_port",
         str(free_port()),
         str(ROOT / "train.py"),
-        cards=2,
+        cards=cards,
     )
 
 
