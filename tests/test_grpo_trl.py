@@ -32,14 +32,14 @@ MAX_COMPLETION = 12
 REWARDS = [{"name": "answer_f1", "weight": 1.0}, {"name": "span_overlap", "weight": 0.5}]
 
 
-def _rows():
-    lines = CONVERSATIONS.read_text().splitlines()[:PROMPTS]
+def _rows(start: int = 0):
+    lines = CONVERSATIONS.read_text().splitlines()[start : start + PROMPTS]
     from datasets import Dataset
 
     return grpo.prompt_rows(Dataset.from_list([json.loads(line) for line in lines]), "dev")
 
 
-def _setup(loss_type: str, beta: float):
+def _setup(loss_type: str, beta: float, start: int = 0, **settings):
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
     template = conversations.resolve_chat_template(tokenizer, "zephyr")
     tokenizer.chat_template = template
@@ -52,13 +52,14 @@ def _setup(loss_type: str, beta: float):
         loss_type=loss_type,
         beta=beta,
         rewards=REWARDS,
+        **settings,
     )
     model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for weight in model.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
-    rows = _rows()
+    rows = _rows(start)
     prompt_ids = [conversations.render(tokenizer, template, r["prompt"], True) for r in rows]
     eos = tokenizer.eos_token_id
     completions = []
@@ -72,7 +73,7 @@ def _setup(loss_type: str, beta: float):
     return task, tokenizer, model, rows, prompt_ids, completions
 
 
-def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions, beta):
+def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions, beta, **settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -95,6 +96,7 @@ def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions
         use_cpu=True,
         bf16=False,
         reward_weights=[r["weight"] for r in REWARDS],
+        **settings,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -110,16 +112,51 @@ def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions
     return trainer
 
 
+# The newer losses and settings (TRL's names), each where the policy has moved since sampling:
+# the old log-probabilities come from the weights before a step, so ratios differ from 1 and
+# clipping bites. Other rows than the first cases'.
+MOVED = [
+    ("dapo", 0.0, {"delta": 1.25, "off_policy_mask_threshold": 0.05}),
+    ("grpo", 0.04, {"importance_sampling_level": "sequence", "epsilon": 0.02}),  # GSPO
+    ("luspo", 0.0, {"importance_sampling_level": "sequence", "epsilon": 0.02}),
+    ("cispo", 0.0, {"epsilon_high": 1.05}),
+    ("sapo", 0.0, {"sapo_temperature_pos": 0.9}),
+    ("vespo", 0.0, {"vespo_k_neg": 2.5}),
+]
+
+
 @pytest.mark.parametrize(
-    ("loss_type", "beta"),
-    [("dapo", 0.0), ("grpo", 0.0), ("bnpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.04)],
+    ("loss_type", "beta", "settings", "moved"),
+    [
+        *[(lt, b, {}, False) for lt, b in [("dapo", 0.0), ("grpo", 0.0), ("bnpo", 0.0)]],
+        ("dr_grpo", 0.0, {}, False),
+        ("dapo", 0.04, {}, False),
+        *[(lt, b, settings, True) for lt, b, settings in MOVED],
+    ],
 )
-def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta):
-    task, tokenizer, model, rows, prompt_ids, completions = _setup(loss_type, beta)
+def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta, settings, moved):
+    task, tokenizer, model, rows, prompt_ids, completions = _setup(
+        loss_type, beta, PROMPTS if moved else 0, **settings
+    )
     # TRL builds its reference from the model's path: the unperturbed tiny Llama.
     reference = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager").eval()
+    old_model = model
+    if moved:  # a step since sampling: the policy is the old one plus a small change
+        model = copy.deepcopy(model)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.add_(torch.randn(weight.shape, generator=generator) * 0.01)
     trainer = _trl_trainer(
-        tmp_path, task, tokenizer, copy.deepcopy(model), rows, prompt_ids, completions, beta
+        tmp_path,
+        task,
+        tokenizer,
+        copy.deepcopy(model),
+        rows,
+        prompt_ids,
+        completions,
+        beta,
+        **settings,
     )
     trainer.model.train()
     inputs = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows for _ in range(GROUP)]
@@ -134,27 +171,57 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta):
         assert stats[name] == pytest.approx(trainer._metrics["train"][name][-1], abs=1e-6)
     assert (advantages != 0).any()
 
-    # The loss and gradient of one micro-batch holding every completion.
-    trl_loss = trainer._compute_loss(trainer.model, theirs)
-    trl_loss.backward()
-
-    ours_model = copy.deepcopy(model).train()
     prompt, prompt_mask = grpo._pad([p for p in prompt_ids for _ in range(GROUP)], 0, left=True)
     completion, completion_mask = grpo._pad(completions, 0, left=False)
     torch.testing.assert_close(completion_mask, theirs["completion_mask"].long())
+    old = None
+    if moved:  # both sides step from the same old log-probabilities
+        with torch.no_grad():
+            old = task._logps(old_model.eval(), prompt, prompt_mask, completion, completion_mask)
+        theirs["old_per_token_logps"] = old.clone()
+
+    # The loss and gradient of one micro-batch holding every completion.
+    trl_loss = trainer._compute_loss(trainer.model, theirs)
+    trl_loss.backward()
+    # The loss's maths on TRL's own inputs (its fused log-softmax differs from ours by ~1e-7
+    # per token, which cispo and vespo multiply by the log-probabilities).
+    with torch.no_grad():
+        trl_logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([theirs["prompt_ids"], theirs["completion_ids"]], dim=1),
+            torch.cat([theirs["prompt_mask"], theirs["completion_mask"]], dim=1),
+            theirs["completion_ids"].shape[1],
+        )[0]
+    total, count, _ = task.policy_loss(
+        trl_logps,
+        old,
+        theirs.get("ref_per_token_logps"),
+        theirs["advantages"],
+        theirs["completion_mask"],
+    )
+    assert float(total / count) == pytest.approx(float(trl_loss.detach()), rel=0, abs=1e-6)
+
+    ours_model = copy.deepcopy(model).train()
     ref = None
     if beta:
         with torch.no_grad():
             ref = task._logps(reference, prompt, prompt_mask, completion, completion_mask)
     logps = task._logps(ours_model, prompt, prompt_mask, completion, completion_mask)
-    total, count, ours_stats = task.policy_loss(logps, None, ref, advantages, completion_mask)
+    total, count, ours_stats = task.policy_loss(logps, old, ref, advantages, completion_mask)
     loss = total / count
     loss.backward()
-    assert float(loss.detach()) == pytest.approx(float(trl_loss), rel=1e-4, abs=1e-7)
-    if beta:
-        assert float(ours_stats["kl"]) == pytest.approx(
-            trainer._metrics["train"]["kl"][-1], rel=1e-3, abs=1e-7
-        )
+    assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-7)
+    logged = [n for n in task.loss_shape().stats if n in ours_stats]
+    assert set(logged) == set(ours_stats)  # every statistic computed is logged
+    for name in logged:  # clip ratios, KL, VESPO's weights: TRL's numbers
+        assert float(ours_stats[name]) == pytest.approx(
+            trainer._metrics["train"][name][-1], rel=1e-4, abs=1e-6
+        ), name
+    if moved:
+        ratio = torch.exp(logps.detach() - old)[completion_mask.bool()]
+        assert (ratio - 1).abs().max() > 0.05
+        bites = {n: float(v) for n, v in ours_stats.items() if "clip" in n}
+        assert not bites or 0 < max(bites.values()) < 1, bites
     grads = {n: p.grad for n, p in ours_model.named_parameters() if p.grad is not None}
     theirs_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
     assert grads.keys() == theirs_grads.keys() and grads

@@ -42,6 +42,7 @@ rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ from recipes.tasks.reference import Reference
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
+# Losses normalised by the step's completion tokens (TRL's num_items_in_batch).
+TOKEN_SUMS = ("dapo", "cispo", "vespo")
+CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# What TRL logs of the losses that do not clip as PPO does.
+LOSS_STATS = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}
 FSDP_REFUSAL = (
     "task=grpo under FSDP: each process samples its own prompts' completions, which a sharded "
     "model cannot do alone; use DDP (conf/accelerate/multi_musa.yaml) with peft=lora for models "
@@ -269,14 +275,22 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self.reward_weights = torch.tensor([w for _, w, _ in built], dtype=torch.float32)
         self.reward_fns = [fn for _, _, fn in built]
         self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        summed = args.loss_type in (*TOKEN_SUMS, "bnpo", "dr_grpo")
+        if args.importance_sampling_level == "sequence" and summed:
+            log.warning(  # TRL's warning: GSPO's objective is per completion
+                "task.importance_sampling_level=sequence with task.loss_type=%s sums per-token "
+                "terms, so each completion weighs as its length; GSPO's setup is loss_type=grpo",
+                args.loss_type,
+            )
         self.rollouts: Rollouts | None = None
         self.flat = False  # padding-free loss forwards: chosen in check_model
 
     def loss_shape(self) -> LossShape:
-        """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo), one
-        term per completion (grpo, dr_grpo) or one per micro-batch (bnpo); TRL's statistics."""
+        """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo, cispo,
+        vespo), one term per completion (grpo, dr_grpo, sapo, luspo) or one per micro-batch
+        (bnpo); TRL's statistics."""
         args = self.args
-        if args.loss_type == "dapo":
+        if args.loss_type in TOKEN_SUMS:
             terms = args.num_generations * args.max_completion_length
         else:
             terms = 1 if args.loss_type == "bnpo" else args.num_generations
@@ -294,9 +308,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             "completions/max_length",
             "completions/clipped_ratio",
             "entropy",
-            "clip_ratio/low_mean",
-            "clip_ratio/high_mean",
-            "clip_ratio/region_mean",
+            *LOSS_STATS.get(self.args.loss_type, CLIP_STATS),
             *(("kl",) if self.args.beta else ()),
             "generation/tokens_per_second",
             "generation/seconds",
@@ -513,12 +525,12 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         if scale != "none":
             advantages = advantages / (std + 1e-4)
         advantages = torch.nan_to_num(advantages, nan=0.0)
-        group_std = _nanstd(grouped, dim=1)
         names = ["reward", "reward_std", "frac_reward_zero_std"]
         values = [
             torch.nanmean(totals),
             _nanstd(totals),
-            torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
+            # The std the advantages are scaled by (the group's under none), as TRL's is_std_zero.
+            torch.isclose(std, torch.zeros_like(std)).float().mean(),
         ]
         for i, name in enumerate(self.reward_names):
             column = per_func[:, i]
@@ -621,41 +633,96 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's loss as a sum and its terms (:class:`SummedLoss`: the loop divides
         the step's gradient by the terms of the whole step on every process), with TRL's
-        per-token loss and normalisation for ``loss_type``; and the clip and KL statistics
-        (means over the micro-batch's completion tokens)."""
+        per-token loss and normalisation for ``loss_type`` (as ``_compute_loss``); and the clip
+        and KL statistics (means over the micro-batch's completion tokens, or its completions
+        where the ratio is one per completion)."""
         args = self.args
-        low_bound, high_bound = 1 - args.epsilon, 1 + self.epsilon_high
         mask = completion_mask.float()
         old = logps.detach() if old_logps is None else old_logps
-        ratio = torch.exp(logps - old)
-        clipped = torch.clamp(ratio, low_bound, high_bound)
         adv = advantages.unsqueeze(1)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-        stats: dict[str, torch.Tensor] = {}
-        tokens = mask.sum().clamp(min=1.0)
+        log_ratio = logps - old
+        if args.importance_sampling_level == "sequence":  # GSPO: (rows, 1)
+            log_ratio_seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+            ratio = torch.exp(log_ratio_seq).unsqueeze(-1)
+        else:
+            ratio = torch.exp(log_ratio)
+        per_token, stats = self._surrogate(logps, log_ratio, ratio, adv, mask)
+        if args.off_policy_mask_threshold is not None:
+            per_token = per_token * _off_policy_mask(
+                adv, logps, old, mask, args.off_policy_mask_threshold
+            )
         if args.beta:
             kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-            kl = kl * ratio  # use_bias_correction_kl, TRL's default
+            if args.use_bias_correction_kl:
+                kl = kl * ratio
             per_token = per_token + args.beta * kl
-            stats["kl"] = ((kl * mask).sum() / tokens).detach()
+            stats["kl"] = _masked_mean(kl, mask)
+        masked = per_token * mask  # a ratio per completion spreads over its tokens
+        rows = torch.tensor(float(len(mask)), device=mask.device)
+        if args.loss_type in TOKEN_SUMS:
+            total, count = masked.sum(), mask.sum()
+        elif args.loss_type in ("grpo", "sapo"):
+            total, count = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), rows
+        elif args.loss_type == "bnpo":
+            total, count = masked.sum() / mask.sum().clamp(min=1.0), torch.ones_like(rows)
+        elif args.loss_type == "luspo":  # each completion's token sum: scaled by its length
+            total, count = masked.sum(), rows
+        else:  # dr_grpo
+            total, count = masked.sum() / args.max_completion_length, rows
+        return total, count, {k: v.detach() for k, v in stats.items()}
+
+    def _surrogate(
+        self,
+        logps: torch.Tensor,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``loss_type``'s per-token loss (per completion where ``ratio`` is) before the KL term,
+        and the statistics TRL logs for it."""
+        args = self.args
+        if args.loss_type == "cispo":  # the ratio clipped and detached, times the log-prob
+            capped = torch.clamp(ratio, max=self.epsilon_high).detach()
+            clipped = ((ratio > self.epsilon_high) & (adv > 0)).float()
+            return -capped * adv * logps, {"cispo_clip_ratio": _masked_mean(clipped, mask)}
+        if args.loss_type == "sapo":  # a soft, temperature-controlled gate instead of a clip
+            temperatures = torch.where(
+                adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg
+            )
+            gate = torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures
+            return -gate * adv, {}
+        if args.loss_type == "vespo":
+            phi = self._gamma_weights(log_ratio.detach(), adv, mask)
+            return -phi * adv * logps, {"vespo/phi_seq_mean": phi.mean()}
+        low_bound, high_bound = 1 - args.epsilon, 1 + self.epsilon_high
+        clipped = torch.clamp(ratio, low_bound, high_bound)
+        if args.delta is not None:  # two-sided clipping
+            ratio = torch.clamp(ratio, max=args.delta)
+        per_token = -torch.min(ratio * adv, clipped * adv)
         low = ((ratio < low_bound) & (adv < 0)).float()
         high = ((ratio > high_bound) & (adv > 0)).float()
-        stats["clip_ratio/low_mean"] = (low * mask).sum() / tokens
-        stats["clip_ratio/high_mean"] = (high * mask).sum() / tokens
-        stats["clip_ratio/region_mean"] = (((low + high) > 0).float() * mask).sum() / tokens
-        masked = per_token * mask
-        rows = float(len(mask))
-        if args.loss_type == "dapo":
-            total, count = masked.sum(), mask.sum()
-        elif args.loss_type == "grpo":
-            total = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-            count = torch.tensor(rows, device=mask.device)
-        elif args.loss_type == "bnpo":
-            total, count = masked.sum() / tokens, torch.ones((), device=mask.device)
-        else:  # dr_grpo
-            total = masked.sum() / args.max_completion_length
-            count = torch.tensor(rows, device=mask.device)
-        return total, count, {k: v.detach() for k, v in stats.items()}
+        return per_token, {
+            "clip_ratio/low_mean": _masked_mean(low, mask),
+            "clip_ratio/high_mean": _masked_mean(high, mask),
+            "clip_ratio/region_mean": _masked_mean(((low + high) > 0).float(), mask),
+        }
+
+    def _gamma_weights(
+        self, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """VESPO's weight of each completion, (rows, 1): phi(w) = e^lambda w^k e^(-lambda w) of
+        its sequence ratio w (the exp of its summed log-ratios), in log space, with k and lambda
+        by the advantage's sign (TRL's ``get_gamma_weights``, no sampler correction)."""
+        args = self.args
+        floor = math.log(1e-8)
+        summed = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+        log_w = torch.clamp(summed, floor, 20.0)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, args.vespo_k_pos, args.vespo_k_neg)
+        lam = torch.where(nonneg, args.vespo_lambda_pos, args.vespo_lambda_neg).clamp(min=1e-4)
+        log_phi = lam + k * log_w - lam * torch.exp(log_w)
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     # -------------------------------------------------------------------------- evaluation
 
@@ -843,3 +910,25 @@ def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim) * count / (count - 1)
     return variance.sqrt()
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over completion tokens, or over completions for one value per completion."""
+    if values.shape[1] == 1:
+        return values.mean()
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _off_policy_mask(
+    adv: torch.Tensor,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, (rows, 1): 0 for a completion of negative
+    advantage whose mean KL from the old policy (old minus new log-prob) exceeds ``threshold``
+    (TRL's ``get_off_policy_mask``)."""
+    kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(mask.dtype)

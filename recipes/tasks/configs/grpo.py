@@ -10,8 +10,11 @@ from recipes.tasks.configs import TaskConfig, at_least, feature
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE
 from recipes.tasks.configs.sft import check_text_rows
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The losses that clip the ratio as PPO does (task.delta caps their unclipped ratio too).
+CLIPPED_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo")
 
 
 def _positive(value: Any) -> bool:
@@ -40,6 +43,23 @@ class GrpoConfig(TaskConfig):
             lambda v: v is None or v > 0,
             "must be > 0, or null for task.epsilon",
         ),
+        (
+            "delta",
+            lambda v: v is None or v > 1,
+            "must be > 1 (a cap on the ratio; INTELLECT-2 takes it above 1 + task.epsilon_high), "
+            "or null for none",
+        ),
+        ("sapo_temperature_neg", _positive, "must be > 0 (TRL's default is 1.05)"),
+        ("sapo_temperature_pos", _positive, "must be > 0 (TRL's default is 1.0)"),
+        ("vespo_k_pos", at_least(0), "must be >= 0 (TRL's default is 2.0)"),
+        ("vespo_lambda_pos", _positive, "must be > 0 (TRL's default is 3.0)"),
+        ("vespo_k_neg", at_least(0), "must be >= 0 (TRL's default is 3.0)"),
+        ("vespo_lambda_neg", _positive, "must be > 0 (TRL's default is 2.0)"),
+        (
+            "off_policy_mask_threshold",
+            lambda v: v is None or v > 0,
+            "must be > 0 (DeepSeek-V3.2's delta, e.g. 0.5), or null for no masking",
+        ),
         ("temperature", _positive, "must be > 0 (completions are sampled)"),
         ("top_p", lambda v: v is not None and 0 < v <= 1, "must be in (0, 1]"),
         ("max_prompt_length", at_least(1), "must be >= 1"),
@@ -59,7 +79,8 @@ class GrpoConfig(TaskConfig):
     temperature: float = 1.0  # sampling, as TRL: temperature 1, top_p 1, top_k 0 (off)
     top_p: float = 1.0
     top_k: int = 0
-    loss_type: str = "dapo"  # dapo (TRL's default), grpo, bnpo or dr_grpo
+    # dapo (TRL's default), grpo, bnpo, dr_grpo, cispo, sapo, luspo or vespo
+    loss_type: str = "dapo"
     beta: float = 0.0  # KL to the reference (TRL's default 0: no reference model)
     epsilon: float = 0.2  # clip range of the ratio to the old policy, below ...
     epsilon_high: float | None = None  # ... and above (null: epsilon; DAPO uses 0.28)
@@ -67,6 +88,26 @@ class GrpoConfig(TaskConfig):
     scale_rewards: str = "group"  # group (TRL's default), batch or none (Dr. GRPO)
     # true: completions cut at max_completion_length carry no loss (DAPO).
     mask_truncated_completions: bool = False
+    # token (TRL's default): a ratio per token; sequence (GSPO): the exp of the mean log-ratio
+    # over each completion's tokens, one ratio per completion (luspo needs it; vespo refuses it).
+    importance_sampling_level: str = "token"
+    # null (TRL's default): one-sided clipping; a number caps the unclipped ratio too
+    # (INTELLECT-2's two-sided clipping; dapo, grpo, bnpo, dr_grpo and luspo only).
+    delta: float | None = None
+    # sapo: the soft gate's temperature for tokens of non-positive / positive advantage (TRL's).
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    # vespo: the Gamma weight e^lambda w^k e^(-lambda w) of each completion's ratio w, for
+    # advantages >= 0 (pos) and < 0 (neg): k damps w < 1, lambda damps w > 1 (TRL's defaults).
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # null (TRL's default): off; a number drops the completions of negative advantage whose mean
+    # KL from the old policy exceeds it (DeepSeek-V3.2's off-policy sequence mask).
+    off_policy_mask_threshold: float | None = None
+    # true (TRL's default): the KL term times the ratio to the old policy (unbiased gradient).
+    use_bias_correction_kl: bool = True
     # Reward functions, summed with their weights: a built-in (answer_match, answer_f1,
     # math_answer, format, length) or an import path package.module:function with TRL's
     # signature; other keys are the function's options (column: the answer's column; pattern:
@@ -89,6 +130,26 @@ class GrpoConfig(TaskConfig):
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(
                 f"task.scale_rewards={self.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}."
+            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"task.importance_sampling_level={self.importance_sampling_level!r}: choose "
+                "token (TRL's default) or sequence (GSPO)."
+            )
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ConfigError(
+                "task.loss_type=luspo is GSPO's sequence-level loss scaled by each completion's "
+                "length: set task.importance_sampling_level=sequence."
+            )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ConfigError(
+                "task.loss_type=vespo weighs each completion by its own sequence-level ratio: "
+                "set task.importance_sampling_level=token (the default)."
+            )
+        if self.delta is not None and self.loss_type not in CLIPPED_LOSSES:
+            raise ConfigError(
+                f"task.delta={self.delta} caps the clipped ratio of {', '.join(CLIPPED_LOSSES)}; "
+                f"task.loss_type={self.loss_type} has none: set task.delta=null."
             )
         if not self.rewards:
             raise ConfigError(
