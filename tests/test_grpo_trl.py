@@ -232,3 +232,34 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta, setti
         for n in grads
     )
     assert worst < 1e-3, worst
+
+
+def test_frac_reward_zero_std_follows_batch_scaling(tmp_path):
+    """Under scale_rewards=batch, frac_reward_zero_std counts the completions whose batch std
+    is zero (TRL's is_std_zero), not those in a group of equal rewards; rows 6-8, the first
+    prompt's group four copies of its answer."""
+    task, tokenizer, model, rows, prompt_ids, completions = _setup(
+        "dapo", 0.0, 2 * PROMPTS, scale_rewards="batch"
+    )
+    completions[:GROUP] = [completions[0]] * GROUP
+    trainer = _trl_trainer(
+        tmp_path,
+        task,
+        tokenizer,
+        model,
+        rows,
+        prompt_ids,
+        completions,
+        0.0,
+        scale_rewards="batch",
+    )
+    trainer.model.train()
+    inputs = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows for _ in range(GROUP)]
+    theirs = trainer._generate_and_score_completions(inputs)
+    table = task._rewards(tokenizer, [r for r in rows for _ in range(GROUP)], completions)
+    advantages, stats = task.advantages(table)
+    torch.testing.assert_close(advantages, theirs["advantages"].float(), rtol=1e-5, atol=1e-6)
+    totals = (table * task.reward_weights).nansum(dim=1).view(-1, GROUP)
+    assert float(totals[0].std()) == 0 and float(totals.std()) > 0  # a group of equal rewards
+    assert stats["frac_reward_zero_std"] == trainer._metrics["train"]["frac_reward_zero_std"][-1]
+    assert stats["frac_reward_zero_std"] == 0.0
