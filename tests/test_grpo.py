@@ -237,6 +237,13 @@ def test_repeated_steps_sampler_gives_each_global_batch_num_iterations_times():
         ({"rewards": []}, "task.rewards is empty"),
         ({"scale_rewards": "std"}, "task.scale_rewards='std'"),
         ({"rewards": [{"name": "length"}, {"name": "length"}]}, "names repeat"),
+        ({"loss_type": "luspo"}, "set task.importance_sampling_level=sequence"),
+        (
+            {"loss_type": "vespo", "importance_sampling_level": "sequence"},
+            "set task.importance_sampling_level=token",
+        ),
+        ({"loss_type": "sapo", "delta": 1.5}, "task.delta=1.5 caps the clipped ratio"),
+        ({"importance_sampling_level": "seq"}, "task.importance_sampling_level='seq'"),
     ],
 )
 def test_bad_settings_are_refused(setting, words):
