@@ -118,7 +118,11 @@ def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions
 MOVED = [
     ("dapo", 0.0, {"delta": 1.25, "off_policy_mask_threshold": 0.05}),
     ("grpo", 0.04, {"importance_sampling_level": "sequence", "epsilon": 0.02}),  # GSPO
-    ("luspo", 0.0, {"importance_sampling_level": "sequence", "epsilon": 0.02}),
+    (
+        "luspo",
+        0.04,
+        {"importance_sampling_level": "sequence", "epsilon": 0.02, "use_bias_correction_kl": False},
+    ),
     ("cispo", 0.0, {"epsilon_high": 1.05}),
     ("sapo", 0.0, {"sapo_temperature_pos": 0.9}),
     ("vespo", 0.0, {"vespo_k_neg": 2.5}),

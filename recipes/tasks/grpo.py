@@ -9,6 +9,12 @@ advantages, and the policy takes TRL's clipped policy-gradient step. The definit
 * ``loss_type``: ``dapo`` (every completion token of the step weighs the same), ``grpo`` (each
   completion's token mean, then the mean over completions), ``bnpo`` (the token mean of each
   micro-batch), ``dr_grpo`` (the token sum over completions x ``max_completion_length``);
+  ``cispo`` and ``vespo`` (normalised as dapo: the capped ratio, or VESPO's Gamma weight of the
+  completion's ratio, detached, times the log-prob), ``sapo`` (as grpo: a soft gate instead of
+  the clip), ``luspo`` (each completion's token sum, its mean over completions);
+* ``importance_sampling_level``: a ratio per token, or per completion (GSPO); ``delta`` caps the
+  unclipped ratio (two-sided clipping), ``off_policy_mask_threshold`` drops the completions of
+  negative advantage too far from the old policy;
 * advantages: reward minus its group's mean, divided by the group's standard deviation (n - 1)
   plus 1e-4 (``scale_rewards=group``), by the whole batch's (``batch``, over every process) or
   not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0
@@ -17,7 +23,7 @@ advantages, and the policy takes TRL's clipped policy-gradient step. The definit
 * the ratio to the old policy clipped to [1 - ``epsilon``, 1 + ``epsilon_high``] (0.2 each);
   log-probabilities of the completion at the sampling temperature, as TRL computes them;
 * ``beta`` (0: no KL term and no reference): the k3 estimate of KL to the reference, times the
-  ratio to the old policy (TRL's ``use_bias_correction_kl``); the reference is the model with its
+  ratio to the old policy (``use_bias_correction_kl``, TRL's default); the reference is the model with its
   LoRA adapter disabled, or a frozen copy of the starting weights, as DPO's;
 * ``num_iterations``: optimizer steps on each generation batch (the loop's sampler repeats each
   step's prompts that many times); the old policy's log-probabilities are taken when they are
@@ -30,7 +36,8 @@ completions from the same weights; the rollouts kept for ``num_iterations`` > 1 
 each checkpoint (:class:`RolloutBuffer`). Logged, as TRL names them: ``reward``,
 ``reward_std``, ``rewards/<name>/mean`` and ``/std``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``/min_length``, ``/max_length``, ``/clipped_ratio``, ``entropy``,
-``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, ``kl`` (with ``beta``), and the
+``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean`` (``cispo_clip_ratio``,
+``vespo/phi_seq_mean`` for those losses), ``kl`` (with ``beta``), and the
 generation's own ``generation/tokens_per_second`` and ``generation/seconds``. Evaluation is the
 held-out prompts' rewards of greedy completions (``eval/reward`` ranks checkpoints).
 
