@@ -244,14 +244,13 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             out["labels"].append(fitted["labels"])
             # Where the completion starts: a KL row is this prompt and another row's completion.
             out["prompt_length"].append(labelled[0])
-            # What the cut took off the completion, as much as a KL row can hold (the whole
-            # completion is at most max_seq_length tokens of it): TRL pairs whole completions.
-            # (Typed arrays: a map batch of empty lists would be typed null, and the next
-            # batch's tokens could not be written next to it.)
+            # What the length cut took off the completion, up to max_seq_length completion
+            # tokens in all (no KL row holds more): a KL row pairs another row's prompt with
+            # this whole completion, as TRL's. Typed arrays: a map batch of empty lists would
+            # be typed null, and a later batch's tokens could not be written next to it.
             rest = slice(len(fitted["input_ids"]), labelled[0] + self.args.max_seq_length)
-            for key in ("ids", "labels"):
-                tail = whole["input_ids" if key == "ids" else key][rest]
-                out[f"tail_{key}"].append(np.asarray(tail, dtype=np.int64))
+            out["tail_ids"].append(np.asarray(whole["input_ids"][rest], dtype=np.int64))
+            out["tail_labels"].append(np.asarray(whole["labels"][rest], dtype=np.int64))
             out["label"].append(bool(label))
             out["cut"].append(len(fitted["input_ids"]) < len(whole["input_ids"]))
         return out
