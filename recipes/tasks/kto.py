@@ -17,8 +17,8 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
   row before it in the micro-batch, the first with the last's, as TRL's
   ``add_kl_completion_ids`` rotates completions by one within each batch:
   (x1, y1) ... (xn, yn) -> (x1, yn), (x2, y1) ... (xn, yn-1). As in TRL's
-  ``DataCollatorForUnpairedPreference``, the whole prompt meets the whole completion (not the
-  one ``max_seq_length`` cut off its own row) and only the assembled row is cut at
+  ``DataCollatorForUnpairedPreference``, the whole prompt meets the whole completion (not
+  what ``max_seq_length`` left of it in its own row) and only the assembled row is cut at
   ``max_seq_length``, at its end. The policy's and reference's
   summed log-probs of those completions (both without gradient, as TRL) give
   ``kl = mean(policy - reference)`` over the micro-batch, averaged over the processes (TRL
@@ -439,9 +439,10 @@ class UnpairedCollator:
     the KL rows too (``KL_input_ids``, ``KL_attention_mask``, ``KL_labels``): each row's prompt
     with the whole completion of the row before it in the batch (the first row's from the
     last), the assembled row cut to ``max_length``, as TRL's ``add_kl_completion_ids`` and
-    ``DataCollatorForUnpairedPreference`` build them; ``reference_logps`` the precomputed reference (when set). With ``layout.flat``
-    the rows (and the KL rows) are one row each without padding, ``position_ids`` and
-    ``sequence`` (each token's row) in place of the mask (:func:`conversations.flat_rows`)."""
+    ``DataCollatorForUnpairedPreference`` build them; ``reference_logps`` the precomputed
+    reference (when set). With ``layout.flat`` the rows (and the KL rows) are one row each
+    without padding, ``position_ids`` and ``sequence`` (each token's row) in place of the mask
+    (:func:`conversations.flat_rows`)."""
 
     def __init__(
         self, pad_token_id: int, max_length: int, kl: bool, layout: Layout | None = None
