@@ -46,13 +46,14 @@ def _rows(pairs: int = 4) -> list[dict]:
 ROWS = _rows()
 
 
-def _ours(tmp_path, **task):
-    """The project's task, features and one batch of ROWS (in file order), and the models."""
+def _ours(tmp_path, rows: list[dict] = ROWS, max_seq_length: int = 256, **task):
+    """The project's task, features and one batch of ``rows`` (in file order), and the
+    models."""
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
     tmp_path.mkdir(parents=True, exist_ok=True)
     for name in ("train.jsonl", "dev.jsonl"):
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    kto = make_task("kto", chat_template="llama3", max_seq_length=256, beta=BETA, **task)
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kto = make_task("kto", chat_template="llama3", max_seq_length=max_seq_length, beta=BETA, **task)
     data = kto.build_data(
         DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
     )
@@ -79,8 +80,8 @@ def _ours(tmp_path, **task):
     return kto, batch, tokenizer, policy, reference
 
 
-def _trl(tmp_path, tokenizer, policy, reference, **config):
-    """TRL's trainer on ROWS (one batch of all of them, in order), and that batch."""
+def _trl(tmp_path, tokenizer, policy, reference, rows: list[dict] = ROWS, **config):
+    """TRL's trainer on ``rows`` (one batch of all of them, in order), and that batch."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -88,18 +89,17 @@ def _trl(tmp_path, tokenizer, policy, reference, **config):
         output_dir=str(tmp_path / "trl"),
         report_to="none",
         beta=BETA,
-        per_device_train_batch_size=len(ROWS),
-        max_length=None,
+        per_device_train_batch_size=len(rows),
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
-        **config,
+        **{"max_length": None, **config},
     )
     trainer = trl.KTOTrainer(
         model=copy.deepcopy(policy),
         ref_model=copy.deepcopy(reference),
         args=args,
-        train_dataset=Dataset.from_list(ROWS),
+        train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
     return trainer, next(iter(trainer.get_train_dataloader()))
@@ -147,6 +147,45 @@ def test_rows_and_kl_rows_are_tokenized_as_trl(tmp_path):
         )
         assert ours == expected, prefix
     assert batch["label"].tolist() == theirs["label"].tolist() == [True, False] * 4
+
+
+def test_kl_rows_pair_whole_completions_then_cut_as_trls(tmp_path):
+    """Other bundled rows, cut at 200 tokens: train pair 228 (line 229) has the file's longest
+    completion (54 tokens after a 194-token prompt, so both its rows are cut), pair 360 its
+    shortest prompt (93 tokens). TRL pairs each prompt with another row's whole completion and
+    cuts the assembled row: the short prompt gets all 54 tokens of the cut row's completion,
+    and the long prompt's KL row is cut in turn. Ids, labels and the KL estimate equal TRL's."""
+    lines = (PAIRS.parent / "train.jsonl").read_text().splitlines()
+    long, short = json.loads(lines[228]), json.loads(lines[360])
+    rows = [  # each cut row just before a short prompt: its completion is that prompt's KL one
+        {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+        for side in ("chosen", "rejected")
+        for pair in (long, short)
+    ]
+    kto, batch, tokenizer, policy, reference = _ours(tmp_path, rows, max_seq_length=200)
+    trainer, theirs = _trl(tmp_path, tokenizer, policy, reference, rows, max_length=200)
+    for prefix in ("", "KL_"):
+        ours = _sequences(
+            batch[f"{prefix}input_ids"],
+            batch[f"{prefix}labels"] != conversations.IGNORE_INDEX,
+            batch[f"{prefix}attention_mask"],
+        )
+        expected = _sequences(
+            theirs[f"{prefix}input_ids"],
+            theirs[f"{prefix}completion_mask"],
+            theirs[f"{prefix}attention_mask"],
+        )
+        assert ours == expected, prefix
+    labelled = [len(labels) for _, labels in ours]  # the KL rows'
+    # Row 1: the cut row's whole completion; row 2: 194 + 11 tokens, cut after assembly.
+    assert labelled == [6, 54, 6, 30] and len(ours[2][0]) == 200
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, theirs)
+    kto.reference = Reference(adapter_disabled=False, frozen=reference)
+    out = kto.loss(copy.deepcopy(policy).train(), batch)
+    kl = float(out.stats["kl"]) / len(rows)
+    print(f"KL rows labelled {labelled}; KL {kl:.6f}, TRL {_trl_metrics(trainer)['kl']:.6f}")
+    assert kl > 0 and kl == pytest.approx(_trl_metrics(trainer)["kl"], rel=2e-5, abs=2e-5)
 
 
 @pytest.mark.parametrize(

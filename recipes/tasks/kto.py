@@ -16,7 +16,10 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
 * The KL estimate (``loss_type=kto``): each row's prompt is paired with the completion of the
   row before it in the micro-batch, the first with the last's, as TRL's
   ``add_kl_completion_ids`` rotates completions by one within each batch:
-  (x1, y1) ... (xn, yn) -> (x1, yn), (x2, y1) ... (xn, yn-1). The policy's and reference's
+  (x1, y1) ... (xn, yn) -> (x1, yn), (x2, y1) ... (xn, yn-1). As in TRL's
+  ``DataCollatorForUnpairedPreference``, the whole prompt meets the whole completion (not
+  what ``max_seq_length`` left of it in its own row) and only the assembled row is cut at
+  ``max_seq_length``, at its end. The policy's and reference's
   summed log-probs of those completions (both without gradient, as TRL) give
   ``kl = mean(policy - reference)`` over the micro-batch, averaged over the processes (TRL
   gathers it), clamped at 0 and detached. It depends on which rows share a micro-batch: the
@@ -57,6 +60,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather
@@ -75,7 +79,7 @@ from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 2  # bump when feature building changes, to invalidate cached features
+FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
 # Summed over rows, logged divided by the rows (SummedLoss.stats); see the module's docstring.
 STATS = (
     "kl",
@@ -211,6 +215,8 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             "input_ids": [],
             "labels": [],
             "prompt_length": [],
+            "tail_ids": [],
+            "tail_labels": [],
             "label": [],
             "cut": [],
         }
@@ -238,6 +244,13 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             out["labels"].append(fitted["labels"])
             # Where the completion starts: a KL row is this prompt and another row's completion.
             out["prompt_length"].append(labelled[0])
+            # What the length cut took off the completion, up to max_seq_length completion
+            # tokens in all (no KL row holds more): a KL row pairs another row's prompt with
+            # this whole completion, as TRL's. Typed arrays: a map batch of empty lists would
+            # be typed null, and a later batch's tokens could not be written next to it.
+            rest = slice(len(fitted["input_ids"]), labelled[0] + self.args.max_seq_length)
+            out["tail_ids"].append(np.asarray(whole["input_ids"][rest], dtype=np.int64))
+            out["tail_labels"].append(np.asarray(whole["labels"][rest], dtype=np.int64))
             out["label"].append(bool(label))
             out["cut"].append(len(fitted["input_ids"]) < len(whole["input_ids"]))
         return out
@@ -424,11 +437,12 @@ class UnpairedCollator:
     """Pads a batch of rows: ``input_ids``, ``attention_mask``, ``labels`` (the completion's),
     ``label`` (desirable or not) and ``index`` (each row's position in its split); with ``kl``,
     the KL rows too (``KL_input_ids``, ``KL_attention_mask``, ``KL_labels``): each row's prompt
-    with the completion of the row before it in the batch (the first row's from the last), cut
-    to ``max_length``, as TRL's ``add_kl_completion_ids`` and ``DataCollatorForUnpairedPreference``
-    build them; ``reference_logps`` the precomputed reference (when set). With ``layout.flat``
-    the rows (and the KL rows) are one row each without padding, ``position_ids`` and
-    ``sequence`` (each token's row) in place of the mask (:func:`conversations.flat_rows`)."""
+    with the whole completion of the row before it in the batch (the first row's from the
+    last), the assembled row cut to ``max_length``, as TRL's ``add_kl_completion_ids`` and
+    ``DataCollatorForUnpairedPreference`` build them; ``reference_logps`` the precomputed
+    reference (when set). With ``layout.flat`` the rows (and the KL rows) are one row each
+    without padding, ``position_ids`` and ``sequence`` (each token's row) in place of the mask
+    (:func:`conversations.flat_rows`)."""
 
     def __init__(
         self, pad_token_id: int, max_length: int, kl: bool, layout: Layout | None = None
@@ -446,20 +460,22 @@ class UnpairedCollator:
         )
         if self.kl:
             shifted = [rows[-1], *rows[:-1]]  # TRL: [completions[-1]] + completions[:-1]
-            kl_rows = []
-            for row, other in zip(rows, shifted, strict=True):
-                cut, start = row["prompt_length"], other["prompt_length"]
-                ids = list(row["input_ids"][:cut]) + list(other["input_ids"][start:])
-                labels = [conversations.IGNORE_INDEX] * cut + list(other["labels"][start:])
-                kl_rows.append(
-                    {"input_ids": ids[: self.truncate_at], "labels": labels[: self.truncate_at]}
-                )
+            kl_rows = [self._kl_row(row, other) for row, other in zip(rows, shifted, strict=True)]
             batch |= self._padded(kl_rows, "KL_")
         batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
         batch["index"] = torch.tensor([r["index"] for r in rows])
         if self.reference is not None:
             batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
+
+    def _kl_row(self, row: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, list[int]]:
+        """``row``'s prompt and ``other``'s whole completion (its tail the length cut took off
+        put back), then cut to ``max_length``: TRL's collator cuts the assembled row."""
+        cut, start = row["prompt_length"], other["prompt_length"]
+        ids = [*row["input_ids"][:cut], *other["input_ids"][start:], *other["tail_ids"]]
+        labels = [conversations.IGNORE_INDEX] * cut
+        labels += [*other["labels"][start:], *other["tail_labels"]]
+        return {"input_ids": ids[: self.truncate_at], "labels": labels[: self.truncate_at]}
 
     def _padded(self, rows: list[dict[str, Any]], prefix: str) -> dict[str, torch.Tensor]:
         if self.layout.flat:
