@@ -1,6 +1,6 @@
 """Rollouts from a vLLM server (``generation.engine=vllm``): vLLM's own OpenAI-compatible server
 (``vllm serve``; MooreThreads' vllm-musa on a MUSA host) samples the completions, and the policy
-is pushed to it over HTTP through a folder both sides see (docs/runs.md#grpo-with-a-vllm-server).
+is pushed to it over HTTP through a folder both sides see (docs/launching.md#grpo-with-a-vllm-server).
 
 - **Generation**: one ``POST /v1/completions`` per prompt, with the prompt as token ids, the
   sampling settings of ``generation`` and the prompt's own ``seed`` (drawn from its stream, so an
@@ -111,7 +111,7 @@ class Server:
             reason = getattr(err, "reason", err)
             raise ConfigError(
                 f"generation.vllm_url={self.url}: no vLLM server answers ({reason}); start one "
-                "(`vllm serve <model folder>`, docs/runs.md#grpo-with-a-vllm-server) or set "
+                "(`vllm serve <model folder>`, docs/launching.md#grpo-with-a-vllm-server) or set "
                 "generation.vllm_url to where it listens"
             ) from None
         try:
@@ -291,8 +291,19 @@ def push_weights(
     server.sync_dir.mkdir(parents=True, exist_ok=True)
     if is_peft_model(unwrapped) and not _trained_in_full(unwrapped):
         _push_adapter(unwrapped, server)
-    else:
-        _push_full(unwrapped, server)
+        return
+    base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+    if getattr(base.config, "tie_word_embeddings", False):
+        # vLLM ties its output layer to the embedding and skips lm_head.weight when loading;
+        # reload_weights then leaves the output layer as it was (seen with vLLM 0.32: the
+        # answers after a push of moved embeddings were not the policy's).
+        raise ConfigError(
+            "generation.engine=vllm: the policy's output layer is tied to its input embedding "
+            "(tie_word_embeddings), which vLLM's reload_weights does not update; train with "
+            "peft=lora (pushed as an adapter, without peft.modules_to_save), or "
+            "generation.engine=batched"
+        )
+    _push_full(unwrapped, server)
 
 
 def _trained_in_full(model: torch.nn.Module) -> list[str]:
@@ -328,6 +339,9 @@ def _push_full(model: torch.nn.Module, server: Server) -> None:
         "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
     )
     answer = server.call("/reset_prefix_cache", {})  # cached prefixes hold the old weights'
+    for old in server.models()[1]:  # an adapter pushed before would still be asked for
+        server.call("/v1/unload_lora_adapter", {"lora_name": old})
+        shutil.rmtree(server.sync_dir / old, ignore_errors=True)
     if isinstance(answer, dict) and answer.get("success") is False:
         log.warning("vLLM kept its prefix cache after the weight push (requests were running)")
     log.debug("pushed the weights to %s", server.url)
