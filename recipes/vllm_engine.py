@@ -19,9 +19,14 @@ is pushed to it over HTTP through a folder both sides see (docs/launching.md#grp
   folder: ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path":
   ...}}``, then ``POST /reset_prefix_cache``. Both are dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``;
   the worker's ``reload_weights(weights_path=...)`` as in vllm/v1/worker/gpu_model_runner.py).
+  A policy whose output layer is tied to its embedding is refused: vLLM skips ``lm_head.weight``
+  for such a model, and its reload left the output layer as it was (vLLM 0.32).
+
+Checked against a real ``vllm serve`` (vLLM's CPU build 0.32.0, fp32): after a push of either
+kind, greedy answers equal transformers' on the policy, token for token (tests/test_vllm_engine.py).
 
 TRL's server mode (``trl vllm-serve``, which now runs ``vllm serve`` with ``--weight-transfer-config
-'{"backend": "nccl"}'``) broadcasts the weights over NCCL from the trainer's CUDA device
+'{"backend": "nccl"}'``) broadcasts the weights over NCCL from the trainer's NVIDIA device
 (trl/generation/vllm_client.py refuses any other device); MCCL on MUSA is not NCCL, so this module
 uses only HTTP and a shared folder, which any vLLM build (vllm-musa included) serves.
 """
