@@ -9,11 +9,15 @@ is pushed to it over HTTP through a folder both sides see (docs/launching.md#grp
   and the server batches them (continuous batching). The fields are those of vLLM's
   ``CompletionRequest`` (vllm/entrypoints/openai/completion/protocol.py, v0.28.0).
 - **Pushing a LoRA policy** (a peft model): its adapter is saved to ``generation.vllm_sync_dir``
-  and loaded with ``POST /v1/load_lora_adapter`` under a new name (``recipes-policy-<n>``), the
-  older ones unloaded (``/v1/unload_lora_adapter``); requests then name the newest. Needs
+  and loaded with ``POST /v1/load_lora_adapter`` under a name made of a fingerprint of its
+  weights (``recipes-policy-<hash>``), the others unloaded (``/v1/unload_lora_adapter``). Needs
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora`` (docs/features/lora.md). A new
-  name per push is what every vLLM with runtime LoRA accepts (``load_inplace`` is newer) and
-  gives the adapter a new id, so no cached prefix of the old one is reused.
+  name per change is what every vLLM with runtime LoRA accepts (``load_inplace`` is newer) and
+  gives the adapter a new id, so no cached prefix of the old one is reused. Every process
+  computes the name from its own copy of the policy, so requests name exactly the weights that
+  generate, on every process, without a message between them: an unchanged adapter is not sent
+  again, and a policy whose adapter the server lacks (not pushed since the last step or a
+  resume, a restarted server) is refused, never answered by another adapter.
 - **Pushing full weights** (no adapter, or an adapter that also trains whole modules, which vLLM's
   LoRA cannot hold): the (merged) model is saved as safetensors and the server reloads from that
   folder: ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path":
@@ -34,8 +38,8 @@ uses only HTTP and a shared folder, which any vLLM build (vllm-musa included) se
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
-import re
 import shutil
 import tempfile
 import urllib.error
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-ADAPTER_PREFIX = "recipes-policy-"  # pushed adapters are named this plus a counter
+ADAPTER_PREFIX = "recipes-policy-"  # pushed adapters are named this plus their fingerprint
 # The settings and their defaults when ``generation`` does not hold them (GenerationConfig's
 # ``vllm_*`` fields, once added, win).
 DEFAULTS = {
@@ -149,7 +153,7 @@ class Server:
         return f"{said}: check that it serves the policy's base model (model.name_or_path)"
 
     def models(self) -> tuple[str, list[str]]:
-        """The served base model's name and the pushed adapters' names, oldest first."""
+        """The served base model's name and the names of the adapters pushed to it."""
         cards = (self.call("/v1/models") or {}).get("data") or []
         if not cards:
             raise ConfigError(
@@ -157,13 +161,46 @@ class Server:
                 "policy's base model there"
             )
         base = next((c["id"] for c in cards if not c.get("parent")), cards[0]["id"])
-        ours = [c["id"] for c in cards if _counter(c["id"]) is not None]
-        return base, sorted(ours, key=_counter)
+        return base, [c["id"] for c in cards if c["id"].startswith(ADAPTER_PREFIX)]
 
 
-def _counter(name: str) -> int | None:
-    match = re.fullmatch(re.escape(ADAPTER_PREFIX) + r"(\d+)", name)
-    return int(match.group(1)) if match else None
+def _adapter_name(model: torch.nn.Module) -> str | None:
+    """The name the policy's LoRA adapter is pushed under: a fingerprint of its weights, which
+    every process of a run computes alike (DDP keeps them equal); None for a fresh adapter
+    (every ``lora_B`` zero: the base model itself)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(
+        model, adapter_name=model.active_adapter, save_embedding_layers=False
+    )
+    if all(not t.any() for name, t in state.items() if "lora_B" in name):
+        return None
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in sorted(state.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return ADAPTER_PREFIX + digest.hexdigest()
+
+
+def _served_name(model: torch.nn.Module, server: Server) -> str:
+    """The model name the requests give: the policy's adapter, where it is pushed as one, else
+    the served model (the base, or the full weights pushed last). A policy whose adapter the
+    server does not hold is refused rather than answered by another one (an earlier step's, a
+    previous run's)."""
+    base, adapters = server.models()
+    if not (is_peft_model(model) and not _trained_in_full(model)):
+        return base
+    name = _adapter_name(model)
+    if name is None:
+        return base
+    if name not in adapters:
+        raise ConfigError(
+            f"generation.engine=vllm: the server at generation.vllm_url={server.url} does not "
+            f"hold the policy's LoRA adapter ({name}): push_weights must send it before the "
+            "policy generates (after each optimizer step, after a resume, and again if the "
+            "server restarted)"
+        )
+    return name
 
 
 def _message(body: str) -> str:
@@ -204,8 +241,7 @@ def complete_ids(
             f"generation.num_beams={beams}: the vLLM engine samples or decodes greedily, without "
             "beam search; set generation.num_beams=1, or generation.engine=batched for beams"
         )
-    base, adapters = server.models()
-    name = adapters[-1] if adapters else base
+    name = _served_name(unwrapped, server)
     stops = _stop_ids(unwrapped, tokenizer)
     sampling = _sampling(unwrapped, generation)
     base_seed = torch.initial_seed() if seed is None else seed
@@ -289,8 +325,9 @@ def push_weights(
     model: torch.nn.Module, generation: GenerationConfig, accelerator: Accelerator | None
 ) -> None:
     """Send the policy to the server: its LoRA adapter when ``model`` is a peft model whose
-    adapter vLLM can hold, otherwise the (merged) weights. Call on the main process, before the
-    step's rollouts, and let the other processes wait for it."""
+    adapter vLLM can hold (nothing when the server has it already), otherwise the (merged)
+    weights. Call on the main process after each optimizer step and before the policy
+    generates, and let the other processes wait for it."""
     unwrapped = accelerator.unwrap_model(model) if accelerator else model
     server = Server.of(generation)
     server.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -317,12 +354,12 @@ def _trained_in_full(model: torch.nn.Module) -> list[str]:
 
 def _push_adapter(model: torch.nn.Module, server: Server) -> None:
     _, adapters = server.models()
-    number = (_counter(adapters[-1]) + 1) if adapters else 1
-    name = f"{ADAPTER_PREFIX}{number}"
-    folder = server.sync_dir / name
-    model.save_pretrained(folder, save_embedding_layers=False)
-    server.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-    for old in adapters:
+    name = _adapter_name(model)
+    if name is not None and name not in adapters:  # unchanged since the last push: nothing
+        folder = server.sync_dir / name
+        model.save_pretrained(folder, save_embedding_layers=False)
+        server.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+    for old in (a for a in adapters if a != name):
         server.call("/v1/unload_lora_adapter", {"lora_name": old})
         shutil.rmtree(server.sync_dir / old, ignore_errors=True)  # ours only: the sync folder's
     log.debug("pushed the LoRA adapter to %s as %s", server.url, name)

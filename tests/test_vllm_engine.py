@@ -239,25 +239,31 @@ def test_pushed_adapter_is_what_the_server_generates(server, folder, tiny, tmp_p
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     policy = get_peft_model(base, peft_config).eval()
     lora_b = [p for n, p in policy.named_parameters() if "lora_B" in n]
-    _nudge(lora_b, seed=1, scale=0.3)
 
     def answers(engine) -> list[list[int]]:
         return engine.complete_ids(policy, prompts, tokenizer, settings, NEW, max_length=24)
 
-    with policy.disable_adapter():
-        base = answers(generation)
-    before, own = answers(vllm_engine), answers(generation)
-    assert before == base != own  # nothing pushed yet: the server has the base model
+    fresh = answers(generation)  # lora_B = 0: the base model, which the server has
+    assert answers(vllm_engine) == fresh
+    _nudge(lora_b, seed=1, scale=0.3)
+    own = answers(generation)
+    assert own != fresh
+    with pytest.raises(ConfigError, match=r"does not hold the policy's LoRA adapter"):
+        answers(vllm_engine)  # never another adapter's (or the base model's) answers
     vllm_engine.push_weights(policy, settings, None)
     assert answers(vllm_engine) == own
+    first = vllm_engine.Server.of(settings).models()
+    vllm_engine.push_weights(policy, settings, None)  # unchanged: nothing sent
+    assert vllm_engine.Server.of(settings).models() == first
     _nudge(lora_b, seed=2, scale=0.3)
     newer = answers(generation)
     assert newer != own
     vllm_engine.push_weights(policy, settings, None)
     assert answers(vllm_engine) == newer
     # The older adapter is unloaded and its folder removed.
-    assert vllm_engine.Server.of(settings).models() == (str(folder), ["recipes-policy-2"])
-    assert [p.name for p in tmp_path.iterdir()] == ["recipes-policy-2"]
+    base_name, adapters = vllm_engine.Server.of(settings).models()
+    assert base_name == str(folder) and len(adapters) == 1 and adapters != first[1]
+    assert [p.name for p in tmp_path.iterdir()] == adapters
 
 
 def test_pushed_weights_and_sampling_requests(server, folder, tiny, tmp_path) -> None:
@@ -305,6 +311,7 @@ def test_a_server_down_or_refusing_says_which_setting(folder, tiny, tmp_path) ->
     server = StandIn(folder, runtime_lora=False, dev_mode=False)
     settings = _settings(server.url, tmp_path)
     adapted = get_peft_model(copy.deepcopy(policy), LoraConfig(r=4, target_modules=["q_proj"]))
+    _nudge([p for n, p in adapted.named_parameters() if "lora_B" in n], seed=4, scale=0.1)
     with pytest.raises(ConfigError, match=r"load_lora_adapter answered 404 .*VLLM_ALLOW_RUNTIME"):
         vllm_engine.push_weights(adapted, settings, None)
     with pytest.raises(ConfigError, match=r"/collective_rpc answered 404 .*VLLM_SERVER_DEV_MODE=1"):
