@@ -232,7 +232,9 @@ def complete_ids(
     """The new token ids of each prompt, from the vLLM server, as
     :func:`recipes.generation.complete_ids` gives them (same arguments): in the prompts' order,
     up to and with the first stop token; a prompt longer than ``max_length`` keeps its end.
-    The server generates with what :func:`push_weights` last sent it (the base model before)."""
+    A LoRA policy generates with its own adapter as :func:`push_weights` sent it (refused
+    when the server lacks it), any other with the server's model (the full weights pushed
+    last, or the model it was started with)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator else model
     server = Server.of(generation)
     beams = generation.num_beams or getattr(unwrapped.generation_config, "num_beams", 1) or 1
@@ -266,7 +268,8 @@ def complete_ids(
         if choice.get("token_ids") is None:
             raise ConfigError(
                 f"generation.vllm_url={server.url}: /v1/completions returned no token_ids; "
-                "serve with a vLLM that honours return_token_ids (0.10.2 or newer)"
+                "serve with a vLLM whose completions take return_token_ids (0.28, vllm-musa's "
+                "base, does)"
             )
         new = list(choice["token_ids"])[:limit]
         end = next((k + 1 for k, token in enumerate(new) if token in stops), len(new))
