@@ -226,9 +226,7 @@ class RewardModel(Task[RewardData]):
 
     # ----------------------------------------------------------------------------- predict
 
-    def build_predict_data(
-        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
-    ) -> RewardData:
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> RewardData:
         """The rows of ``data.predict_file``: preference pairs (both sides scored), or else
         conversations (each scored whole); a side longer than ``max_seq_length`` is cut at its
         end (every row gets its reward)."""
@@ -358,7 +356,9 @@ def _tokenize_conversations(
 ) -> dict[str, list]:
     """Each conversation rendered whole with the template and fitted (mode=predict)."""
     out: dict[str, list] = {"input_ids": []}
-    for messages, tools, place in zip(batch["messages"], batch["tools"], batch["place"]):
+    for messages, tools, place in zip(
+        batch["messages"], batch["tools"], batch["place"], strict=True
+    ):
         try:
             whole = conversations.tokenize_conversation(
                 tokenizer, template, messages, train_on_prompt=True, tools=tools
