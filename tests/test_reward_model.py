@@ -282,3 +282,43 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path, cache_dir):
         assert [g[column] for g in got] == pytest.approx(
             [e[column] for e in expected], rel=1e-4, abs=1e-6
         )
+
+
+@pytest.mark.slow
+def test_grpo_scores_completions_with_the_trained_reward_model(trained, tmp_path, cache_dir):
+    """task.rewards=[{name: reward_model, path: final/}]: the reward of a prompt and completion
+    is final/'s score of the whole conversation (batched, padded: equal to one at a time), and a
+    GRPO smoke run trains on it."""
+    from recipes import rewards
+
+    final = trained / "final"
+    name, _, reward = rewards.build(
+        {"name": "reward_model", "path": str(final), "batch_size": 2}, 16
+    )
+    rows = ROWS[:3]
+    got = reward(prompts=[r["prompt"] for r in rows], completions=[r["chosen"] for r in rows])
+    expected = [pair[0] for pair in _rewards(final, rows)]
+    assert name == "reward_model" and got == pytest.approx(expected, abs=1e-5)
+
+    run = tmp_path / "grpo"
+    run_train(
+        "recipe=llama_grpo",
+        "debug=smoke",
+        "logger=none",
+        "trainer.progress_bar=false",
+        f"output_dir={run}",
+        f"data.cache_dir={cache_dir}",
+        f"task.rewards=[{{name:reward_model,path:'{final}'}}]",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_every_n_steps=0",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+        "task.num_held_out_answers=0",
+    )
+    train = [m for m in read_metrics(run) if "train/reward" in m]
+    assert len(train) == 3
+    # Rewards of the tiny random policy's completions: real scores, spread within each step.
+    assert all(m["train/rewards/reward_model/std"] > 0 for m in train)
+    assert all(m["train/reward"] == m["train/rewards/reward_model/mean"] for m in train)
