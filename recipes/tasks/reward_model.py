@@ -305,13 +305,17 @@ def pair_rewards(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
 
 class PairCollator:
     """Pads a batch of pairs as TRL's DataCollatorForPreference: the chosen rows, then the
-    rejected rows, padded on the right, with ``attention_mask`` and ``margin`` (pairs,);
-    (``pairs=False``) single texts' ``input_ids`` alone."""
+    rejected rows, padded on the right (to the longest, or with ``padding="max_length"`` to
+    ``max_length``), with ``attention_mask`` and ``margin`` (pairs,); (``pairs=False``) single
+    texts alone."""
 
     def __init__(self, pad_token_id: int, pairs: bool = True) -> None:
         self.pad_token_id = pad_token_id
         self.pairs = pairs
         self.pad_to_multiple_of: int | None = None  # the loop sets trainer.pad_to_multiple_of
+        # trainer.padding=max_length: every batch padded to max_length (one shape per run).
+        self.padding: str = "longest"
+        self.max_length: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.pairs:
@@ -319,6 +323,8 @@ class PairCollator:
         else:
             rows = [{"input_ids": e["input_ids"]} for e in examples]
         longest = conversations.padded_length(rows, self.pad_to_multiple_of)
+        if self.padding == "max_length" and self.max_length:
+            longest = max(longest, self.max_length)
         batch = {
             "input_ids": conversations.pad_rows(rows, "input_ids", self.pad_token_id, longest),
             "attention_mask": conversations.attention_mask(rows, longest),
