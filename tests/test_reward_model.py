@@ -138,6 +138,10 @@ def test_bad_settings_and_margins_are_refused(tmp_path):
         make_task("reward_model", center_rewards_coefficient=-1)
     with pytest.raises(ConfigError, match=r"task\.truncation='cut'"):
         make_task("reward_model", truncation="cut")
+    from recipes import rewards
+
+    with pytest.raises(ConfigError, match=r"reward_model's path=.*: not a model folder"):
+        rewards.build({"name": "reward_model", "path": str(tmp_path)}, 16)
     rm = make_task("reward_model", chat_template="zephyr", max_seq_length=256)
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
     cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
