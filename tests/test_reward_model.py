@@ -182,13 +182,25 @@ def _rewards(final: Path, rows: list[dict]) -> list[list[float]]:
     return out
 
 
+def _trained(run: Path, cache: Path, *more: str) -> tuple[str, ...]:
+    """The smoke recipe (LoRA, the score head trained in full) for 16 steps of 8 pairs,
+    evaluated before and after, a checkpoint at step 8."""
+    return (
+        *SMOKE,
+        f"output_dir={run}",
+        f"data.cache_dir={cache}",
+        "trainer.max_steps=16",
+        "trainer.log_every_n_steps=2",
+        "trainer.eval_every_n_steps=16",
+        "trainer.save_every_n_steps=8",
+        *more,
+    )
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache_dir) -> Path:
-    """The smoke recipe (LoRA, the score head trained in full) for 16 steps, evaluated before and
-    after."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    steps = ("trainer.max_steps=16", "trainer.eval_every_n_steps=16")
-    run_train(*SMOKE, f"output_dir={run}", f"data.cache_dir={cache_dir}", *steps)
+    run_train(*_trained(run, cache_dir))
     return run
 
 
@@ -202,7 +214,7 @@ def test_smoke_run_learns_and_mode_eval_scores_final_as_the_run(trained, tmp_pat
     assert last["eval/loss"] < first["eval/loss"] and last["eval/margin"] > 0
     train = [m for m in read_metrics(trained) if "train/loss" in m]
     assert all(f"train/{k}" in train[-1] for k in ("accuracy", "margin", "mean_reward"))
-    (checkpoint,) = (trained / "checkpoints").glob("step-*")
+    checkpoint = sorted((trained / "checkpoints").glob("step-*"))[-1]
     weights = load_file(checkpoint / "model.safetensors")
     assert any("score" in k for k in weights)
     assert all("lora_" in k or "score" in k for k in weights)
@@ -235,57 +247,32 @@ def test_mode_predict_scores_as_final_loaded_by_transformers(trained, tmp_path):
 
 
 def _steps(run: Path) -> list[tuple[float, ...]]:
-    keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
-    return [tuple(m[k] for k in keys) for m in read_metrics(run) if "train/loss" in m]
-
-
-def _short(run: Path, cache: Path, per_device: int, *more: str) -> tuple[str, ...]:
-    return (
-        *SMOKE,
-        f"output_dir={run}",
-        f"data.cache_dir={cache}",
-        "trainer.max_steps=8",
-        "trainer.log_every_n_steps=1",
-        "trainer.save_every_n_steps=4",
-        "trainer.eval_at_start=false",
-        "trainer.eval_at_end=false",
-        "trainer.save_final_model=false",
-        f"trainer.per_device_train_batch_size={per_device}",
-        *more,
-    )
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache_dir) -> Path:
-    """One process, eight LoRA steps of eight pairs."""
-    run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_train(*_short(run, cache_dir, 8))
-    return run
+    keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin", "eval/accuracy")
+    keys += ("eval/loss",)
+    return [(m["step"], k, m[k]) for m in read_metrics(run) for k in keys if k in m]
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_equals_the_uninterrupted_run(uninterrupted, tmp_path, cache_dir):
+def test_killed_and_resumed_equals_the_uninterrupted_run(trained, tmp_path, cache_dir):
     run = tmp_path / "run"
-    proc = start_train(*_short(run, cache_dir, 8))
-    kill_at_checkpoint(proc, run, 4)
-    done = run_train(*_short(run, cache_dir, 8), "resume=auto")
+    proc = start_train(*_trained(run, cache_dir))
+    kill_at_checkpoint(proc, run, 8)
+    done = run_train(*_trained(run, cache_dir), "resume=auto")
     assert "resumed from" in done.stderr
-    assert len(_steps(uninterrupted)) == 8
-    assert _steps(run) == _steps(uninterrupted)  # every step, exactly
+    assert len(_steps(trained)) == 8 * 4 + 2 * 2
+    assert _steps(run) == _steps(trained)  # every step and both evaluations, exactly
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one(uninterrupted, tmp_path, cache_dir):
+def test_two_processes_train_like_one(trained, tmp_path, cache_dir):
     """Two gloo processes of four pairs each: each pair weighs the same as in one process."""
     two = tmp_path / "two"
-    proc = run_torchrun(*_short(two, cache_dir, 4))
+    proc = run_torchrun(*_trained(two, cache_dir, "trainer.per_device_train_batch_size=4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected, got = _steps(uninterrupted), _steps(two)
-    assert len(got) == len(expected) == 8
-    for column in range(4):
-        assert [g[column] for g in got] == pytest.approx(
-            [e[column] for e in expected], rel=1e-4, abs=1e-6
-        )
+    expected, got = _steps(trained), _steps(two)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    # Sums in another order drift by about 1e-5 over 16 steps at the smoke run's lr 5e-3.
+    assert [g[2] for g in got] == pytest.approx([e[2] for e in expected], rel=1e-3, abs=1e-4)
 
 
 @pytest.mark.slow
