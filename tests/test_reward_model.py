@@ -37,7 +37,7 @@ ROWS = [json.loads(line) for line in PAIRS.read_text().splitlines()[:8]]
 
 def _with_margins(rows: list[dict]) -> list[dict]:
     """Each pair with a margin: its sides' lengths apart, in tens of characters."""
-    length = lambda side: len(side[0]["content"])  # noqa: E731
+    length = lambda side: len(side if isinstance(side, str) else side[0]["content"])  # noqa: E731
     return [r | {"margin": (length(r["chosen"]) - length(r["rejected"])) / 10} for r in rows]
 
 
@@ -95,12 +95,33 @@ def _sides(batch: dict) -> list[tuple[int, ...]]:
     ]
 
 
+def _plain(rows: list[dict]) -> list[dict]:
+    """TRL's standard (plain-text) pairs: the question as the prompt, the replies' text."""
+    return [
+        {
+            "prompt": r["prompt"][-1]["content"] + "\nAnswer: ",
+            "chosen": r["chosen"][0]["content"],
+            "rejected": r["rejected"][0]["content"],
+        }
+        for r in rows
+    ]
+
+
 @pytest.mark.parametrize(
-    "margins, center", [(False, None), (True, None), (True, 0.01), (False, 0.5)]
+    "text, margins, center",
+    [
+        (False, False, None),
+        (False, True, None),
+        (False, True, 0.01),
+        (False, False, 0.5),
+        (True, True, 0.01),  # task.text_rows=raw: prompt + reply + EOS, no template, as TRL
+    ],
 )
-def test_tokens_loss_and_metrics_equal_trls(tmp_path, margins, center):
-    rows = _with_margins(ROWS) if margins else ROWS
-    rm, data, batch, tokenizer, model = _ours(tmp_path, rows, center_rewards_coefficient=center)
+def test_tokens_loss_and_metrics_equal_trls(tmp_path, text, margins, center):
+    rows = _plain(ROWS) if text else ROWS
+    rows = _with_margins(rows) if margins else rows
+    task = {"center_rewards_coefficient": center, "text_rows": "raw" if text else "chat"}
+    rm, data, batch, tokenizer, model = _ours(tmp_path, rows, **task)
     trainer, theirs = _trl(tmp_path, tokenizer, model, rows, center_rewards_coefficient=center)
     pairs = len(rows)
     # The same sides, pair for pair (TRL shuffles the pairs of its batch).
