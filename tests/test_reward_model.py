@@ -288,9 +288,11 @@ def test_killed_and_resumed_equals_the_uninterrupted_run(trained, tmp_path, cach
 def test_two_processes_train_like_one(trained, tmp_path, cache_dir):
     """Two gloo processes of four pairs each: each pair weighs the same as in one process."""
     two = tmp_path / "two"
-    proc = run_torchrun(*_trained(two, cache_dir, "trainer.per_device_train_batch_size=4"))
+    more = ("trainer.per_device_train_batch_size=4", "trainer.eval_at_start=false")
+    more += ("trainer.save_every_n_steps=0", "trainer.save_final_model=false")  # faster
+    proc = run_torchrun(*_trained(two, cache_dir, *more))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected, got = _steps(trained), _steps(two)
+    expected, got = [s for s in _steps(trained) if s[0] > 0], _steps(two)
     assert [g[:2] for g in got] == [e[:2] for e in expected]
     # Sums in another order drift by about 1e-5 over 16 steps at the smoke run's lr 5e-3.
     assert [g[2] for g in got] == pytest.approx([e[2] for e in expected], rel=1e-3, abs=1e-4)
