@@ -336,3 +336,26 @@ def test_grpo_scores_completions_with_the_trained_reward_model(trained, tmp_path
     # Rewards of the tiny random policy's completions: real scores, spread within each step.
     assert all(m["train/rewards/reward_model/std"] > 0 for m in train)
     assert all(m["train/reward"] == m["train/rewards/reward_model/mean"] for m in train)
+
+
+def test_predict_rows_are_pairs_or_whole_conversations(tmp_path):
+    """mode=predict reads a file of pairs (both sides) or of conversations (each whole): the
+    bundled SQuAD conversations render as the chosen sides of the pairs built from them."""
+    conversations_file = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
+    files = {"pairs": PAIRS, "conversations": tmp_path / "conversations.jsonl"}
+    lines = conversations_file.read_text().splitlines()[:4]
+    files["conversations"].write_text("".join(line + "\n" for line in lines))
+    rm = make_task("reward_model", chat_template="zephyr", max_seq_length=256)
+    read = {}
+    for kind, path in files.items():
+        tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+        read[kind] = rm.build_predict_data(DataConfig(predict_file=str(path)), tokenizer)
+    assert read["pairs"].pairs and not read["conversations"].pairs
+    # Every pair gets its rewards, those that training would drop for their length cut to it.
+    assert read["pairs"].row_ids == list(range(len(PAIRS.read_text().splitlines())))
+    assert len(read["pairs"].eval) == len(read["pairs"].row_ids)
+    assert max(map(len, read["pairs"].eval["chosen_input_ids"])) == 256
+    chosen = read["pairs"].eval["chosen_input_ids"][:4]
+    assert read["conversations"].eval["input_ids"] == chosen
+    batch = read["conversations"].eval_collator([read["conversations"].eval[i] for i in range(4)])
+    assert set(batch) == {"input_ids", "attention_mask"}

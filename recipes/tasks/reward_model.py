@@ -28,6 +28,7 @@ full batch's mean.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,11 +230,13 @@ class RewardModel(Task[RewardData]):
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> RewardData:
         """The rows of ``data.predict_file``: preference pairs (both sides scored), or else
         conversations (each scored whole); a side longer than ``max_seq_length`` is cut at its
-        end (every row gets its reward)."""
+        end (every row gets its reward, a prompt that fills the length too)."""
         template = self.chat.use_template(tokenizer).template
         fmt = self.args.format
         split = data_lib.load_predict_file(cfg, lambda path: _read_predict_rows(path, fmt))
-        chat = dataclasses.replace(self.chat, truncation="truncate")
+        # Every row is read whole here and cut below: a prompt that fills the length still
+        # gets a reward.
+        chat = dataclasses.replace(self.chat, max_seq_length=sys.maxsize)
         pairs = tuple(split.examples.column_names) == preference.COLUMNS or (
             tuple(split.examples.column_names) != conversations.COLUMNS
             and preference.detect_format(split.examples[0]) is not None
@@ -255,12 +258,7 @@ class RewardModel(Task[RewardData]):
                 "chat": chat,
             },
         )
-        if len(built) != len(rows):
-            raise DataError(
-                f"data.predict_file={cfg.predict_file}: {len(rows) - len(built)} row(s) keep no "
-                f"reply token within task.max_seq_length={self.args.max_seq_length} (the prompt "
-                "fills it); raise task.max_seq_length."
-            )
+        built = _cut(built, self.args.max_seq_length)
         collator = PairCollator(tokenizer.pad_token_id, pairs)
         return RewardData(
             train=built.select([]),
@@ -332,6 +330,22 @@ class PairCollator:
         if self.pairs:
             batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
         return batch
+
+
+def _cut(rows: Dataset, limit: int) -> Dataset:
+    """``rows``' token columns cut at their end to ``limit`` tokens, the cut rows counted in
+    the log."""
+    columns = [c for c in rows.column_names if c.endswith("input_ids")]
+    cut = sum(any(len(r[c]) > limit for c in columns) for r in rows)
+    if not cut:
+        return rows
+    log.info(
+        "%d of %d row(s) longer than task.max_seq_length=%d: cut at their end",
+        cut,
+        len(rows),
+        limit,
+    )
+    return rows.map(lambda r: {c: r[c][:limit] for c in columns})
 
 
 def _check_margins(pairs: Dataset, source: str) -> None:
