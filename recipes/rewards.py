@@ -28,6 +28,9 @@ Built in:
   its passage; 0 for an empty completion;
 * ``length``: minus the completion's share of ``max_tokens`` (default: the task's
   ``max_completion_length``), from 0 (empty) to -1 (cut at the limit).
+* ``reward_model``: a trained reward model's score of the prompt and completion together
+  (``path``: the final/ of a ``task=reward_model`` run; ``batch_size``, 16), as TRL scores with
+  a reward model.
 
 ``answer_*`` and ``math_answer`` read the reference from the column ``column`` (``answer`` by
 default): a string or a list of strings.
@@ -50,6 +53,7 @@ import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from recipes.config import ConfigError, first_line
@@ -181,6 +185,75 @@ def length(max_tokens: int) -> RewardFn:
     return length
 
 
+# ------------------------------------------------------------------- a trained reward model
+
+
+def reward_model(path: str | None = None, batch_size: int = 16) -> RewardFn:
+    """The reward a trained reward model gives each whole completion (``path``: a final/ of
+    ``task=reward_model``, or any one-output ``AutoModelForSequenceClassification`` folder), as
+    TRL's GRPOTrainer scores with a model (``_calculate_rewards``): a conversational prompt and
+    its completion rendered with the reward model's own chat template, a text prompt and its
+    completion joined, tokenized without special tokens, padded on the right, ``batch_size``
+    at a time, without gradients, on the run's device. The model loads on the first call."""
+    folder = Path(str(path or "")).expanduser()
+    if path is None or not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"task.rewards: reward_model's path={path}: not a model folder (no config.json); "
+            "give the final/ of a task=reward_model run, e.g. {name: reward_model, path: "
+            "runs/rm/final}."
+        )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"task.rewards: reward_model's batch_size={batch_size} must be >= 1.")
+    loaded: list[Any] = []  # [model, tokenizer], once loaded
+
+    def reward_model(prompts: Sequence, completions: Sequence, **row: Any) -> list[float]:
+        import torch
+
+        if not loaded:
+            loaded.extend(_load_reward_model(folder))
+        model, tokenizer = loaded
+        texts = [
+            tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+            if isinstance(p, list)
+            else p + text_of(c)
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        out: list[float] = []
+        for start in range(0, len(texts), batch_size):
+            inputs = tokenizer(
+                texts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(model.device)
+            with torch.no_grad():
+                out += model(**inputs).logits[:, 0].float().tolist()
+        return out
+
+    return reward_model
+
+
+def _load_reward_model(folder: Path) -> tuple[Any, Any]:
+    """The one-output model of ``folder`` on the run's device (accelerate's), in evaluation
+    mode, and its tokenizer, padding on the right with the pad id the model reads rewards by."""
+    from accelerate import PartialState
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    if model.config.num_labels != 1:
+        raise ConfigError(
+            f"task.rewards: reward_model's path={folder} has {model.config.num_labels} outputs; "
+            "a reward model has one (the final/ of a task=reward_model run)."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.requires_grad_(False)
+    return model.to(PartialState().device).eval(), tokenizer
+
+
 BUILT_IN: dict[str, Callable[..., RewardFn]] = {
     "answer_match": answer_match,
     "answer_f1": answer_f1,
@@ -188,6 +261,7 @@ BUILT_IN: dict[str, Callable[..., RewardFn]] = {
     "span_overlap": span_overlap,
     "format": format_match,
     "length": length,
+    "reward_model": reward_model,
 }
 
 

@@ -99,6 +99,7 @@ RECIPES = (
     "llama_dpo",
     "llama_grpo",
     "llama_kto",
+    "llama_rm",
     "llama_sft",
     "t5_squad",
     "t5_summarization",

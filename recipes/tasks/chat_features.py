@@ -405,6 +405,31 @@ class ChatFeatures:
         """A tokenized row within ``max_seq_length`` tokens, or None where it is dropped."""
         return conversations.fit_length(whole, self.max_seq_length, self.truncation)
 
+    def pair_sides(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str | None,
+        pair: Mapping[str, Any],
+        where: str,
+    ) -> list[dict[str, list[int]]] | None:
+        """A preference pair's two sides (the prompt then the chosen, then the rejected
+        completion) tokenized, labelled on the completion and fitted (:meth:`fit`); None where
+        the length policy drops a side, and with it the pair. A plain-string pair under
+        ``text_rows=raw`` is text as TRL tokenizes it (no template, EOS after each side), any
+        other is rendered with ``template``. ``pair``: a row of
+        :data:`recipes.tasks.preference.COLUMNS`."""
+        prompt, tools = pair["prompt"], pair["tools"]
+        completions = (pair["chosen"], pair["rejected"])
+        if pair["text"] and self.text_rows == "raw":
+            texts = [side[0]["content"] for side in completions]
+            wholes = conversations.tokenize_text(tokenizer, prompt[0]["content"], texts)
+        else:
+            wholes = [
+                templated_reply(tokenizer, template, prompt, c, tools, where) for c in completions
+            ]
+        sides = [self.fit(w) for w in wholes]
+        return None if None in sides else sides
+
     def tokenized(
         self,
         cfg: DataConfig,

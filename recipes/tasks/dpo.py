@@ -189,22 +189,10 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     ) -> dict[str, list]:
         names = [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")]
         out: dict[str, list] = {name: [] for name in (*names, "length")}
-        columns = ("prompt", "chosen", "rejected", "tools", "text", "place")
-        for prompt, chosen, rejected, tools, text, place in zip(
-            *(batch[k] for k in columns), strict=True
-        ):
-            if text and self.args.text_rows == "raw":
-                completions = [side[0]["content"] for side in (chosen, rejected)]
-                wholes = conversations.tokenize_text(tokenizer, prompt[0]["content"], completions)
-            else:
-                wholes = [
-                    chat_features.templated_reply(
-                        tokenizer, template, prompt, c, tools, f"{source} {place}"
-                    )
-                    for c in (chosen, rejected)
-                ]
-            sides = [self.chat.fit(w) for w in wholes]
-            if None in sides:
+        for values in zip(*(batch[k] for k in preference.COLUMNS), strict=True):
+            pair = dict(zip(preference.COLUMNS, values, strict=True))
+            sides = self.chat.pair_sides(tokenizer, template, pair, f"{source} {pair['place']}")
+            if sides is None:
                 continue
             for side, fitted in zip(SIDES, sides, strict=True):
                 out[f"{side}_input_ids"].append(fitted["input_ids"])

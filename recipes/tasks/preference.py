@@ -24,6 +24,7 @@ line and field, in one message for the whole file.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,9 @@ from recipes.tasks.conversations import Message
 log = get_logger(__name__)
 
 FORMATS = PAIR_FORMATS
-# text: the row was TRL's standard (plain-text) pair, prompt, chosen and rejected all strings.
-COLUMNS = ("prompt", "chosen", "rejected", "tools", "text", "place")
+# text: the row was TRL's standard (plain-text) pair, prompt, chosen and rejected all strings;
+# margin: the row's own, a number or None (TRL's optional column, read by task=reward_model).
+COLUMNS = ("prompt", "chosen", "rejected", "tools", "text", "margin", "place")
 
 
 def detect_format(row: Mapping[str, Any]) -> str | None:
@@ -156,6 +158,17 @@ def _check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Mes
             raise ValueError(f"field {key!r} does not start with an assistant reply")
 
 
+def margin_of(row: Mapping[str, Any]) -> float | None:
+    """The row's ``margin`` (TRL's optional column: how much more the chosen side is preferred),
+    a finite number, or None where the row has none."""
+    value = row.get("margin")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"field 'margin' is {value!r:.40}, not a finite number")
+    return float(value)
+
+
 def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Dataset:
     """The :data:`COLUMNS` of ``(place, row)`` pairs; every row that fits no layout is reported
     in one line, with its place and field."""
@@ -170,7 +183,8 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
         if pair is None:
             ties.append(row)
             return None
-        return (*pair, tools, bool(row.get("text")) if normalised else is_text_pair(row, fmt))
+        text = bool(row.get("text")) if normalised else is_text_pair(row, fmt)
+        return (*pair, tools, text, margin_of(row))
 
     pairs = conversations.rows_dataset(
         rows,

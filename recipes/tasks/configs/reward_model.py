@@ -1,0 +1,66 @@
+"""``task=reward_model``: a reward model trained on preference pairs, as TRL's RewardTrainer.
+
+Defaults are TRL 1.16's RewardConfig (trl/trainer/reward_config.py) where the setting is the
+same: ``max_length=1024`` (here ``max_seq_length``), samples longer than it filtered out (here
+``truncation=drop``), ``center_rewards_coefficient=None`` (off), ``disable_dropout=True``. Its
+``learning_rate=1e-4`` is the recipe's (conf/recipe/llama_rm.yaml).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from recipes.config import ConfigError
+from recipes.tasks.configs import TaskConfig, at_least, feature
+from recipes.tasks.configs.dpo import PAIR_FORMATS
+from recipes.tasks.configs.sft import TRUNCATION, check_text_rows
+
+
+@dataclass
+class RewardModelConfig(TaskConfig):
+    """A sequence classifier with one output (the reward) trained on preference pairs so that
+    the chosen side scores above the rejected one (TRL's RewardTrainer loss and metrics)."""
+
+    NAME = "reward_model"
+    RANGES = (
+        ("max_seq_length", at_least(2), "must be at least 2"),
+        (
+            "center_rewards_coefficient",
+            lambda v: v is None or (0 <= v < math.inf),
+            "must be null (off) or a finite number >= 0 (TRL recommends 0.01)",
+        ),
+    )
+
+    _target_: str = "recipes.tasks.reward_model.RewardModel"
+    # Row layout: auto (detected per row), explicit (prompt/chosen/rejected), implicit
+    # (chosen/rejected sharing a prompt), ultrafeedback. An optional margin column (a number per
+    # pair) is subtracted inside the loss, as TRL.
+    format: str = feature("auto")
+    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models). Saved with
+    # final/'s tokenizer: what GRPO renders completions with when it uses the model as a reward.
+    chat_template: str | None = feature(None)
+    # Plain-string pairs: chat (a user turn and two replies, templated) or raw (text as TRL:
+    # prompt + side + EOS, no template).
+    text_rows: str = feature("chat")
+    # Tokens of prompt + completion per side (TRL's max_length, 1024); at most the model's
+    # positions.
+    max_seq_length: int = feature(1024)
+    # A longer side: drop (leave the pair out: TRL filters such samples) or truncate (cut its
+    # end: the reward then reads a cut reply).
+    truncation: str = feature("drop")
+    # Weight of mean((r_chosen + r_rejected)^2) added to the loss, which keeps rewards centred on
+    # zero (Eisenstein et al. 2023, Eq. 2); null: off (TRL's default), 0.01 TRL's suggestion.
+    center_rewards_coefficient: float | None = None
+    # No dropout, as TRL: the rewards of a step are those evaluation sees.
+    disable_dropout: bool = True
+
+    def check(self) -> None:
+        if self.format not in PAIR_FORMATS:
+            raise ConfigError(f"task.format={self.format!r}: choose {', '.join(PAIR_FORMATS)}.")
+        check_text_rows(self.text_rows)
+        if self.truncation not in TRUNCATION:
+            raise ConfigError(
+                f"task.truncation={self.truncation!r}: choose drop (leave a pair with a side "
+                "longer than task.max_seq_length out, as TRL) or truncate (cut its end)."
+            )
