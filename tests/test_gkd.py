@@ -1,0 +1,95 @@
+"""The GKD task (``task=gkd``): its loss and gradient against TRL's ``GKDTrainer`` on the same
+tokens, its settings' refusals, and one end-to-end run of its guarantees.
+
+Rows: the first bundled held-out SQuAD conversations, not written for these tests. The student
+is the tiny Llama with its weights perturbed, the teacher the tiny Llama itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+from conftest import ROOT, make_task
+from transformers import AutoModelForCausalLM
+
+from recipes.config import ConfigError, DataConfig, ModelConfig
+from recipes.model import load_tokenizer
+from recipes.tasks.reference import Reference
+
+# TRL's experimental GKD (imported here, at collection: its first import takes seconds).
+GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
+
+CONVERSATIONS = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
+TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
+ROWS = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines()[:6]]
+
+
+def _models():
+    teacher = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="sdpa").eval()
+    student = copy.deepcopy(teacher)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in student.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    return student, teacher.requires_grad_(False)
+
+
+def _batch(tmp_path, **task):
+    """The task (its teacher set) and a training batch of ROWS in file order."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    gkd = make_task("gkd", chat_template="zephyr", max_seq_length=256, **task)
+    data = gkd.build_data(
+        DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
+    )
+    return gkd, data.train_collator([data.train[i] for i in range(len(data.train))])
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
+    """This task's loss (summed JSD over labelled tokens / their count) and the student's
+    gradient equal TRL's, its ``compute_loss`` (which calls ``generalized_jsd_loss`` with the
+    causal shift, the labels' mask and no temperature) run on the same batch and models; the
+    sampling temperature (0.7 here) does not enter the loss in either."""
+    gkd, batch = _batch(tmp_path, beta=beta, temperature=0.7, lmbda=0.0)
+    student, teacher = _models()
+    gkd.teacher = Reference(adapter_disabled=False, frozen=teacher)
+    total, count = gkd.divergence(student, batch)
+    ours = total.sum() / count.sum()
+    ours.backward()
+    ours_grads = _grads(student)
+    student.zero_grad()
+
+    # TRL's own compute_loss on a stand-in for its trainer holding what it reads of self.
+    trainer = types.SimpleNamespace(
+        teacher_model=teacher, beta=beta, generalized_jsd_loss=GKDTrainer.generalized_jsd_loss
+    )
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    theirs = GKDTrainer.compute_loss(trainer, student, inputs)
+    theirs.backward()
+    assert count.sum() > 6 * 3  # every row has labelled tokens
+    assert ours.item() > 1e-3  # the perturbed student is far from its teacher
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for mine, trls in zip(ours_grads, _grads(student), strict=True):
+        torch.testing.assert_close(mine, trls, atol=1e-6, rtol=0)
+
+
+def test_settings_refused_with_one_line():
+    with pytest.raises(ConfigError, match="task.precompute_teacher=true with task.lmbda=0.5"):
+        make_task("gkd", precompute_teacher=True)
+    with pytest.raises(ConfigError, match="task.seq_kd=true"):
+        make_task("gkd", precompute_teacher=True, lmbda=0.0, seq_kd=True)
+    with pytest.raises(ConfigError, match=r"task.beta=1.5: must be in \[0, 1\]"):
+        make_task("gkd", beta=1.5)
+    with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
+        make_task("gkd", lmbda=-0.1)
+    assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
