@@ -13,7 +13,15 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT, make_task
+from conftest import (
+    ROOT,
+    kill_at_checkpoint,
+    make_task,
+    read_metrics,
+    run_cpu_launch,
+    run_train,
+    start_train,
+)
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
@@ -84,12 +92,100 @@ def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
 
 
 def test_settings_refused_with_one_line():
-    with pytest.raises(ConfigError, match="task.precompute_teacher=true with task.lmbda=0.5"):
+    with pytest.raises(ConfigError, match=r"task.precompute_teacher=true with task.lmbda=0.5"):
         make_task("gkd", precompute_teacher=True)
-    with pytest.raises(ConfigError, match="task.seq_kd=true"):
+    with pytest.raises(ConfigError, match=r"task.seq_kd=true"):
         make_task("gkd", precompute_teacher=True, lmbda=0.0, seq_kd=True)
     with pytest.raises(ConfigError, match=r"task.beta=1.5: must be in \[0, 1\]"):
         make_task("gkd", beta=1.5)
     with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
         make_task("gkd", lmbda=-0.1)
     assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
+
+
+# ----------------------------------------------------------------------------- end to end
+
+SMOKE = ("recipe=llama_gkd", "debug=smoke", "logger=none", "trainer.progress_bar=false")
+
+
+@pytest.fixture
+def teacher(tmp_path):
+    """A teacher of the tiny Llama's vocabulary that is not the student: its weights perturbed,
+    saved with its tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_LLAMA).save_pretrained(folder)
+    return folder
+
+
+def _settings(run, cache_dir, teacher, *more):
+    return (
+        *SMOKE,
+        f"output_dir={run}",
+        f"data.cache_dir={cache_dir}",
+        f"task.teacher_model={teacher}",
+        "task.num_generations=0",
+        "data.max_eval_examples=16",
+        "trainer.log_every_n_steps=1",
+        "trainer.save_final_model=false",
+        "peft.dropout=0",
+        *more,
+    )
+
+
+def _curve(run):
+    keys = ("train/loss", "train/on_policy", "train/grad_norm")
+    return {r["step"]: [r[k] for k in keys] for r in read_metrics(run) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir, teacher):
+    """LoRA, half the rows on-policy: the held-out divergence from the teacher falls; a run
+    killed after its step-2 checkpoint and resumed draws the same on-policy rows and samples and
+    logs the uninterrupted run's losses."""
+    more = ("trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.eval_at_end=true")
+    whole = tmp_path / "whole"
+    run_train(*_settings(whole, cache_dir, teacher, *more, "trainer.eval_at_start=true"))
+    evals = [r["eval/loss"] for r in read_metrics(whole) if "eval/loss" in r]
+    assert evals[-1] < evals[0] * 0.95, evals
+    want = _curve(whole)
+    assert all(0 < on < 1 for _, on, _ in want.values()), want  # some rows sampled, not all
+    killed = tmp_path / "killed"
+    settings = _settings(killed, cache_dir, teacher, *more, "trainer.eval_at_start=false")
+    kill_at_checkpoint(start_train(*settings), killed, 2)
+    done = run_train(*settings, "resume=auto")
+    assert "resumed from" in done.stderr
+    got = _curve(killed)
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), step
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(
+    tmp_path, cache_dir, teacher
+):
+    """The same global batch on one process and on two: each row's on-policy draw and sample
+    come from its own seed, so the losses are the one process's. mode=eval of the run's
+    checkpoint gives the divergence its training run's last evaluation logged."""
+    more = ("trainer.max_steps=3", "trainer.eval_at_end=true", "trainer.eval_at_start=false")
+    one = tmp_path / "one"
+    run_train(*_settings(one, cache_dir, teacher, *more, "trainer.per_device_train_batch_size=8"))
+    two = tmp_path / "two"
+    proc = run_cpu_launch(
+        ROOT / "train.py",
+        *_settings(two, cache_dir, teacher, *more, "trainer.per_device_train_batch_size=4"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _curve(two) == pytest.approx(_curve(one), rel=1e-4, abs=1e-6)
+    scored = tmp_path / "scored"
+    run_train(*_settings(scored, cache_dir, teacher, "mode=eval", f"resume={one}"))
+    trained = [r["eval/loss"] for r in read_metrics(one) if "eval/loss" in r][-1]
+    (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
+    assert record["eval/loss"] == pytest.approx(trained, rel=1e-6)

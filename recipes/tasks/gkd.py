@@ -19,6 +19,9 @@ Which rows go on-policy, and every sample, are drawn per row from the run's seed
 the row (:class:`GkdCollator`; never Python's global ``random``, as TRL): a resumed run, or one
 on another number of processes, trains on the same completions.
 
+Logged beside the loss: ``train/on_policy``, the share of the labelled tokens that were the
+student's own samples.
+
 The teacher (:class:`recipes.tasks.reference.Reference`, built in ``before_training``): a frozen
 model loaded from ``teacher_model`` (same vocabulary as the student, checked), kept in eval mode
 and run without autograd under the run's autocast; with ``teacher_model`` unset, TRL's default,
@@ -164,8 +167,9 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         self.run: RunContext | None = None
 
     def loss_shape(self) -> LossShape:
-        """Summed over labelled tokens (at most ``max_seq_length`` per row)."""
-        return LossShape(Averaging.sum, terms_per_example=self.args.max_seq_length)
+        """Summed over labelled tokens (at most ``max_seq_length`` per row); ``on_policy``: the
+        share of them in the student's own samples."""
+        return LossShape(Averaging.sum, self.args.max_seq_length, ("on_policy",))
 
     # ------------------------------------------------------------------------------- data
 
@@ -265,23 +269,19 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         if not args.seq_kd and not any(on_policy):
             return batch
         assert self.run is not None and self.teacher is not None
-        ids = [
-            r[m.bool()].tolist()
-            for r, m in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), strict=True)
-        ]
+        masks = batch["attention_mask"].cpu().bool()
+        ids = [row[m].tolist() for row, m in zip(batch["input_ids"].cpu(), masks, strict=True)]
+        labels = [row[: len(i)] for row, i in zip(batch["labels"].tolist(), ids, strict=True)]
         prompts = [row[:n] for row, n in zip(ids, batch["prompt_length"].tolist(), strict=True)]
         seeds = batch["row_seed"].tolist()
-        rows = [
-            {"input_ids": row, "labels": label}
-            for row, label in zip(ids, self._labels(batch, ids), strict=True)
-        ]
+        rows = [{"input_ids": i, "labels": label} for i, label in zip(ids, labels, strict=True)]
         students = [i for i, on in enumerate(on_policy) if on]
         teachers = [i for i, on in enumerate(on_policy) if not on] if args.seq_kd else []
-        for chosen, sample in ((students, None), (teachers, self.teacher)):
+        for chosen, sampler in ((students, None), (teachers, self.teacher)):
             if not chosen:
                 continue
             completions = self._sample(
-                model, [prompts[i] for i in chosen], [seeds[i] for i in chosen], sample
+                model, [prompts[i] for i in chosen], [seeds[i] for i in chosen], sampler
             )
             for i, completion in zip(chosen, completions, strict=True):
                 rows[i] = {
@@ -289,11 +289,8 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
                     "labels": [IGNORE] * len(prompts[i]) + completion,
                 }
         padded = conversations.ChatCollator(self.run.tokenizer.pad_token_id or 0)(rows)
-        return {k: v.to(batch["input_ids"].device) for k, v in padded.items()}
-
-    @staticmethod
-    def _labels(batch: Mapping[str, torch.Tensor], ids: list[list[int]]) -> list[list[int]]:
-        return [row[: len(i)] for row, i in zip(batch["labels"].tolist(), ids, strict=True)]
+        device = batch["input_ids"].device
+        return {**{k: v.to(device) for k, v in padded.items()}, "on_policy": batch["on_policy"]}
 
     @torch.no_grad()
     def _sample(
@@ -355,7 +352,8 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         """The step's labelled tokens' summed JSD and their count (the loop divides by the
         count of the whole optimizer step on every process)."""
         total, count = self.divergence(model, self._sequences(model, batch))
-        return SummedLoss(total.sum(), count.sum())
+        sampled = (count * batch["on_policy"].to(count.device)).sum().float()
+        return SummedLoss(total.sum(), count.sum(), {"on_policy": sampled})
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
