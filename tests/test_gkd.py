@@ -191,3 +191,48 @@ def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(
     trained = [r["eval/loss"] for r in read_metrics(one) if "eval/loss" in r][-1]
     (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
     assert record["eval/loss"] == pytest.approx(trained, rel=1e-6)
+
+
+def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tmp_path, teacher):
+    """task.precompute_teacher: the cached full-vocabulary log-probs give the loss the teacher
+    on the device gives; a teacher of another vocabulary is refused."""
+    from accelerate import Accelerator
+
+    from recipes.config import GenerationConfig
+    from recipes.tasks.base import RunContext
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    settings = {"chat_template": "zephyr", "max_seq_length": 256, "lmbda": 0.0}
+    cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    student, _ = _models()
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    live = make_task("gkd", teacher_model=str(teacher), **settings)
+    data = live.build_data(cfg, tokenizer)
+    live.before_training(student, data, run, 4)
+    cached = make_task("gkd", teacher_model=str(teacher), precompute_teacher=True, **settings)
+    cached_data = cached.build_data(cfg, tokenizer)
+    cached.before_training(student, cached_data, run, 4)
+    assert list((tmp_path / "cache").glob("gkd-teacher-*.pt"))
+    for split in ("train", "eval"):
+        rows = [getattr(data, split)[i] for i in range(len(ROWS))]
+        batch = getattr(cached_data, f"{split}_collator")(rows)
+        assert "teacher_logps" in batch
+        with torch.no_grad():
+            want, count = live.divergence(student, getattr(data, f"{split}_collator")(rows))
+            got, _ = cached.divergence(student, batch)
+        assert want.sum() > 1e-3 * count.sum()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # A teacher whose tokenizer has one token more (and its embedding row).
+    from transformers import AutoTokenizer
+
+    bigger = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    bigger.add_tokens(["<extra>"])
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    model.resize_token_embeddings(len(bigger))
+    model.save_pretrained(tmp_path / "other")
+    bigger.save_pretrained(tmp_path / "other")
+    other = make_task("gkd", teacher_model=str(tmp_path / "other"), **settings)
+    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary"):
+        other.before_training(student, other.build_data(cfg, tokenizer), run, 4)

@@ -395,7 +395,9 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
                 "run the teacher on the device (task.precompute_teacher=false) or raise the cap."
             )
         features = hashlib.sha256(
-            json.dumps([s["input_ids"] + s["labels"] for s in splits.values()]).encode()
+            json.dumps(
+                [[list(s["input_ids"]), list(s["labels"])] for s in splits.values()]
+            ).encode()
         ).hexdigest()
         digest = data_lib.cache_key(
             features=features,
