@@ -125,12 +125,12 @@ def teacher(tmp_path):
     return folder
 
 
-def _settings(run, cache_dir, teacher, *more):
+def _settings(run, cache_dir, *more):
+    """The smoke run (its teacher the bundled tiny GPT-2, of the tiny Llama's tokenizer)."""
     return (
         *SMOKE,
         f"output_dir={run}",
         f"data.cache_dir={cache_dir}",
-        f"task.teacher_model={teacher}",
         "task.num_generations=0",
         "data.max_eval_examples=16",
         "trainer.log_every_n_steps=1",
@@ -146,19 +146,19 @@ def _curve(run):
 
 
 @pytest.mark.slow
-def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir, teacher):
+def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir):
     """LoRA, half the rows on-policy: the held-out divergence from the teacher falls; a run
     killed after its step-2 checkpoint and resumed draws the same on-policy rows and samples and
     logs the uninterrupted run's losses."""
     more = ("trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.eval_at_end=true")
     whole = tmp_path / "whole"
-    run_train(*_settings(whole, cache_dir, teacher, *more, "trainer.eval_at_start=true"))
+    run_train(*_settings(whole, cache_dir, *more, "trainer.eval_at_start=true"))
     evals = [r["eval/loss"] for r in read_metrics(whole) if "eval/loss" in r]
     assert evals[-1] < evals[0] * 0.95, evals
     want = _curve(whole)
     assert all(0 < on < 1 for _, on, _ in want.values()), want  # some rows sampled, not all
     killed = tmp_path / "killed"
-    settings = _settings(killed, cache_dir, teacher, *more, "trainer.eval_at_start=false")
+    settings = _settings(killed, cache_dir, *more, "trainer.eval_at_start=false")
     kill_at_checkpoint(start_train(*settings), killed, 2)
     done = run_train(*settings, "resume=auto")
     assert "resumed from" in done.stderr
@@ -168,26 +168,24 @@ def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir, te
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(
-    tmp_path, cache_dir, teacher
-):
+def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(tmp_path, cache_dir):
     """The same global batch on one process and on two: each row's on-policy draw and sample
     come from its own seed, so the losses are the one process's. mode=eval of the run's
     checkpoint gives the divergence its training run's last evaluation logged."""
     more = ("trainer.max_steps=3", "trainer.eval_at_end=true", "trainer.eval_at_start=false")
     one = tmp_path / "one"
-    run_train(*_settings(one, cache_dir, teacher, *more, "trainer.per_device_train_batch_size=8"))
+    run_train(*_settings(one, cache_dir, *more, "trainer.per_device_train_batch_size=8"))
     two = tmp_path / "two"
     proc = run_cpu_launch(
         ROOT / "train.py",
-        *_settings(two, cache_dir, teacher, *more, "trainer.per_device_train_batch_size=4"),
+        *_settings(two, cache_dir, *more, "trainer.per_device_train_batch_size=4"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = [value for step in sorted(_curve(one)) for value in _curve(one)[step]]
     got = [value for step in sorted(_curve(two)) for value in _curve(two)[step]]
     assert len(got) == 3 * 3 and got == pytest.approx(want, rel=1e-4, abs=1e-6)
     scored = tmp_path / "scored"
-    run_train(*_settings(scored, cache_dir, teacher, "mode=eval", f"resume={one}"))
+    run_train(*_settings(scored, cache_dir, "mode=eval", f"resume={one}"))
     trained = [r["eval/loss"] for r in read_metrics(one) if "eval/loss" in r][-1]
     (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
     assert record["eval/loss"] == pytest.approx(trained, rel=1e-6)
