@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks.reference import Reference
+from recipes.tasks.reference import Reference, check_evaluated_model
 
 # TRL's experimental GKD (imported here, at collection: its first import takes seconds).
 GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
@@ -101,6 +101,10 @@ def test_settings_refused_with_one_line():
     with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
         make_task("gkd", lmbda=-0.1)
     assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
+    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself.
+    with pytest.raises(ConfigError, match=r"mode=eval .*its reference model"):
+        check_evaluated_model(make_task("gkd").args, "run/final", None)
+    check_evaluated_model(make_task("gkd", teacher_model="teacher").args, "run/final", None)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -234,3 +238,54 @@ def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tm
     other = make_task("gkd", teacher_model=str(tmp_path / "other"), **settings)
     with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary"):
         other.before_training(student, other.build_data(cfg, tokenizer), run, 4)
+
+
+def test_on_policy_rows_take_the_students_samples_and_the_others_the_teachers(tmp_path):
+    """lmbda=0.5 with seq_kd: each row drawn on-policy gets the student's sample, each other
+    row the teacher's (the tiny GPT-2), both from the row's own seed (the same on a second call,
+    as on resume), the prompt unlabelled; the loss trains on them and logs the on-policy share."""
+    from accelerate import Accelerator
+
+    from recipes import generation
+    from recipes.config import GenerationConfig
+    from recipes.tasks.base import RunContext
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    teacher = ROOT / "recipes/assets/tiny-gpt2"
+    gkd = make_task(
+        "gkd",
+        chat_template="zephyr",
+        max_seq_length=256,
+        lmbda=0.5,
+        seq_kd=True,
+        max_new_tokens=8,
+        teacher_model=str(teacher),
+    )
+    data = gkd.build_data(DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "c")), tokenizer)
+    student, _ = _models()
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    gkd.before_training(student, data, run, 4)
+    data.train_collator.start_epoch(7, 0)
+    batch = data.train_collator([data.train[i] for i in range(len(ROWS))])
+    on_policy = batch["on_policy"].tolist()
+    assert 0 < sum(on_policy) < len(ROWS)  # both kinds in this batch (seed 7)
+    first, again = gkd._sequences(student, batch), gkd._sequences(student, batch)
+    assert torch.equal(first["input_ids"], again["input_ids"])
+    frozen = AutoModelForCausalLM.from_pretrained(teacher)
+    sampling = GenerationConfig(do_sample=True, temperature=0.9, top_p=1.0, top_k=0)
+    for row, on in enumerate(on_policy):
+        n = int(batch["prompt_length"][row])
+        prompt = batch["input_ids"][row, :n].tolist()
+        seed = int(batch["row_seed"][row])
+        stream = [torch.Generator().manual_seed(seed)]
+        (want,) = generation.complete_ids(
+            student if on else frozen, [prompt], tokenizer, sampling, 8, streams=stream
+        )
+        mask = first["attention_mask"][row].bool()
+        assert first["input_ids"][row][mask].tolist() == prompt + want
+        labels = first["labels"][row][mask].tolist()
+        assert labels == [-100] * n + want
+    loss = gkd.loss(student, batch)
+    assert loss.total > 0 and 0 < loss.stats["on_policy"] < loss.count
