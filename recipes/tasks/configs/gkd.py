@@ -70,6 +70,11 @@ class GkdConfig(ChatConfig):
             raise ConfigError(
                 f"task.teacher_dtype={self.teacher_dtype!r}: choose {', '.join(TEACHER_DTYPES)}."
             )
+        if self.teacher_gguf_file and self.teacher_model is None:
+            raise ConfigError(
+                f"task.teacher_gguf_file={self.teacher_gguf_file} names a file of "
+                "task.teacher_model, which is unset; set task.teacher_model to its folder."
+            )
         if self.precompute_teacher and (self.lmbda > 0 or self.seq_kd):
             raise ConfigError(
                 f"task.precompute_teacher=true with task.lmbda={self.lmbda}, "
