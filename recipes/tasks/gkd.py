@@ -331,22 +331,21 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's summed generalized JSD over its labelled tokens (the logits at position
-        t against the label at t + 1, TRL's shift), and its count of them."""
+        t against the label at t + 1, TRL's shift), and its count of them. With the teacher on
+        the device every position is computed and the unlabelled ones zeroed (no host sync to
+        find the labelled ones); precomputed log-probs come for the labelled positions only."""
         assert self.teacher is not None, "task=gkd: the loss runs after before_training"
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         mask = batch["labels"][:, 1:] != IGNORE
-        student = model(**inputs, use_cache=False).logits[:, :-1][mask]
+        student = model(**inputs, use_cache=False).logits[:, :-1]
+        beta = self.args.beta
         if TEACHER_LOGPS in batch:
-            teacher, is_logps = batch[TEACHER_LOGPS], True
+            per_token = student.new_zeros(mask.shape, dtype=torch.float32)
+            per_token[mask] = generalized_jsd(student[mask], batch[TEACHER_LOGPS], beta, True)
         else:
-            teacher = self.teacher.run(
-                model, lambda w: w(**inputs, use_cache=False).logits[:, :-1][mask]
-            )
-            is_logps = False
-        per_token = generalized_jsd(student, teacher, self.args.beta, is_logps)
-        rows = mask.nonzero()[:, 0]
-        total = per_token.new_zeros(mask.shape[0]).index_add(0, rows, per_token)
-        return total, mask.sum(1)
+            teacher = self.teacher.run(model, _forward(inputs))
+            per_token = generalized_jsd(student, teacher, beta) * mask
+        return per_token.sum(1), mask.sum(1)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The step's labelled tokens' summed JSD and their count (the loop divides by the
