@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,12 +87,12 @@ def generalized_jsd(
     elif beta == 1:
         jsd = F.kl_div(teacher, student, reduction="none", log_target=True)
     else:
-        weight = torch.tensor(beta, dtype=student.dtype, device=student.device)
+        # TRL makes beta a device tensor; a Python float gives the same sums without the copy.
         mixture = torch.logsumexp(
-            torch.stack([student + torch.log1p(-weight), teacher + torch.log(weight)]), dim=0
+            torch.stack([student + math.log1p(-beta), teacher + math.log(beta)]), dim=0
         )
-        jsd = weight * F.kl_div(mixture, teacher, reduction="none", log_target=True) + (
-            1 - weight
+        jsd = beta * F.kl_div(mixture, teacher, reduction="none", log_target=True) + (
+            1 - beta
         ) * F.kl_div(mixture, student, reduction="none", log_target=True)
     return jsd.sum(-1)
 
