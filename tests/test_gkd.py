@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import types
 
 import pytest
 import torch
 from conftest import (
     ROOT,
-    kill_at_checkpoint,
     make_task,
     read_metrics,
     run_cpu_launch,
     run_train,
-    start_train,
 )
 from transformers import AutoModelForCausalLM
 
@@ -150,10 +149,11 @@ def _curve(run):
 
 
 @pytest.mark.slow
-def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir):
-    """LoRA, half the rows on-policy: the held-out divergence from the teacher falls; a run
-    killed after its step-2 checkpoint and resumed draws the same on-policy rows and samples and
-    logs the uninterrupted run's losses."""
+def test_lora_run_learns_the_teacher_resumes_exactly_and_eval_mode_scores_it(tmp_path, cache_dir):
+    """LoRA, half the rows on-policy: the held-out divergence from the teacher falls. Resumed
+    from its step-2 checkpoint (the later ones removed), the run draws the same on-policy rows
+    and samples and logs the uninterrupted run's losses. mode=eval of the run's last checkpoint
+    gives the divergence its last evaluation logged."""
     more = ("trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.eval_at_end=true")
     whole = tmp_path / "whole"
     run_train(*_settings(whole, cache_dir, *more, "trainer.eval_at_start=true"))
@@ -161,22 +161,29 @@ def test_lora_run_learns_the_teacher_and_resumes_exactly(tmp_path, cache_dir):
     assert evals[-1] < evals[0] * 0.95, evals
     want = _curve(whole)
     assert all(0 < on < 1 for _, on, _ in want.values()), want  # some rows sampled, not all
-    killed = tmp_path / "killed"
-    settings = _settings(killed, cache_dir, *more, "trainer.eval_at_start=false")
-    kill_at_checkpoint(start_train(*settings), killed, 2)
-    done = run_train(*settings, "resume=auto")
+    scored = tmp_path / "scored"
+    run_train(*_settings(scored, cache_dir, "mode=eval", f"resume={whole}"))
+    (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
+    assert record["eval/loss"] == pytest.approx(evals[-1], rel=1e-6)
+    # The run as a process killed after its step-2 checkpoint leaves it, then resumed.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints/step-00000004")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines(True)
+    kept = [line for line in lines if json.loads(line)["step"] <= 2]
+    (resumed / "metrics.jsonl").write_text("".join(kept))
+    done = run_train(*_settings(resumed, cache_dir, *more), "resume=auto")
     assert "resumed from" in done.stderr
-    got = _curve(killed)
+    got = _curve(resumed)
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), step
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(tmp_path, cache_dir):
+def test_two_processes_train_as_one(tmp_path, cache_dir):
     """The same global batch on one process and on two: each row's on-policy draw and sample
-    come from its own seed, so the losses are the one process's. mode=eval of the run's
-    checkpoint gives the divergence its training run's last evaluation logged."""
-    more = ("trainer.max_steps=3", "trainer.eval_at_end=true", "trainer.eval_at_start=false")
+    come from its own seed, so the losses are the one process's."""
+    more = ("trainer.max_steps=3", "trainer.eval_at_end=false", "trainer.eval_at_start=false")
     one = tmp_path / "one"
     run_train(*_settings(one, cache_dir, *more, "trainer.per_device_train_batch_size=8"))
     two = tmp_path / "two"
@@ -188,11 +195,6 @@ def test_two_processes_train_as_one_and_eval_mode_scores_the_divergence(tmp_path
     want = [value for step in sorted(_curve(one)) for value in _curve(one)[step]]
     got = [value for step in sorted(_curve(two)) for value in _curve(two)[step]]
     assert len(got) == 3 * 3 and got == pytest.approx(want, rel=1e-4, abs=1e-6)
-    scored = tmp_path / "scored"
-    run_train(*_settings(scored, cache_dir, "mode=eval", f"resume={one}"))
-    trained = [r["eval/loss"] for r in read_metrics(one) if "eval/loss" in r][-1]
-    (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
-    assert record["eval/loss"] == pytest.approx(trained, rel=1e-6)
 
 
 def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tmp_path, teacher):
