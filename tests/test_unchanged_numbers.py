@@ -39,6 +39,7 @@ RECIPES = (
     "llama_dpo",
     "llama_kto",
     "llama_grpo",
+    "llama_gkd",
     "t5_summarization",
     "t5_translation",
     "t5_squad",

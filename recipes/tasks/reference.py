@@ -44,6 +44,7 @@ from recipes.log import get_logger
 from recipes.tasks.chat_features import ChatData
 from recipes.tasks.configs import TaskConfig
 from recipes.tasks.configs.dpo import REFERENCE_FREE, DpoConfig
+from recipes.tasks.configs.gkd import GkdConfig
 from recipes.tasks.configs.kto import KtoConfig
 
 log = get_logger(__name__)
@@ -142,7 +143,10 @@ def evaluated_against_reference(config: TaskConfig) -> bool:
     """Whether the task's evaluation compares the model with its reference (DPO's rewards,
     margins and accuracies; KTO's rewards and KL), rather than scoring the model alone. GRPO's
     evaluation scores greedy completions with the reward functions: its ``beta`` (the reference)
-    changes only the training loss."""
+    changes only the training loss. GKD's evaluation is the divergence from its teacher: the
+    starting weights where ``teacher_model`` is unset."""
+    if isinstance(config, GkdConfig):
+        return config.teacher_model is None
     if isinstance(config, DpoConfig):
         return config.loss_type not in REFERENCE_FREE
     return isinstance(config, KtoConfig)

@@ -1,0 +1,293 @@
+"""The GKD task (``task=gkd``): its loss and gradient against TRL's ``GKDTrainer`` on the same
+tokens, its settings' refusals, and one end-to-end run of its guarantees.
+
+Rows: the first bundled held-out SQuAD conversations, not written for these tests. The student
+is the tiny Llama with its weights perturbed, the teacher the tiny Llama itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import types
+
+import pytest
+import torch
+from conftest import (
+    ROOT,
+    make_task,
+    read_metrics,
+    run_cpu_launch,
+    run_train,
+)
+from transformers import AutoModelForCausalLM
+
+from recipes.config import ConfigError, DataConfig, ModelConfig
+from recipes.model import load_tokenizer
+from recipes.tasks.reference import Reference, check_evaluated_model
+
+# TRL's experimental GKD (imported here, at collection: its first import takes seconds).
+GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
+
+CONVERSATIONS = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
+TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
+ROWS = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines()[:6]]
+
+
+def _models():
+    teacher = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="sdpa").eval()
+    student = copy.deepcopy(teacher)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in student.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    return student, teacher.requires_grad_(False)
+
+
+def _batch(tmp_path, **task):
+    """The task (its teacher set) and a training batch of ROWS in file order."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    gkd = make_task("gkd", chat_template="zephyr", max_seq_length=256, **task)
+    data = gkd.build_data(
+        DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
+    )
+    return gkd, data.train_collator([data.train[i] for i in range(len(data.train))])
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
+    """This task's loss (summed JSD over labelled tokens / their count) and the student's
+    gradient equal TRL's, its ``compute_loss`` (which calls ``generalized_jsd_loss`` with the
+    causal shift, the labels' mask and no temperature) run on the same batch and models; the
+    sampling temperature (0.7 here) does not enter the loss in either."""
+    gkd, batch = _batch(tmp_path, beta=beta, temperature=0.7, lmbda=0.0)
+    student, teacher = _models()
+    gkd.teacher = Reference(adapter_disabled=False, frozen=teacher)
+    total, count = gkd.divergence(student, batch)
+    ours = total.sum() / count.sum()
+    ours.backward()
+    ours_grads = _grads(student)
+    student.zero_grad()
+
+    # TRL's own compute_loss on a stand-in for its trainer holding what it reads of self.
+    trainer = types.SimpleNamespace(
+        teacher_model=teacher, beta=beta, generalized_jsd_loss=GKDTrainer.generalized_jsd_loss
+    )
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    theirs = GKDTrainer.compute_loss(trainer, student, inputs)
+    theirs.backward()
+    assert count.sum() > 6 * 3  # every row has labelled tokens
+    assert ours.item() > 1e-3  # the perturbed student is far from its teacher
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for mine, trls in zip(ours_grads, _grads(student), strict=True):
+        torch.testing.assert_close(mine, trls, atol=1e-6, rtol=0)
+
+
+def test_settings_refused_with_one_line():
+    with pytest.raises(ConfigError, match=r"task.precompute_teacher=true with task.lmbda=0.5"):
+        make_task("gkd", precompute_teacher=True)
+    with pytest.raises(ConfigError, match=r"task.seq_kd=true"):
+        make_task("gkd", precompute_teacher=True, lmbda=0.0, seq_kd=True)
+    with pytest.raises(ConfigError, match=r"task.beta=1.5: must be in \[0, 1\]"):
+        make_task("gkd", beta=1.5)
+    with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
+        make_task("gkd", lmbda=-0.1)
+    assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
+    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself.
+    with pytest.raises(ConfigError, match=r"mode=eval .*its reference model"):
+        check_evaluated_model(make_task("gkd").args, "run/final", None)
+    check_evaluated_model(make_task("gkd", teacher_model="teacher").args, "run/final", None)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+SMOKE = ("recipe=llama_gkd", "debug=smoke", "logger=none", "trainer.progress_bar=false")
+
+
+@pytest.fixture
+def teacher(tmp_path):
+    """A teacher of the tiny Llama's vocabulary that is not the student: its weights perturbed,
+    saved with its tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_LLAMA).save_pretrained(folder)
+    return folder
+
+
+def _settings(run, cache_dir, *more):
+    """The smoke run (its teacher the bundled tiny GPT-2, of the tiny Llama's tokenizer)."""
+    return (
+        *SMOKE,
+        f"output_dir={run}",
+        f"data.cache_dir={cache_dir}",
+        "task.num_generations=0",
+        "data.max_eval_examples=16",
+        "trainer.log_every_n_steps=1",
+        "trainer.save_final_model=false",
+        "peft.dropout=0",
+        *more,
+    )
+
+
+def _curve(run):
+    keys = ("train/loss", "train/on_policy", "train/grad_norm")
+    return {r["step"]: [r[k] for k in keys] for r in read_metrics(run) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_lora_run_learns_the_teacher_resumes_exactly_and_eval_mode_scores_it(tmp_path, cache_dir):
+    """LoRA, half the rows on-policy: the held-out divergence from the teacher falls. Resumed
+    from its step-2 checkpoint (the later ones removed), the run draws the same on-policy rows
+    and samples and logs the uninterrupted run's losses. mode=eval of the run's last checkpoint
+    gives the divergence its last evaluation logged."""
+    more = ("trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.eval_at_end=true")
+    whole = tmp_path / "whole"
+    run_train(*_settings(whole, cache_dir, *more, "trainer.eval_at_start=true"))
+    evals = [r["eval/loss"] for r in read_metrics(whole) if "eval/loss" in r]
+    assert evals[-1] < evals[0] * 0.95, evals
+    want = _curve(whole)
+    assert all(0 < on < 1 for _, on, _ in want.values()), want  # some rows sampled, not all
+    scored = tmp_path / "scored"
+    run_train(*_settings(scored, cache_dir, "mode=eval", f"resume={whole}"))
+    (record,) = [r for r in read_metrics(scored) if "eval/loss" in r]
+    assert record["eval/loss"] == pytest.approx(evals[-1], rel=1e-6)
+    # The run as a process killed after its step-2 checkpoint leaves it, then resumed.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints/step-00000004")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines(True)
+    kept = [line for line in lines if json.loads(line)["step"] <= 2]
+    (resumed / "metrics.jsonl").write_text("".join(kept))
+    done = run_train(*_settings(resumed, cache_dir, *more), "resume=auto")
+    assert "resumed from" in done.stderr
+    got = _curve(resumed)
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), step
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(tmp_path, cache_dir):
+    """The same global batch on one process and on two: each row's on-policy draw and sample
+    come from its own seed, so the losses are the one process's."""
+    more = ("trainer.max_steps=3", "trainer.eval_at_end=false", "trainer.eval_at_start=false")
+    one = tmp_path / "one"
+    run_train(*_settings(one, cache_dir, *more, "trainer.per_device_train_batch_size=8"))
+    two = tmp_path / "two"
+    proc = run_cpu_launch(
+        ROOT / "train.py",
+        *_settings(two, cache_dir, *more, "trainer.per_device_train_batch_size=4"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = [value for step in sorted(_curve(one)) for value in _curve(one)[step]]
+    got = [value for step in sorted(_curve(two)) for value in _curve(two)[step]]
+    assert len(got) == 3 * 3 and got == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tmp_path, teacher):
+    """task.precompute_teacher: the cached full-vocabulary log-probs give the loss the teacher
+    on the device gives; a teacher of another vocabulary is refused."""
+    from accelerate import Accelerator
+
+    from recipes.config import GenerationConfig
+    from recipes.tasks.base import RunContext
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    settings = {"chat_template": "zephyr", "max_seq_length": 256, "lmbda": 0.0}
+    cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    student, _ = _models()
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    live = make_task("gkd", teacher_model=str(teacher), **settings)
+    data = live.build_data(cfg, tokenizer)
+    live.before_training(student, data, run, 4)
+    cached = make_task("gkd", teacher_model=str(teacher), precompute_teacher=True, **settings)
+    cached_data = cached.build_data(cfg, tokenizer)
+    cached.before_training(student, cached_data, run, 4)
+    assert list((tmp_path / "cache").glob("gkd-teacher-*.pt"))
+    for split in ("train", "eval"):
+        rows = [getattr(data, split)[i] for i in range(len(ROWS))]
+        batch = getattr(cached_data, f"{split}_collator")(rows)
+        assert "teacher_logps" in batch
+        with torch.no_grad():
+            want, count = live.divergence(student, getattr(data, f"{split}_collator")(rows))
+            got, _ = cached.divergence(student, batch)
+        assert want.sum() > 1e-3 * count.sum()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # A teacher whose tokenizer has one token more (and its embedding row).
+    from transformers import AutoTokenizer
+
+    bigger = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    bigger.add_tokens(["<extra>"])
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    model.resize_token_embeddings(len(bigger))
+    model.save_pretrained(tmp_path / "other")
+    bigger.save_pretrained(tmp_path / "other")
+    other = make_task("gkd", teacher_model=str(tmp_path / "other"), **settings)
+    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary"):
+        other.before_training(student, other.build_data(cfg, tokenizer), run, 4)
+
+
+def test_on_policy_rows_take_the_students_samples_and_the_others_the_teachers(tmp_path):
+    """lmbda=0.5 with seq_kd: each row drawn on-policy gets the student's sample, each other
+    row the teacher's (the tiny GPT-2), both from the row's own seed (the same on a second call,
+    as on resume), the prompt unlabelled; the loss trains on them and logs the on-policy share."""
+    from accelerate import Accelerator
+
+    from recipes import generation
+    from recipes.config import GenerationConfig
+    from recipes.tasks.base import RunContext
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    teacher = ROOT / "recipes/assets/tiny-gpt2"
+    gkd = make_task(
+        "gkd",
+        chat_template="zephyr",
+        max_seq_length=256,
+        lmbda=0.5,
+        seq_kd=True,
+        max_new_tokens=8,
+        teacher_model=str(teacher),
+    )
+    data = gkd.build_data(DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "c")), tokenizer)
+    student, _ = _models()
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    gkd.before_training(student, data, run, 4)
+    data.train_collator.start_epoch(7, 0)
+    batch = data.train_collator([data.train[i] for i in range(len(ROWS))])
+    on_policy = batch["on_policy"].tolist()
+    assert 0 < sum(on_policy) < len(ROWS)  # both kinds in this batch (seed 7)
+    first, again = gkd._sequences(student, batch), gkd._sequences(student, batch)
+    assert torch.equal(first["input_ids"], again["input_ids"])
+    frozen = AutoModelForCausalLM.from_pretrained(teacher)
+    sampling = GenerationConfig(do_sample=True, temperature=0.9, top_p=1.0, top_k=0)
+    for row, on in enumerate(on_policy):
+        n = int(batch["prompt_length"][row])
+        prompt = batch["input_ids"][row, :n].tolist()
+        seed = int(batch["row_seed"][row])
+        stream = [torch.Generator().manual_seed(seed)]
+        (want,) = generation.complete_ids(
+            student if on else frozen, [prompt], tokenizer, sampling, 8, streams=stream
+        )
+        mask = first["attention_mask"][row].bool()
+        assert first["input_ids"][row][mask].tolist() == prompt + want
+        labels = first["labels"][row][mask].tolist()
+        assert labels == [-100] * n + want
+    loss = gkd.loss(student, batch)
+    assert loss.total > 0 and 0 < loss.stats["on_policy"] < loss.count
