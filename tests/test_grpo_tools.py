@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -206,3 +207,80 @@ def test_tool_calling_equals_trl(tmp_path):
             theirs_loss = trainer._compute_loss(trainer.model, theirs)
             total, count, _ = task.policy_loss(logps, None, None, advantages, loss_mask)
             assert float(total / count) == pytest.approx(float(theirs_loss), abs=1e-6), loss_type
+
+
+def hang(seconds: int) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def broken(x: int) -> str:
+    """Raise.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError(f"broken on {x}")
+
+
+def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
+    """The tiny model goes on after a tool that hangs (past task.tool_timeout), one that raises,
+    an unknown tool, bad arguments and a call that is not JSON; each later turn is drawn from
+    its completion's own stream: the same alone as in a batch."""
+    from accelerate import Accelerator
+
+    from recipes.config import GenerationConfig
+    from recipes.tasks.base import RunContext
+
+    tokenizer, chat, rows, _, model = _setup()
+    model.generation_config.eos_token_id = chat.stop_tokens
+    task = make_task(
+        "grpo",
+        chat_template="qwen2_5",
+        max_completion_length=192,
+        num_generations=GROUP,
+        rewards=REWARDS,
+        tools=["test_grpo_tools.hang", "test_grpo_tools.broken", "recipes.tools.calculator"],
+        max_tool_calling_iterations=1,
+        tool_timeout=0.5,
+    )
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
+    prompt = task._prompt_ids(tokenizer, chat.template, {**rows[0], "place": "row 0"}, "dev")
+    end = "<|im_end|>"
+    first = [
+        _call("hang", seconds=30),
+        _call("broken", x=3),
+        _call("lookup", key="x"),
+        _call("calculator", expression="__import__('os')"),
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',
+    ]
+    firsts = [tokenizer(t + end, add_special_tokens=False)["input_ids"] for t in first]
+    sampling = GenerationConfig(do_sample=True, top_k=0, batch_size=len(first))
+
+    def rollout(which: list[int]):
+        streams = [torch.Generator().manual_seed(100 + i) for i in which]
+        return task._tool_turns(
+            model, run, [prompt] * len(which), [firsts[i] for i in which], sampling, streams
+        )
+
+    started = time.perf_counter()
+    got = rollout(list(range(len(first))))
+    assert time.perf_counter() - started < 20  # the hanging tool's 30 s were not waited for
+    assert (got.calls, got.failures) == (5, 5)
+    errors = [m[1]["content"] for m in got.messages]
+    assert [m[1]["role"] for m in got.messages] == ["tool"] * 5
+    assert "hang did not return within 0.5 s (task.tool_timeout)" in errors[0]
+    assert "broken on 3" in errors[1]
+    assert "Tool lookup not found." in errors[2]
+    assert "not arithmetic" in errors[3]
+    assert "could not be read" in errors[4]
+    for ids, mask, messages in zip(got.completion_ids, got.tool_mask, got.messages, strict=True):
+        assert messages[2]["role"] == "assistant"  # the model's next turn
+        assert 0 in mask and mask[-1] == 1 and len(mask) == len(ids) <= 192
+    alone = rollout([1])
+    assert alone.completion_ids[0] == got.completion_ids[1]
