@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,11 @@ def load_tools(specs: Sequence[str]) -> list[Callable]:
             raise ConfigError(
                 f"task.tools: {spec!r} is not a function; give an import path such as "
                 "recipes.tools.calculator."
+            )
+        if inspect.iscoroutinefunction(fn):
+            raise ConfigError(
+                f"task.tools: {spec!r} is an async function, which is not supported here (TRL "
+                "awaits them); write it as a plain def."
             )
         try:
             get_json_schema(fn)
