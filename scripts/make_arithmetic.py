@@ -14,7 +14,7 @@ template, so that a smoke run on the CPU has tool calls to run (a random tiny mo
 one). It calls the tool in about every completion, not always with a right expression.
 
     python scripts/make_arithmetic.py [--out recipes/assets/arithmetic] [--train 256 --dev 32]
-    python scripts/make_arithmetic.py --model [--steps 600]      (about 5 minutes on 2 CPU cores)
+    python scripts/make_arithmetic.py --model --steps 800   (about 10 minutes on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", action="store_true", help="write the tiny tool caller")
     parser.add_argument("--model-out", type=Path, default=Path("recipes/assets/tiny-llama-tools"))
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=800)
     args = parser.parse_args()
     if args.model:
         make_model(args.out / "train.jsonl", args.model_out, args.steps, args.seed)

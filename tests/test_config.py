@@ -66,7 +66,7 @@ SMOKE_MODELS = {
     "llama_dpo": "tiny-llama",
     "llama_kto": "tiny-llama",
     "llama_grpo": "tiny-llama",
-    "llama_grpo_tools": "tiny-llama",
+    "llama_grpo_tools": "tiny-llama-tools",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
