@@ -287,7 +287,7 @@ class RowSampler(LogitsProcessor):
         self.generators = generators
         self.warpers = warpers
         self.limits = limits
-        self.stops = torch.tensor(sorted(stops), dtype=torch.long)
+        self.stops = frozenset(stops)
         self.start: int | None = None
         self.ended = [False] * len(generators)
 
@@ -297,18 +297,16 @@ class RowSampler(LogitsProcessor):
         if self.start is None:
             self.start = input_ids.shape[1]
         step = input_ids.shape[1] - self.start
-        if step and len(self.stops):
-            last = torch.isin(input_ids[:, -1].cpu(), self.stops).tolist()
-            self.ended = [e or s for e, s in zip(self.ended, last, strict=True)]
         probs = torch.softmax(scores.float(), dim=-1).cpu()
-        picks = torch.cat(
-            [
-                probs[r].argmax().view(1)  # discarded: the row has ended
-                if self.ended[r] or (self.limits is not None and step >= self.limits[r])
-                else torch.multinomial(probs[r], 1, generator=generator)
-                for r, generator in enumerate(self.generators)
-            ]
-        ).to(scores.device)
+        picks = []
+        for r, generator in enumerate(self.generators):
+            if self.ended[r] or (self.limits is not None and step >= self.limits[r]):
+                picks.append(probs[r].argmax().view(1))  # discarded: the row has ended
+                continue
+            pick = torch.multinomial(probs[r], 1, generator=generator)
+            self.ended[r] = int(pick) in self.stops  # the token it keeps is the one drawn here
+            picks.append(pick)
+        picks = torch.cat(picks).to(scores.device)
         chosen = torch.full_like(scores, -float("inf"))
         chosen.scatter_(1, picks.unsqueeze(1), 0.0)
         return chosen

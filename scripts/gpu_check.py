@@ -98,6 +98,7 @@ RECIPES = (
     "llama_clm",
     "llama_dpo",
     "llama_grpo",
+    "llama_grpo_tools",
     "llama_kto",
     "llama_sft",
     "t5_squad",
