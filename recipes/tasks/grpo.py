@@ -333,7 +333,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 "%s: %d prompts, %d completions each", role, len(ids), self.args.num_generations
             )
         held_out = [
-            {"messages": r["prompt"], "tools": None, "reference": r["answer"]}
+            # With task.tools the answers see the tools' schemas too (their calls are not run).
+            {"messages": r["prompt"], "tools": self.tools or None, "reference": r["answer"]}
             for r in rows["eval"][: self.args.num_held_out_answers]
             if isinstance(r["prompt"], list) and isinstance(r.get("answer"), str)
         ]
