@@ -209,6 +209,24 @@ def test_tool_calling_equals_trl(tmp_path):
             assert float(total / count) == pytest.approx(float(theirs_loss), abs=1e-6), loss_type
 
 
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        ({"tools": ["recipes.tools.calculater"]}, "task.tools: cannot import 'recipes.tools.calc"),
+        ({"tools": ["json.dumps"]}, "task.tools: 'json.dumps' cannot be shown to the model"),
+        ({"tools": ["recipes.tools.calculator"], "text_rows": "raw"}, "task.text_rows=raw"),
+        ({"tool_timeout": 0}, "task.tool_timeout=0.0: must be > 0"),
+        ({"max_tool_calling_iterations": 0}, "task.max_tool_calling_iterations=0: must be >= 1"),
+    ],
+)
+def test_bad_tool_settings_are_refused(setting, words):
+    from recipes.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        make_task("grpo", **setting)
+    assert words in str(err.value)
+
+
 def hang(seconds: int) -> str:
     """Sleep.
 
