@@ -34,6 +34,12 @@ each checkpoint (:class:`RolloutBuffer`). Logged, as TRL names them: ``reward``,
 generation's own ``generation/tokens_per_second`` and ``generation/seconds``. Evaluation is the
 held-out prompts' rewards of greedy completions (``eval/reward`` ranks checkpoints).
 
+With ``task.tools`` (TRL's ``tools=``), a completion is a conversation: the tools' schemas are in
+the prompt, each turn's tool calls are run and their results appended as tool messages, and the
+model goes on, drawing from the completion's own stream (:mod:`recipes.tool_calling`); the tool
+tokens are left out of the loss, the rewards get the assistant and tool messages, and
+``tools/call_frequency`` and ``tools/failure_frequency`` are logged as TRL logs them.
+
 What the task keeps between the loop's calls is declared: its loss samples completions, so it
 needs the run's tokenizer and accelerator, the training prompts' rows, the reference and the
 rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathers them in one
