@@ -25,7 +25,7 @@ import importlib
 import inspect
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import transformers
@@ -251,8 +251,6 @@ class Conversations:
     messages: list[list[dict[str, Any]]]
     calls: int = 0
     failures: int = 0
-    # Per completion: the calls it made.
-    calls_per: list[int] = field(default_factory=list)
 
     def stats(self) -> dict[str, float]:
         """TRL's tool metrics: calls per completion, and the share of calls that failed."""
@@ -285,7 +283,7 @@ def tool_call_loop(
     mask = [[1] * len(c) for c in ids]
     first = [parse(tokenizer, c, p, tools, ends) for p, c in zip(prompt_ids, ids, strict=True)]
     messages = [[p.message] for p in first]
-    out = Conversations(ids, mask, messages, calls_per=[0] * len(ids))
+    out = Conversations(ids, mask, messages)
     pending = {i: _calls(p) for i, p in enumerate(first) if _calls(p)}
     rounds = 0
     while pending and (max_iterations is None or rounds < max_iterations):
@@ -293,7 +291,6 @@ def tool_call_loop(
         for i, calls in pending.items():
             results = [_run(call, by_name, timeout) for call in calls]
             out.calls += len(results)
-            out.calls_per[i] += len(results)
             out.failures += sum(failed for *_, failed in results)
             tool_messages = [{"role": "tool", "name": n, "content": c} for n, c, _ in results]
             whole = [*prompt_ids[i], *ids[i], *suffix_ids(tokenizer, template, tool_messages, ends)]
