@@ -240,6 +240,41 @@ def suffix_ids(
     return list(whole[len(prefix) :])
 
 
+def check_template(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    tools: Sequence[Callable],
+    ends: Collection[int] = (),
+) -> None:
+    """Refuse, before training, a template that does not show the tools, drops a tool call or a
+    tool message (TRL's ``supports_tool_calling``), or renders an assistant turn differently once
+    tool messages follow (``is_chat_template_prefix_preserving``; :func:`suffix_ids` raises)."""
+    names = ("probe_tool_a8f3", "probe_key_b9d4", "probe_value_d6e7", "probe_result_c4f9")
+    calls = [
+        {"type": "function", "function": {"name": names[0], "arguments": {names[1]: names[2]}}}
+    ]
+    probe = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "name": names[0], "content": names[3]},
+    ]
+    options = {"chat_template": template, "tokenize": False}
+    try:
+        shown = tokenizer.apply_chat_template(probe[:1], tools=list(tools), **options)
+        rendered = tokenizer.apply_chat_template(probe, **options)
+    except Exception as err:  # jinja2's TemplateError, a template that cannot take dicts
+        rendered, shown = f"({first_line(err)})", ""
+    missing = [n for n in names if n not in rendered]
+    if missing or tools[0].__name__ not in shown:
+        raise ConfigError(
+            "task.tools: the chat template does not render "
+            + ("the tools' schemas" if not missing else "tool calls and tool messages")
+            + " (TRL's supports_tool_calling); use task.chat_template=qwen2_5 (Hermes tool "
+            "calls, <|im_start|>/<|im_end|> as SmolLM2 and Qwen 2.5) or a template that does."
+        )
+    suffix_ids(tokenizer, template, probe[2:], ends)
+
+
 @dataclass
 class Conversations:
     """Completions after tool calling: their token ids (model turns and tool results), which

@@ -227,6 +227,17 @@ def test_bad_tool_settings_are_refused(setting, words):
     assert words in str(err.value)
 
 
+def test_a_template_without_tool_calls_is_refused():
+    from recipes.config import ConfigError
+    from recipes.tasks import conversations
+
+    tokenizer, chat, *_ = _setup()
+    tool_calling.check_template(tokenizer, chat.template, [calculator], chat.stop_tokens)
+    zephyr = conversations.CHAT_TEMPLATES["zephyr"]
+    with pytest.raises(ConfigError, match="does not render tool calls and tool messages"):
+        tool_calling.check_template(tokenizer, zephyr, [calculator])
+
+
 def hang(seconds: int) -> str:
     """Sleep.
 

@@ -316,6 +316,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GrpoData:
         chat = self.chat.use_template(tokenizer)
         if self.tools:
+            tool_calling.check_template(tokenizer, chat.template, self.tools, chat.stop_tokens)
             tool_calling.use_parser(tokenizer)
         max_prompt = self.args.max_prompt_length
         splits = data_lib.load_splits(cfg)
