@@ -83,7 +83,7 @@ def complete_ids(
     prompts: Sequence[Sequence[int]],
     tokenizer: PreTrainedTokenizerBase,
     generation: GenerationConfig,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     *,
     max_length: int | None = None,
     accelerator: Accelerator | None = None,
@@ -91,14 +91,15 @@ def complete_ids(
     streams: Sequence[torch.Generator] | None = None,
 ) -> list[list[int]]:
     """The new token ids of each prompt (token ids), greedy or sampled as ``generation`` says,
-    in the prompts' order, up to and with the first stop token.
+    in the prompts' order, up to and with the first stop token; ``max_new_tokens``: one limit
+    for all, or each prompt's own.
 
     ``model`` is the model as prepared (for FSDP) or plain; ``accelerator``: share the prompts
     between its processes (None: this process generates them all). ``max_length`` caps prompt +
     answer of a decoder-only model (the length it trained on): a longer prompt keeps its end.
     ``seed``: the sampled rows' base seed (None: the run's, ``torch.initial_seed()``);
     ``streams``: each prompt's own CPU generator instead (a conversation that goes on drawing
-    from one)."""
+    from one: a row draws once per token it keeps, never past its stop token or its limit)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator else model
     _check_decoding(unwrapped, tokenizer, generation)
     if getattr(unwrapped.config, "is_encoder_decoder", False):
@@ -184,11 +185,12 @@ def _batches(order: list[Prompt], size: int, max_length: int | None) -> list[lis
 
 
 def _fit(
-    prompts: Sequence[Sequence[int]], max_new_tokens: int, max_length: int | None
+    prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], max_length: int | None
 ) -> list[Prompt]:
     rows = []
     for index, ids in enumerate(prompts):
-        ids, limit = list(ids), max_new_tokens
+        limit = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[index]
+        ids = list(ids)
         if max_length is not None:
             ids = ids[-(max_length - 1) :]  # room for at least one new token
             limit = min(limit, max_length - len(ids))
@@ -211,7 +213,9 @@ def _generate_batch(
     if pad is None:
         pad = tokenizer.eos_token_id
     ids, mask = _padded([row.ids for row in batch], pad, left=not encoder_decoder)
-    sampled = sample_rows(model, streams, generation) if generation.do_sample else {}
+    stops = set(stop_ids(model))
+    limits = [row.max_new_tokens for row in batch]
+    sampled = sample_rows(model, streams, generation, limits, stops) if generation.do_sample else {}
     generated = generate(
         model,
         ids.to(device),
@@ -223,7 +227,6 @@ def _generate_batch(
         **({"do_sample": False} | sampled),
     )
     start = 1 if encoder_decoder else ids.shape[1]  # the decoder start token / the prompt
-    stops = set(_ids(getattr(model.generation_config, "eos_token_id", None)))
     answers = []
     for r, row in enumerate(batch):
         new = generated[r, start : start + row.max_new_tokens].tolist()
@@ -254,33 +257,56 @@ def row_stream(seed: int, row: int) -> torch.Generator:
 
 
 def sample_rows(
-    model: torch.nn.Module, streams: Sequence[torch.Generator], generation: GenerationConfig
+    model: torch.nn.Module,
+    streams: Sequence[torch.Generator],
+    generation: GenerationConfig,
+    limits: Sequence[int] | None = None,
+    stops: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """``generate()``'s arguments that sample row ``b`` of the batch from ``streams[b]``:
-    :class:`RowSampler` draws, and greedy search takes the one token it leaves."""
-    sampler = RowSampler(list(streams), _warpers(model, generation))
+    :class:`RowSampler` draws, and greedy search takes the one token it leaves; a row stops
+    drawing after one of ``stops`` or ``limits[b]`` tokens."""
+    sampler = RowSampler(list(streams), _warpers(model, generation), limits, stops)
     return {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
 
 
 class RowSampler(LogitsProcessor):
     """Samples each row's next token from its own ``torch.Generator`` (on the CPU, so a seed
     gives the same draw on every device) after transformers' warpers, and leaves that token as
-    the row's only choice, which greedy search then takes."""
+    the row's only choice, which greedy search then takes. A row that has ended (one of
+    ``stops``, or ``limits[r]`` tokens) draws no more, so what is left of its stream depends on
+    its own tokens only, not on how long its batch runs: a conversation continues from it."""
 
-    def __init__(self, generators: list[torch.Generator], warpers: list[LogitsProcessor]) -> None:
+    def __init__(
+        self,
+        generators: list[torch.Generator],
+        warpers: list[LogitsProcessor],
+        limits: Sequence[int] | None = None,
+        stops: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
         self.generators = generators
         self.warpers = warpers
+        self.limits = limits
+        self.stops = frozenset(stops)
+        self.start: int | None = None
+        self.ended = [False] * len(generators)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        step = input_ids.shape[1] - self.start
         probs = torch.softmax(scores.float(), dim=-1).cpu()
-        picks = torch.cat(
-            [
-                torch.multinomial(probs[r], 1, generator=generator)
-                for r, generator in enumerate(self.generators)
-            ]
-        ).to(scores.device)
+        picks = []
+        for r, generator in enumerate(self.generators):
+            if self.ended[r] or (self.limits is not None and step >= self.limits[r]):
+                picks.append(probs[r].argmax().view(1))  # discarded: the row has ended
+                continue
+            pick = torch.multinomial(probs[r], 1, generator=generator)
+            self.ended[r] = int(pick) in self.stops  # the token it keeps is the one drawn here
+            picks.append(pick)
+        picks = torch.cat(picks).to(scores.device)
         chosen = torch.full_like(scores, -float("inf"))
         chosen.scatter_(1, picks.unsqueeze(1), 0.0)
         return chosen
@@ -319,6 +345,11 @@ def _padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, 
         ids[r, span] = torch.tensor(row, dtype=torch.long)
         mask[r, span] = 1
     return ids, mask
+
+
+def stop_ids(model: torch.nn.Module) -> list[int]:
+    """The tokens that end a completion: the model's ``generation_config.eos_token_id``."""
+    return _ids(getattr(model.generation_config, "eos_token_id", None))
 
 
 def _ids(value: Any) -> list[int]:

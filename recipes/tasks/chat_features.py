@@ -45,6 +45,7 @@ log = get_logger(__name__)
 # "<|im_end|>" is seven ordinary tokens and the model never learns one token that ends a turn.
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
+    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
 }
 

@@ -75,7 +75,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
 from recipes import data as data_lib
-from recipes.config import ConfigError, first_line
+from recipes.config import ASSETS, ConfigError, first_line
 from recipes.data import DataError
 from recipes.tasks.configs.sft import FORMATS, TEXT_ROWS, TRUNCATION  # noqa: F401  (re-exported)
 
@@ -128,6 +128,12 @@ CHAT_TEMPLATES = {
         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
     ),
 }
+# Qwen 2.5's template, which shows tools and writes Hermes-style <tool_call>{json}</tool_call>
+# calls (task.tools; TRL's trl/chat_templates/qwen2_5.jinja, byte for byte, so TRL's parser
+# recognises it). SmolLM2-Instruct has the same <|im_start|> / <|im_end|> tokens.
+CHAT_TEMPLATES["qwen2_5"] = (ASSETS / "chat_templates" / "qwen2_5.jinja").read_text(
+    encoding="utf-8"
+)
 
 
 # --------------------------------------------------------------------------------- layouts

@@ -41,6 +41,12 @@ each checkpoint (:class:`RolloutBuffer`). Logged, as TRL names them: ``reward``,
 generation's own ``generation/tokens_per_second`` and ``generation/seconds``. Evaluation is the
 held-out prompts' rewards of greedy completions (``eval/reward`` ranks checkpoints).
 
+With ``task.tools`` (TRL's ``tools=``), a completion is a conversation: the tools' schemas are in
+the prompt, each turn's tool calls are run and their results appended as tool messages, and the
+model goes on, drawing from the completion's own stream (:mod:`recipes.tool_calling`); the tool
+tokens are left out of the loss, the rewards get the assistant and tool messages, and
+``tools/call_frequency`` and ``tools/failure_frequency`` are logged as TRL logs them.
+
 What the task keeps between the loop's calls is declared: its loss samples completions, so it
 needs the run's tokenizer and accelerator, the training prompts' rows, the reference and the
 rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathers them in one
@@ -66,6 +72,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes import generation as generation_lib
 from recipes import rewards as reward_lib
+from recipes import tool_calling
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.faults import TrainingError
@@ -291,6 +298,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             )
         self.rollouts: Rollouts | None = None
         self.flat = False  # padding-free loss forwards: chosen in check_model
+        self.tools = tool_calling.load_tools(args.tools)  # task.tools: multi-turn rollouts
 
     def loss_shape(self) -> LossShape:
         """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo, cispo,
@@ -319,12 +327,16 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             *(("kl",) if self.args.beta else ()),
             "generation/tokens_per_second",
             "generation/seconds",
+            *(("tools/call_frequency", "tools/failure_frequency") if self.tools else ()),
         )
 
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GrpoData:
         chat = self.chat.use_template(tokenizer)
+        if self.tools:
+            tool_calling.check_template(tokenizer, chat.template, self.tools, chat.stop_tokens)
+            tool_calling.use_parser(tokenizer)
         max_prompt = self.args.max_prompt_length
         splits = data_lib.load_splits(cfg)
         features, rows = {}, {}
@@ -347,7 +359,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 "%s: %d prompts, %d completions each", role, len(ids), self.args.num_generations
             )
         held_out = [
-            {"messages": r["prompt"], "tools": None, "reference": r["answer"]}
+            # With task.tools the answers see the tools' schemas too (their calls are not run).
+            {"messages": r["prompt"], "tools": self.tools or None, "reference": r["answer"]}
             for r in rows["eval"][: self.args.num_held_out_answers]
             if isinstance(r["prompt"], list) and isinstance(r.get("answer"), str)
         ]
@@ -378,7 +391,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         chat_features.require_template(template, f"{source} {row['place']}")
-        return conversations.render(tokenizer, template, prompt, True)
+        # `or None`: as TRL, a template may write tool boilerplate for an empty list.
+        return conversations.render(tokenizer, template, prompt, True, tools=self.tools or None)
 
     def predict_layout(self) -> str:
         """mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows;
@@ -462,11 +476,17 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             args.max_completion_length,
             streams=streams,
         )
+        turns = None
+        if self.tools:  # a completion's later turns go on drawing from its own stream
+            turns = self._tool_turns(unwrapped, run, repeated, completions, sampling, streams)
+            completions = turns.completion_ids
         seconds = time.perf_counter() - started
         device = accelerator.device
         pad = rollouts.pad_id
         prompt_ids, prompt_mask = _pad(repeated, pad, left=True, device=device)
         completion_ids, completion_mask = _pad(completions, pad, left=False, device=device)
+        if turns is not None:  # tool results carry no loss (TRL's completion_mask * tool_mask)
+            completion_mask = completion_mask * _pad(turns.tool_mask, 0, False, device)[0]
         truncated = torch.tensor(
             [not ids or ids[-1] not in rollouts.stops for ids in completions], device=device
         )
@@ -474,7 +494,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
         indices = batch["index"].tolist()
         row_list = [rollouts.rows[i] for i in indices for _ in range(group)]
-        per_func = self._rewards(run.tokenizer, row_list, completions, "train")
+        messages = turns.messages if turns is not None else None
+        per_func = self._rewards(run.tokenizer, row_list, completions, "train", messages)
         advantages, reward_stats = self.advantages(per_func.to(device), accelerator)
         sampled = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         flat = _flat_sequences(repeated, completions, device) if self.flat else None
@@ -485,6 +506,9 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 model, lambda weights: self._logps(weights, *sampled, flat=flat)
             )
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
+        if turns is not None:  # the model's tokens only, as TRL counts them
+            lengths = torch.tensor([sum(m) for m in turns.tool_mask], dtype=torch.float32)
+            reward_stats |= turns.stats()
         stats = reward_stats | {
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
@@ -496,17 +520,57 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         unscored = int(torch.isnan(per_func).all(dim=1).sum())
         return Rollout(*sampled, advantages, old, ref, stats, flat=flat, unscored=unscored)
 
+    def _tool_turns(
+        self,
+        model: torch.nn.Module,
+        run: RunContext,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        generation: GenerationConfig,
+        streams: Sequence[torch.Generator] | None = None,
+        accelerator: Accelerator | None = None,
+    ) -> tool_calling.Conversations:
+        """The completions (first turns of ``prompts``) after their tool calls and the model's
+        later turns (:func:`recipes.tool_calling.tool_call_loop`): sampled from each
+        completion's own stream in ``streams``, or greedy."""
+        args = self.args
+        unwrapped = run.accelerator.unwrap_model(model)
+
+        def generate(rows: list[int], ids: list[list[int]], limits: list[int]) -> list:
+            own = [streams[r] for r in rows] if streams is not None else None
+            return generation_lib.complete_ids(
+                model, ids, run.tokenizer, generation, limits, streams=own, accelerator=accelerator
+            )
+
+        return tool_calling.tool_call_loop(
+            generate,
+            run.tokenizer,
+            run.tokenizer.chat_template,
+            self.tools,
+            prompts,
+            completions,
+            max_completion_length=args.max_completion_length,
+            max_iterations=args.max_tool_calling_iterations,
+            timeout=args.tool_timeout,
+            max_length=getattr(unwrapped.config, "max_position_embeddings", None),
+            ends=generation_lib.stop_ids(unwrapped),
+        )
+
     def _rewards(
         self,
         tokenizer: PreTrainedTokenizerBase,
         rows: Sequence[Mapping[str, Any]],
         completions: list[list[int]],
         split: str = "train",
+        messages: list[list[dict[str, Any]]] | None = None,
     ) -> torch.Tensor:
         """(completions, reward functions): each function's rewards of the completions of
-        ``rows`` (one row per completion, of ``split``), NaN where it gave None."""
+        ``rows`` (one row per completion, of ``split``), NaN where it gave None; ``messages``:
+        the completions as conversations (tool calling), which the functions get instead."""
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return reward_table(self.reward_fns, self.reward_names, rows, texts, completions, split)
+        return reward_table(
+            self.reward_fns, self.reward_names, rows, texts, completions, split, messages
+        )
 
     def advantages(
         self, per_func: torch.Tensor, accelerator: Accelerator | None = None
@@ -750,7 +814,13 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             self.args.max_completion_length,
             accelerator=run.accelerator,
         )
-        per_func = self._rewards(run.tokenizer, data.rows["eval"], completions, "eval")
+        messages = None
+        if self.tools:  # every process runs the tools of every completion: they stay in step
+            turns = self._tool_turns(
+                model, run, prompts, completions, greedy, accelerator=run.accelerator
+            )
+            completions, messages = turns.completion_ids, turns.messages
+        per_func = self._rewards(run.tokenizer, data.rows["eval"], completions, "eval", messages)
         totals = (per_func * self.reward_weights).nansum(dim=1)
         scored = ~torch.isnan(per_func).all(dim=1)  # as in training: the others are no score
         if not bool(scored.any()):
@@ -785,10 +855,12 @@ def reward_table(
     texts: Sequence[str],
     completion_ids: Sequence[Sequence[int]],
     split: str = "train",
+    messages: Sequence[list[dict[str, Any]]] | None = None,
 ) -> torch.Tensor:
     """(completions, functions) rewards, NaN where a function returned None; the function is
     called as TRL calls it: prompts, completions (a list holding the assistant message for a
-    conversational prompt), completion_ids and every other column of the row. A function that
+    conversational prompt; with tools, ``messages``: the assistant and tool turns),
+    completion_ids and every other column of the row. A function that
     raises or returns no number is refused naming the completion's row of ``split``
     (:func:`recipes.rewards.scores`)."""
     prompts = [row["prompt"] for row in rows]
@@ -796,6 +868,8 @@ def reward_table(
     completions = (
         [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
     )
+    if messages is not None:
+        completions = list(messages)
     columns = [k for k in rows[0] if k not in ("prompt", "completion", "place")] if rows else []
     kwargs = {k: [row.get(k) for row in rows] for k in columns}
     places = [f"{split} {row.get('place', f'completion {i}')}" for i, row in enumerate(rows)]

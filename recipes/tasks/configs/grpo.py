@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recipes.config import ConfigError
-from recipes.tasks.configs import TaskConfig, at_least, feature
+from recipes.tasks.configs import TaskConfig, at_least, feature, null_or_at_least
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE
 from recipes.tasks.configs.sft import check_text_rows
 
@@ -66,6 +66,8 @@ class GrpoConfig(TaskConfig):
         ("max_completion_length", at_least(1), "must be >= 1"),
         ("num_held_out_answers", at_least(0), "must be >= 0"),
         PADDING_FREE_RANGE,
+        ("max_tool_calling_iterations", null_or_at_least(1), "must be >= 1, or null (no limit)"),
+        ("tool_timeout", _positive, "must be > 0 (seconds a tool call may run)"),
     )
 
     _target_: str = "recipes.tasks.grpo.GroupRelativePolicy"
@@ -120,6 +122,14 @@ class GrpoConfig(TaskConfig):
     # attention), else padded rows; true: that row everywhere (elsewhere under a dense
     # block-diagonal mask: exact, not faster); false: padded rows.
     padding_free: str = "auto"
+    # Multi-turn tool calling (TRL's tools=, recipes/tool_calling.py): functions with type hints
+    # and a Google-style docstring, by import path (recipes.tools.calculator); the chat template
+    # shows them to the model, their results come back as tool messages (no loss on them).
+    tools: list[str] = field(default_factory=list)
+    # Rounds of tool calls per completion (null: no limit but max_completion_length, TRL's).
+    max_tool_calling_iterations: int | None = None
+    # Seconds a tool call may run; past it the model gets an error message and the run goes on.
+    tool_timeout: float = 10.0
 
     def check(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -157,3 +167,29 @@ class GrpoConfig(TaskConfig):
                 "(docs/configuration.md#reinforcement-learning-with-verifiable-rewards-taskgrpo)."
             )
         check_text_rows(self.text_rows)
+        if self.tools:
+            check_tools(self.text_rows)
+
+
+# transformers' tokenizer.parse_response with response templates, which reads tool calls.
+TOOLS_MIN_TRANSFORMERS = "5.13"
+
+
+def check_tools(text_rows: str) -> None:
+    """task.tools needs chat prompts and a transformers that parses tool calls."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    installed = version("transformers")
+    if Version(installed) < Version(TOOLS_MIN_TRANSFORMERS):
+        raise ConfigError(
+            f"task.tools needs transformers >= {TOOLS_MIN_TRANSFORMERS} (its "
+            f"tokenizer.parse_response reads the model's tool calls); this is {installed}: "
+            "upgrade transformers, or leave task.tools empty."
+        )
+    if text_rows == "raw":
+        raise ConfigError(
+            "task.tools with task.text_rows=raw: tools are shown to the model by the chat "
+            "template; use task.text_rows=chat."
+        )
