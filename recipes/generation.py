@@ -27,9 +27,11 @@ decoding.
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -42,14 +44,27 @@ from transformers.generation.logits_process import (
 )
 
 from recipes.config import ConfigError, GenerationConfig
+from recipes.log import get_logger
+
+try:  # transformers' continuous batching with per-request logits processors (5.x)
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+    )
+except ImportError:  # older transformers: generation.engine=continuous falls back to batched
+    ContinuousBatchingLogitsProcessor = None
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+log = get_logger(__name__)
+_FALLBACKS_LOGGED: set[str] = set()  # one line per reason and run
 
 
 # transformers' sampling default for top_k when neither the call nor the model's
 # generation_config sets it (GenerationConfig's documented default in 4.x and 5.x).
 DEFAULT_TOP_K = 50
+# The most tokens one continuous-batching forward pass takes (transformers' own default).
+DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
 @dataclass
@@ -101,11 +116,26 @@ def complete_ids(
     from one)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator else model
     _check_decoding(unwrapped, tokenizer, generation)
+    if generation.engine == "vllm":
+        from recipes import vllm_engine
+
+        return vllm_engine.complete_ids(
+            model, prompts, tokenizer, generation, max_new_tokens, max_length=max_length,
+            accelerator=accelerator, seed=seed, streams=streams,
+        )  # fmt: skip
     if getattr(unwrapped.config, "is_encoder_decoder", False):
         max_length = None  # the source is the encoder's: no shared length with the answer
     rows = _fit(prompts, max_new_tokens, max_length)
     if not rows:
         return []
+    base_seed = torch.initial_seed() if seed is None else seed
+    if generation.engine == "continuous":
+        reason = _not_continuous(unwrapped, generation, accelerator)
+        if reason is None:
+            return _continuous_ids(unwrapped, rows, generation, accelerator, base_seed, streams)
+        if reason not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(reason)
+            log.info("generation.engine=continuous: %s, so the batched engine generates", reason)
     order = sorted(rows, key=lambda row: (-len(row.ids), row.index))
     batches = _batches(order, max(1, generation.batch_size), max_length)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
@@ -115,7 +145,6 @@ def complete_ids(
     device = accelerator.device if accelerator else _device(unwrapped)
     was_training = unwrapped.training
     unwrapped.eval()
-    base_seed = torch.initial_seed() if seed is None else seed
     done: list[tuple[int, list[int]]] = []
     with whole_root(model, unwrapped) if sharded else contextlib.nullcontext():
         for step in range(steps):
@@ -137,12 +166,147 @@ def complete_ids(
             if step < len(mine):
                 done.extend(zip((row.index for row in batch), new, strict=True))
     unwrapped.train(was_training)
-    if accelerator is not None and world > 1:
+    return _gathered(done, rows, accelerator)
+
+
+def _gathered(
+    done: list[tuple[int, list[int]]], rows: list[Prompt], accelerator: Accelerator | None
+) -> list[list[int]]:
+    """Every process's ``(index, answer)`` pairs, on every process, in the prompts' order."""
+    if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
         done = gather_object(done)
     by_index = dict(done)
     return [by_index[row.index] for row in rows]
+
+
+def _not_continuous(
+    model: torch.nn.Module, generation: GenerationConfig, accelerator: Accelerator | None
+) -> str | None:
+    """Why transformers' continuous batching cannot serve this call (None: it can)."""
+    import transformers
+
+    beams = generation.num_beams or getattr(model.generation_config, "num_beams", 1) or 1
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model pages no KV cache"
+    if beams > 1:
+        return f"beam search ({beams} beams) is not continuous batching's"
+    if ContinuousBatchingLogitsProcessor is None or not hasattr(model, "init_continuous_batching"):
+        return (
+            f"transformers {transformers.__version__} has no continuous batching with "
+            "per-request logits processors (5.x has)"
+        )
+    if accelerator is not None and _sharded(accelerator):
+        return "a sharded (FSDP) model cannot be paged by one process"
+    attention = str(getattr(model.config, "_attn_implementation", None))
+    if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa") and "flash" not in attention:
+        return f"attention {attention} cannot read a paged cache (sdpa, eager and flash can)"
+    return None
+
+
+@torch.no_grad()
+def _continuous_ids(
+    model: torch.nn.Module,
+    rows: list[Prompt],
+    generation: GenerationConfig,
+    accelerator: Accelerator | None,
+    base_seed: int,
+    streams: Sequence[torch.Generator] | None,
+) -> list[list[int]]:
+    """``rows`` through transformers' continuous batching (``init_continuous_batching``: one
+    manager per call, its paged KV cache sized to the call's prompts): each process serves
+    its share of the rows, one request each, with its own length limit and the model's stop
+    tokens. Greedy takes the argmax; sampling draws each row from its own stream, as the
+    batched engine does (:class:`RowSlots`)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    mine = rows[rank::world]
+    stops = _ids(getattr(model.generation_config, "eos_token_id", None))
+    done: list[tuple[int, list[int]]] = []
+    if mine:
+        was_training = model.training
+        model.eval()
+        config = copy.deepcopy(model.generation_config)
+        config.do_sample, config.num_beams = False, 1  # sampling is RowSlots'
+        config.max_new_tokens = max(row.max_new_tokens for row in mine)
+        config.eos_token_id = stops or -1
+        hints = WorkloadHints(
+            max_prompt_length=max(len(row.ids) for row in mine),
+            max_generated_length=config.max_new_tokens,
+            num_requests=len(mine),
+        )
+        paging = _paging(ContinuousBatchingConfig, mine, generation)
+        manager = model.init_continuous_batching(config, paging, hints)
+        if generation.do_sample:
+            slots = {f"row{row.index}": slot for slot, row in enumerate(mine)}
+            sampler = RowSampler(
+                [
+                    streams[row.index] if streams else row_stream(base_seed, row.index)
+                    for row in mine
+                ],
+                _warpers(model, generation),
+            )
+            chosen = manager.logit_processor
+            chosen.logits_processor.append(RowSlots(sampler, slots))
+            chosen.tensors_required += 1
+            chosen.do_processing = True
+        manager.start()
+        try:
+            for row in mine:
+                manager.add_request(
+                    row.ids, request_id=f"row{row.index}", max_new_tokens=row.max_new_tokens,
+                    eos_token_id=config.eos_token_id,
+                )  # fmt: skip
+            done = _collect(manager, mine, set(stops))
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+            model.train(was_training)
+    return _gathered(done, rows, accelerator)
+
+
+def _paging(config_class: type, mine: list[Prompt], generation: GenerationConfig) -> Any:
+    """The paged cache sized to hold every request of the call at once (transformers' default
+    takes most of the free memory: the whole RAM on a CPU, and the training's room on a GPU),
+    and one forward pass at most all their prompts."""
+    probe = config_class()
+    # tokens a request may hold, and a block's rounding: what the blocks must hold
+    tokens = sum(len(row.ids) + row.max_new_tokens + probe.page_size for row in mine)
+    return config_class(
+        num_blocks=math.ceil(tokens / probe.page_size) + 1,
+        max_batch_tokens=min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in mine)),
+        # A sampled row draws from a Python generator per token: no device graphs around it.
+        use_cuda_graph=False if generation.do_sample else None,
+    )
+
+
+def _collect(manager: Any, mine: list[Prompt], stops: set[int]) -> list[tuple[int, list[int]]]:
+    """Each request's answer as the manager finishes it, cut like the batched engine's: at its
+    length limit and after its first stop token."""
+    limits = {f"row{row.index}": row for row in mine}
+    answers: dict[str, list[int]] = {}
+    while len(answers) < len(mine):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError(
+                    "generation.engine=continuous: transformers' continuous batching stopped "
+                    f"with {len(mine) - len(answers)} requests unanswered (see its log above)"
+                )
+            continue
+        if not out.is_finished():
+            continue
+        if out.error is not None:
+            raise RuntimeError(
+                f"generation.engine=continuous: request {out.request_id}: {out.error}"
+            )
+        new = list(out.generated_tokens)[: limits[out.request_id].max_new_tokens]
+        end = next((k + 1 for k, token in enumerate(new) if token in stops), len(new))
+        answers[out.request_id] = new[:end]
+    return [(limits[key].index, new) for key, new in answers.items()]
 
 
 def _check_decoding(
@@ -272,18 +436,50 @@ class RowSampler(LogitsProcessor):
         self.warpers = warpers
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.draw(input_ids, scores, self.generators)
+
+    def draw(
+        self,
+        input_ids: torch.LongTensor,
+        scores: torch.FloatTensor,
+        generators: Sequence[torch.Generator],
+    ) -> torch.FloatTensor:
+        """Row ``r`` of ``scores`` sampled from ``generators[r]``: -inf but at the drawn token."""
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         probs = torch.softmax(scores.float(), dim=-1).cpu()
         picks = torch.cat(
-            [
-                torch.multinomial(probs[r], 1, generator=generator)
-                for r, generator in enumerate(self.generators)
-            ]
+            [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)]
         ).to(scores.device)
         chosen = torch.full_like(scores, -float("inf"))
         chosen.scatter_(1, picks.unsqueeze(1), 0.0)
         return chosen
+
+
+class RowSlots(ContinuousBatchingLogitsProcessor or object):  # type: ignore[misc]
+    """:class:`RowSampler` for transformers' continuous batching, whose batches mix requests
+    that come and go: each request's place in the input reaches the sampler as the request's
+    tensor argument, so its token comes from its own row's stream whichever requests share
+    the step."""
+
+    supported_kwargs: ClassVar[dict[str, type]] = {}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, sampler: RowSampler, slots: dict[str, int]) -> None:
+        self.sampler = sampler
+        self.slots = slots
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        rows = [self.slots[request.state.request_id] for request in requests_with_new_token]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        rows = tensor_arg[: scores.size(0)].tolist()
+        generators = [self.sampler.generators[r] for r in rows]
+        return self.sampler.draw(torch.zeros(len(rows), 1, dtype=torch.long), scores, generators)
 
 
 def beam_search(generation: GenerationConfig) -> dict[str, Any]:
