@@ -197,7 +197,9 @@ def _not_continuous(
             f"transformers {transformers.__version__} has no continuous batching with "
             "per-request logits processors (5.x has)"
         )
-    if accelerator is not None and _sharded(accelerator):
+    sharded = any("FSDP" in type(m).__name__ or "FullyShardedDataParallel" in type(m).__name__
+                  for m in model.modules())  # fmt: skip
+    if sharded or (accelerator is not None and _sharded(accelerator)):
         return "a sharded (FSDP) model cannot be paged by one process"
     attention = str(getattr(model.config, "_attn_implementation", None))
     if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa") and "flash" not in attention:
