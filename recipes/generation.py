@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -228,33 +229,37 @@ def _continuous_ids(
     mine = rows[rank::world]
     stops = _ids(getattr(model.generation_config, "eos_token_id", None))
     done: list[tuple[int, list[int]]] = []
-    if mine:
-        was_training = model.training
-        model.eval()
-        config = copy.deepcopy(model.generation_config)
-        config.do_sample, config.num_beams = False, 1  # sampling is RowSlots'
-        config.max_new_tokens = max(row.max_new_tokens for row in mine)
-        config.eos_token_id = stops or -1
-        hints = WorkloadHints(
-            max_prompt_length=max(len(row.ids) for row in mine),
-            max_generated_length=config.max_new_tokens,
-            num_requests=len(mine),
-        )
+    if not mine:
+        return _gathered(done, rows, accelerator)
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample, config.num_beams = False, 1  # sampling is RowSlots'
+    config.max_new_tokens = max(row.max_new_tokens for row in mine)
+    config.eos_token_id = stops or -1
+    hints = WorkloadHints(
+        max_prompt_length=max(len(row.ids) for row in mine),
+        max_generated_length=config.max_new_tokens,
+        num_requests=len(mine),
+    )
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # per-call chatter
+    was_training = model.training
+    # Its batch processor reseeds torch's global generators (transformers' distributed.py,
+    # set_tp_seed): the run's own streams (dropout, shuffling) go on as if it had not run.
+    with torch.random.fork_rng(
+        devices=[] if model.device.type == "cpu" else [model.device],
+        device_type=model.device.type,
+    ):
         paging = _paging(ContinuousBatchingConfig, mine, generation)
         manager = model.init_continuous_batching(config, paging, hints)
         if generation.do_sample:
+            generators = [
+                streams[r.index] if streams else row_stream(base_seed, r.index) for r in mine
+            ]
+            sampler = RowSampler(generators, _warpers(model, generation))
             slots = {f"row{row.index}": slot for slot, row in enumerate(mine)}
-            sampler = RowSampler(
-                [
-                    streams[row.index] if streams else row_stream(base_seed, row.index)
-                    for row in mine
-                ],
-                _warpers(model, generation),
-            )
-            chosen = manager.logit_processor
-            chosen.logits_processor.append(RowSlots(sampler, slots))
-            chosen.tensors_required += 1
-            chosen.do_processing = True
+            processors = manager.logit_processor  # before start(), which hands it to the loop
+            processors.logits_processor.append(RowSlots(sampler, slots))
+            processors.tensors_required += 1
+            processors.do_processing = True
         manager.start()
         try:
             for row in mine:
@@ -282,6 +287,7 @@ def _paging(config_class: type, mine: list[Prompt], generation: GenerationConfig
         max_batch_tokens=min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in mine)),
         # A sampled row draws from a Python generator per token: no device graphs around it.
         use_cuda_graph=False if generation.do_sample else None,
+        seed=0,  # its own sampling is not used; a set seed is not drawn from torch's generator
     )
 
 

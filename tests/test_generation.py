@@ -165,7 +165,7 @@ def test_continuous_engine_gives_the_batched_engines_ids(name):
     each from its own seeded stream, whichever rows share the call."""
     model, tokenizer = _model(name)
     llama = name == "tiny-llama"
-    prompts = _chat_prompts(tokenizer, 9) if llama else _text_prompts(tokenizer, 9)
+    prompts = _chat_prompts(tokenizer, 6) if llama else _text_prompts(tokenizer, 9)
     limit = max(len(p) for p in prompts) - 4  # the longest prompts are cut: room for 1 token
 
     def ids(engine: str, rows=prompts, **settings) -> list[list[int]]:
@@ -187,7 +187,9 @@ def test_continuous_engine_gives_the_batched_engines_ids(name):
         assert sum(len(g) < r for g, r in zip(greedy, room, strict=True)) >= 2  # stopped part-way
         return
     sampled = {"do_sample": True, "temperature": 1.5, "top_p": 0.9}
+    before = torch.random.get_rng_state()
     rows = ids("continuous", **sampled)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the run's stream is left alone
     assert rows == ids("batched", **sampled)
     assert rows != greedy and len({tuple(r) for r in rows}) > 1
     assert ids("continuous", prompts[:3], **sampled) == rows[:3]  # other rows, same draws
@@ -226,3 +228,25 @@ def test_an_unknown_engine_is_refused_in_one_line():
         cfg = compose("train", ["recipe=llama_grpo", "output_dir=/tmp/u", "generation.engine=vlm"])
     with pytest.raises(ConfigError, match=r"^generation\.engine=vlm: .*batched, continuous, vllm"):
         validate(cfg)
+
+
+@pytest.mark.slow
+def test_grpo_with_the_continuous_engine_gives_the_pinned_numbers(tmp_path):
+    """recipe=llama_grpo's pinned smoke run (tests/unchanged_numbers.json, recorded with the
+    batched engine) with generation.engine=continuous: the same losses, rewards and lengths."""
+    import test_unchanged_numbers as pinned
+    from conftest import read_metrics, run_train
+
+    run = tmp_path / "run"
+    proc = run_train(
+        "recipe=llama_grpo", *pinned.RUN, "trainer.save_final_model=false",
+        "generation.engine=continuous", f"output_dir={run}",
+    )  # fmt: skip
+    assert "so the batched engine generates" not in proc.stderr  # no fallback
+    records = read_metrics(run)
+    got = {
+        "train": [pinned._numbers(m) for m in records if "train/loss" in m],
+        "eval": [pinned._numbers(m) for m in records if any(k.startswith("eval/") for k in m)],
+    }
+    want = json.loads(pinned.PINS.read_text())["llama_grpo"]
+    pinned._close(got, {k: want[k] for k in got}, "llama_grpo")
