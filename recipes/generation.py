@@ -248,8 +248,8 @@ def _continuous_ids(
         devices=[] if model.device.type == "cpu" else [model.device],
         device_type=model.device.type,
     ):
-        paging = _paging(ContinuousBatchingConfig, mine, generation)
-        manager = model.init_continuous_batching(config, paging, hints)
+        settings = ContinuousBatchingConfig(**paging(mine, generation.do_sample))
+        manager = model.init_continuous_batching(config, settings, hints)
         if generation.do_sample:
             generators = [
                 streams[r.index] if streams else row_stream(base_seed, r.index) for r in mine
@@ -275,20 +275,21 @@ def _continuous_ids(
     return _gathered(done, rows, accelerator)
 
 
-def _paging(config_class: type, mine: list[Prompt], generation: GenerationConfig) -> Any:
-    """The paged cache sized to hold every request of the call at once (transformers' default
-    takes most of the free memory: the whole RAM on a CPU, and the training's room on a GPU),
-    and one forward pass at most all their prompts."""
-    probe = config_class()
-    # tokens a request may hold, and a block's rounding: what the blocks must hold
-    tokens = sum(len(row.ids) + row.max_new_tokens + probe.page_size for row in mine)
-    return config_class(
-        num_blocks=math.ceil(tokens / probe.page_size) + 1,
-        max_batch_tokens=min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in mine)),
+def paging(rows: list[Prompt], sampled: bool) -> dict[str, Any]:
+    """``ContinuousBatchingConfig``'s settings for ``rows``: the paged cache sized to hold every
+    request at once (transformers' default takes most of the free memory: the whole RAM on a
+    CPU, the training's room on a device), one forward pass at most all their prompts."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig.page_size  # tokens per block
+    tokens = sum(len(row.ids) + row.max_new_tokens + page for row in rows)  # a block's rounding
+    return {
+        "num_blocks": math.ceil(tokens / page) + 1,
+        "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in rows)),
         # A sampled row draws from a Python generator per token: no device graphs around it.
-        use_cuda_graph=False if generation.do_sample else None,
-        seed=0,  # its own sampling is not used; a set seed is not drawn from torch's generator
-    )
+        "use_cuda_graph": False if sampled else None,
+        "seed": 0,  # its own sampling is not used; a set seed is not drawn from torch's generator
+    }
 
 
 def _collect(manager: Any, mine: list[Prompt], stops: set[int]) -> list[tuple[int, list[int]]]:
