@@ -22,6 +22,15 @@ It serves ``mode=predict`` of the language-model tasks, SFT's and DPO's answers 
 Greedy answers equal one-prompt-at-a-time generation token for token in fp32
 (``tests/test_generation.py``); in bf16 the padded batch may round differently, as with any batched
 decoding.
+
+**Engines** (``generation.engine``). ``batched`` is the above. ``continuous`` hands the rows to
+transformers' continuous batching (``init_continuous_batching``: a paged KV cache, sized here to
+the call; requests scheduled token by token, a finished row's room refilled at once, no padding),
+one request per row with its own length limit and the model's stop tokens; sampling goes through
+:class:`RowSlots`, which gives each request's row its own stream as above, so the tokens depend
+on the seed and the row only. Where it cannot serve (an encoder-decoder model, beam search, a
+sharded model, an attention that cannot read a paged cache, transformers without it) the batched
+engine answers, with one log line. ``vllm`` is :mod:`recipes.vllm_engine`'s.
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ def complete_ids(
     if not rows:
         return []
     base_seed = torch.initial_seed() if seed is None else seed
+    sampling = {"max_length": max_length, "base_seed": base_seed, "streams": streams}
     if generation.engine == "continuous":
         reason = _not_continuous(unwrapped, generation, accelerator)
         if reason is None:
@@ -137,6 +147,21 @@ def complete_ids(
         if reason not in _FALLBACKS_LOGGED:
             _FALLBACKS_LOGGED.add(reason)
             log.info("generation.engine=continuous: %s, so the batched engine generates", reason)
+    return _batched_ids(model, unwrapped, rows, tokenizer, generation, accelerator, **sampling)
+
+
+def _batched_ids(
+    model: torch.nn.Module,
+    unwrapped: torch.nn.Module,
+    rows: list[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    accelerator: Accelerator | None,
+    max_length: int | None,
+    base_seed: int,
+    streams: Sequence[torch.Generator] | None,
+) -> list[list[int]]:
+    """The batched engine: length-sorted, left-padded batches through ``model.generate``."""
     order = sorted(rows, key=lambda row: (-len(row.ids), row.index))
     batches = _batches(order, max(1, generation.batch_size), max_length)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
