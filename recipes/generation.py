@@ -139,7 +139,6 @@ def complete_ids(
     if not rows:
         return []
     base_seed = torch.initial_seed() if seed is None else seed
-    sampling = {"max_length": max_length, "base_seed": base_seed, "streams": streams}
     if generation.engine == "continuous":
         reason = _not_continuous(unwrapped, generation, accelerator)
         if reason is None:
@@ -147,7 +146,9 @@ def complete_ids(
         if reason not in _FALLBACKS_LOGGED:
             _FALLBACKS_LOGGED.add(reason)
             log.info("generation.engine=continuous: %s, so the batched engine generates", reason)
-    return _batched_ids(model, unwrapped, rows, tokenizer, generation, accelerator, **sampling)
+    return _batched_ids(
+        model, unwrapped, rows, tokenizer, generation, accelerator, max_length, base_seed, streams
+    )
 
 
 def _batched_ids(
