@@ -274,7 +274,7 @@ def _continuous_ids(
         devices=[] if model.device.type == "cpu" else [model.device],
         device_type=model.device.type,
     ):
-        settings = ContinuousBatchingConfig(**paging(mine, generation.do_sample))
+        settings = ContinuousBatchingConfig(**paging(mine))
         manager = model.init_continuous_batching(config, settings, hints)
         if generation.do_sample:
             generators = [
@@ -301,7 +301,7 @@ def _continuous_ids(
     return _gathered(done, rows, accelerator)
 
 
-def paging(rows: list[Prompt], sampled: bool) -> dict[str, Any]:
+def paging(rows: list[Prompt]) -> dict[str, Any]:
     """``ContinuousBatchingConfig``'s settings for ``rows``: the paged cache sized to hold every
     request at once (transformers' default takes most of the free memory: the whole RAM on a
     CPU, the training's room on a device), one forward pass at most all their prompts."""
@@ -312,8 +312,9 @@ def paging(rows: list[Prompt], sampled: bool) -> dict[str, Any]:
     return {
         "num_blocks": math.ceil(tokens / page) + 1,
         "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in rows)),
-        # A sampled row draws from a Python generator per token: no device graphs around it.
-        "use_cuda_graph": False if sampled else None,
+        # No device graphs: a manager lives one call, too short to replay a capture enough to
+        # pay for it, and a sampled row draws from a Python generator per token.
+        "use_cuda_graph": False,
         "seed": 0,  # its own sampling is not used; a set seed is not drawn from torch's generator
     }
 

@@ -119,7 +119,7 @@ def trl_paged(model: Any, tokenizer: Any, conversations: list, ids: list, args: 
     group = args.num_generations
     repeated = [p for p in ids for _ in range(group)]
     rows = [generation.Prompt(i, p, args.max_completion_length) for i, p in enumerate(repeated)]
-    paging = generation.paging(rows, sampled=True)
+    paging = generation.paging(rows)
     paging = {k: paging[k] for k in ("num_blocks", "max_batch_tokens")}  # the cache's size
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_rollouts_"),
