@@ -23,6 +23,8 @@ PROMPT = "you> "
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from recipes.config import ENGINES
+
     parser = argparse.ArgumentParser(prog="python -m recipes.chat", description=__doc__)
     parser.add_argument("model", type=Path, help="a chat run's final/ (or any chat model folder)")
     parser.add_argument("--system", help="a system turn that opens the conversation")
@@ -30,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="of the sampled replies")
+    parser.add_argument(
+        "--engine", choices=ENGINES, default="batched", help="generation.engine (the same replies)"
+    )
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         parser.error(f"{args.model}: no model here (config.json); give a run's final/ folder")
@@ -39,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     quiet_libraries()
     chat = Chat(args.model, args.system, args.max_new_tokens, args.temperature, args.top_p)
+    chat.generation.engine = args.engine
     chat.seed(args.seed)
     interactive = sys.stdin.isatty()
     while True:

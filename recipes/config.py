@@ -301,6 +301,9 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+ENGINES = ("batched", "continuous", "vllm")  # generation.engine's values
+
+
 @dataclass
 class GenerationConfig:
     """How generation runs (``generation.*``; transformers' names): mode=predict's completions,
@@ -317,6 +320,11 @@ class GenerationConfig:
     num_beams: int | None = None  # beam search; null: the model's generation_config (greedy)
     length_penalty: float | None = None  # beam search's length exponent; null: the model's own
     batch_size: int = 16  # prompts generated together (left-padded, sorted by length)
+    # Which engine serves complete_ids: "batched" (padded batches of batch_size, model.generate),
+    # "continuous" (transformers' continuous batching, paged KV cache: a finished row's slot is
+    # refilled at once; falls back to batched, with one log line, where it cannot serve), or
+    # "vllm" (recipes/vllm_engine.py). Same answers either way (docs/configuration.md).
+    engine: str = "batched"
 
 
 @dataclass
@@ -514,6 +522,11 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(
             "trainer.num_epochs and trainer.max_steps are both <= 0: set one of them, "
             "e.g. trainer.num_epochs=2 or trainer.max_steps=1000."
+        )
+    if settings.generation.engine not in ENGINES:
+        raise ConfigError(
+            f"generation.engine={settings.generation.engine}: must be one of "
+            f"{', '.join(ENGINES)} (the default: batched)."
         )
     _check_early_stopping(settings.trainer)
     _check_optimizer(cfg.get("optimizer"))

@@ -22,14 +22,26 @@ It serves ``mode=predict`` of the language-model tasks, SFT's and DPO's answers 
 Greedy answers equal one-prompt-at-a-time generation token for token in fp32
 (``tests/test_generation.py``); in bf16 the padded batch may round differently, as with any batched
 decoding.
+
+**Engines** (``generation.engine``). ``batched`` is the above. ``continuous`` hands the rows to
+transformers' continuous batching (``init_continuous_batching``: a paged KV cache, sized here to
+the call; requests scheduled token by token, a finished row's room refilled at once, no padding),
+one request per row with its own length limit and the model's stop tokens; sampling goes through
+:class:`RowSlots`, which gives each request's row its own stream as above, so the tokens depend
+on the seed and the row only. Where it cannot serve (an encoder-decoder model, beam search, a
+sharded model, an attention that cannot read a paged cache, transformers without it) the batched
+engine answers, with one log line. ``vllm`` is :mod:`recipes.vllm_engine`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -42,14 +54,27 @@ from transformers.generation.logits_process import (
 )
 
 from recipes.config import ConfigError, GenerationConfig
+from recipes.log import get_logger
+
+try:  # transformers' continuous batching with per-request logits processors (5.x)
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+    )
+except ImportError:  # older transformers: generation.engine=continuous falls back to batched
+    ContinuousBatchingLogitsProcessor = None
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+log = get_logger(__name__)
+_FALLBACKS_LOGGED: set[str] = set()  # one line per reason and run
 
 
 # transformers' sampling default for top_k when neither the call nor the model's
 # generation_config sets it (GenerationConfig's documented default in 4.x and 5.x).
 DEFAULT_TOP_K = 50
+# The most tokens one continuous-batching forward pass takes (transformers' own default).
+DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
 @dataclass
@@ -102,11 +127,43 @@ def complete_ids(
     from one: a row draws once per token it keeps, never past its stop token or its limit)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator else model
     _check_decoding(unwrapped, tokenizer, generation)
+    if generation.engine == "vllm":
+        from recipes import vllm_engine
+
+        return vllm_engine.complete_ids(
+            model, prompts, tokenizer, generation, max_new_tokens, max_length=max_length,
+            accelerator=accelerator, seed=seed, streams=streams,
+        )  # fmt: skip
     if getattr(unwrapped.config, "is_encoder_decoder", False):
         max_length = None  # the source is the encoder's: no shared length with the answer
     rows = _fit(prompts, max_new_tokens, max_length)
     if not rows:
         return []
+    base_seed = torch.initial_seed() if seed is None else seed
+    if generation.engine == "continuous":
+        reason = _not_continuous(unwrapped, generation, accelerator)
+        if reason is None:
+            return _continuous_ids(unwrapped, rows, generation, accelerator, base_seed, streams)
+        if reason not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(reason)
+            log.info("generation.engine=continuous: %s, so the batched engine generates", reason)
+    return _batched_ids(
+        model, unwrapped, rows, tokenizer, generation, accelerator, max_length, base_seed, streams
+    )
+
+
+def _batched_ids(
+    model: torch.nn.Module,
+    unwrapped: torch.nn.Module,
+    rows: list[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    accelerator: Accelerator | None,
+    max_length: int | None,
+    base_seed: int,
+    streams: Sequence[torch.Generator] | None,
+) -> list[list[int]]:
+    """The batched engine: length-sorted, left-padded batches through ``model.generate``."""
     order = sorted(rows, key=lambda row: (-len(row.ids), row.index))
     batches = _batches(order, max(1, generation.batch_size), max_length)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
@@ -116,7 +173,6 @@ def complete_ids(
     device = accelerator.device if accelerator else _device(unwrapped)
     was_training = unwrapped.training
     unwrapped.eval()
-    base_seed = torch.initial_seed() if seed is None else seed
     done: list[tuple[int, list[int]]] = []
     with whole_root(model, unwrapped) if sharded else contextlib.nullcontext():
         for step in range(steps):
@@ -138,12 +194,156 @@ def complete_ids(
             if step < len(mine):
                 done.extend(zip((row.index for row in batch), new, strict=True))
     unwrapped.train(was_training)
-    if accelerator is not None and world > 1:
+    return _gathered(done, rows, accelerator)
+
+
+def _gathered(
+    done: list[tuple[int, list[int]]], rows: list[Prompt], accelerator: Accelerator | None
+) -> list[list[int]]:
+    """Every process's ``(index, answer)`` pairs, on every process, in the prompts' order."""
+    if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
         done = gather_object(done)
     by_index = dict(done)
     return [by_index[row.index] for row in rows]
+
+
+def _not_continuous(
+    model: torch.nn.Module, generation: GenerationConfig, accelerator: Accelerator | None
+) -> str | None:
+    """Why transformers' continuous batching cannot serve this call (None: it can)."""
+    import transformers
+
+    beams = generation.num_beams or getattr(model.generation_config, "num_beams", 1) or 1
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model pages no KV cache"
+    if beams > 1:
+        return f"beam search ({beams} beams) is not continuous batching's"
+    if ContinuousBatchingLogitsProcessor is None or not hasattr(model, "init_continuous_batching"):
+        return (
+            f"transformers {transformers.__version__} has no continuous batching with "
+            "per-request logits processors (5.x has)"
+        )
+    sharded = any("FSDP" in type(m).__name__ or "FullyShardedDataParallel" in type(m).__name__
+                  for m in model.modules())  # fmt: skip
+    if sharded or (accelerator is not None and _sharded(accelerator)):
+        return "a sharded (FSDP) model cannot be paged by one process"
+    attention = str(getattr(model.config, "_attn_implementation", None))
+    if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa") and "flash" not in attention:
+        return f"attention {attention} cannot read a paged cache (sdpa, eager and flash can)"
+    return None
+
+
+@torch.no_grad()
+def _continuous_ids(
+    model: torch.nn.Module,
+    rows: list[Prompt],
+    generation: GenerationConfig,
+    accelerator: Accelerator | None,
+    base_seed: int,
+    streams: Sequence[torch.Generator] | None,
+) -> list[list[int]]:
+    """``rows`` through transformers' continuous batching (``init_continuous_batching``: one
+    manager per call, its paged KV cache sized to the call's prompts): each process serves
+    its share of the rows, one request each, with its own length limit and the model's stop
+    tokens. Greedy takes the argmax; sampling draws each row from its own stream, as the
+    batched engine does (:class:`RowSlots`)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    mine = rows[rank::world]
+    stops = _ids(getattr(model.generation_config, "eos_token_id", None))
+    done: list[tuple[int, list[int]]] = []
+    if not mine:
+        return _gathered(done, rows, accelerator)
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample, config.num_beams = False, 1  # sampling is RowSlots'
+    config.max_new_tokens = max(row.max_new_tokens for row in mine)
+    config.eos_token_id = stops or -1
+    hints = WorkloadHints(
+        max_prompt_length=max(len(row.ids) for row in mine),
+        max_generated_length=config.max_new_tokens,
+        num_requests=len(mine),
+    )
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # per-call chatter
+    was_training = model.training
+    # Its batch processor reseeds torch's global generators (transformers' distributed.py,
+    # set_tp_seed): the run's own streams (dropout, shuffling) go on as if it had not run.
+    with torch.random.fork_rng(
+        devices=[] if model.device.type == "cpu" else [model.device],
+        device_type=model.device.type,
+    ):
+        settings = ContinuousBatchingConfig(**paging(mine))
+        manager = model.init_continuous_batching(config, settings, hints)
+        if generation.do_sample:
+            generators = [
+                streams[r.index] if streams else row_stream(base_seed, r.index) for r in mine
+            ]
+            sampler = RowSampler(generators, _warpers(model, generation))
+            slots = {f"row{row.index}": slot for slot, row in enumerate(mine)}
+            processors = manager.logit_processor  # before start(), which hands it to the loop
+            processors.logits_processor.append(RowSlots(sampler, slots))
+            processors.tensors_required += 1
+            processors.do_processing = True
+        manager.start()
+        try:
+            for row in mine:
+                manager.add_request(
+                    row.ids, request_id=f"row{row.index}", max_new_tokens=row.max_new_tokens,
+                    eos_token_id=config.eos_token_id,
+                )  # fmt: skip
+            done = _collect(manager, mine, set(stops))
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+            model.train(was_training)
+    return _gathered(done, rows, accelerator)
+
+
+def paging(rows: list[Prompt]) -> dict[str, Any]:
+    """``ContinuousBatchingConfig``'s settings for ``rows``: the paged cache sized to hold every
+    request at once (transformers' default takes most of the free memory: the whole RAM on a
+    CPU, the training's room on a device), one forward pass at most all their prompts."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig.page_size  # tokens per block
+    tokens = sum(len(row.ids) + row.max_new_tokens + page for row in rows)  # a block's rounding
+    return {
+        "num_blocks": math.ceil(tokens / page) + 1,
+        "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, sum(len(row.ids) for row in rows)),
+        # No device graphs: a manager lives one call, too short to replay a capture enough to
+        # pay for it, and a sampled row draws from a Python generator per token.
+        "use_cuda_graph": False,
+        "seed": 0,  # its own sampling is not used; a set seed is not drawn from torch's generator
+    }
+
+
+def _collect(manager: Any, mine: list[Prompt], stops: set[int]) -> list[tuple[int, list[int]]]:
+    """Each request's answer as the manager finishes it, cut like the batched engine's: at its
+    length limit and after its first stop token."""
+    limits = {f"row{row.index}": row for row in mine}
+    answers: dict[str, list[int]] = {}
+    while len(answers) < len(mine):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError(
+                    "generation.engine=continuous: transformers' continuous batching stopped "
+                    f"with {len(mine) - len(answers)} requests unanswered (see its log above)"
+                )
+            continue
+        if not out.is_finished():
+            continue
+        if out.error is not None:
+            raise RuntimeError(
+                f"generation.engine=continuous: request {out.request_id}: {out.error}"
+            )
+        new = list(out.generated_tokens)[: limits[out.request_id].max_new_tokens]
+        end = next((k + 1 for k, token in enumerate(new) if token in stops), len(new))
+        answers[out.request_id] = new[:end]
+    return [(limits[key].index, new) for key, new in answers.items()]
 
 
 def _check_decoding(
@@ -292,24 +492,67 @@ class RowSampler(LogitsProcessor):
         self.ended = [False] * len(generators)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)
         if self.start is None:
             self.start = input_ids.shape[1]
         step = input_ids.shape[1] - self.start
+        live = [
+            not self.ended[r] and (self.limits is None or step < self.limits[r])
+            for r in range(len(self.generators))
+        ]
+        return self.draw(input_ids, scores, self.generators, live)
+
+    def draw(
+        self,
+        input_ids: torch.LongTensor,
+        scores: torch.FloatTensor,
+        generators: Sequence[torch.Generator],
+        live: Sequence[bool] | None = None,
+    ) -> torch.FloatTensor:
+        """Row ``r`` of ``scores`` sampled from ``generators[r]``: -inf but at the drawn token.
+        ``live``: the rows of this batch that have not ended (None: every row, as in continuous
+        batching, where a request that ended has left the batch)."""
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
         probs = torch.softmax(scores.float(), dim=-1).cpu()
         picks = []
-        for r, generator in enumerate(self.generators):
-            if self.ended[r] or (self.limits is not None and step >= self.limits[r]):
+        for r, generator in enumerate(generators):
+            if live is not None and not live[r]:
                 picks.append(probs[r].argmax().view(1))  # discarded: the row has ended
                 continue
             pick = torch.multinomial(probs[r], 1, generator=generator)
-            self.ended[r] = int(pick) in self.stops  # the token it keeps is the one drawn here
+            if live is not None:  # the token it keeps is the one drawn here
+                self.ended[r] = int(pick) in self.stops
             picks.append(pick)
         picks = torch.cat(picks).to(scores.device)
         chosen = torch.full_like(scores, -float("inf"))
         chosen.scatter_(1, picks.unsqueeze(1), 0.0)
         return chosen
+
+
+class RowSlots(ContinuousBatchingLogitsProcessor or object):  # type: ignore[misc]
+    """:class:`RowSampler` for transformers' continuous batching, whose batches mix requests
+    that come and go: each request's place in the input reaches the sampler as the request's
+    tensor argument, so its token comes from its own row's stream whichever requests share
+    the step."""
+
+    supported_kwargs: ClassVar[dict[str, type]] = {}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, sampler: RowSampler, slots: dict[str, int]) -> None:
+        self.sampler = sampler
+        self.slots = slots
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        rows = [self.slots[request.state.request_id] for request in requests_with_new_token]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        rows = tensor_arg[: scores.size(0)].tolist()
+        generators = [self.sampler.generators[r] for r in rows]
+        return self.sampler.draw(torch.zeros(len(rows), 1, dtype=torch.long), scores, generators)
 
 
 def beam_search(generation: GenerationConfig) -> dict[str, Any]:

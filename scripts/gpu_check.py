@@ -42,7 +42,10 @@ Only with --only (a glob such as 'smoke/*', or '*' for all):
 - fsdp/llama_clm, fsdp/llama_sft_lora (optional: only with ``--only fsdp``): FSDP through
   accelerate, one process; the second with LoRA (merged on the main process at the end);
 - micro/generate (optional: ``--only micro/generate``): batched generation against one prompt
-  at a time on the SmolLM2-shaped Llama, fp32 and bf16, and how many answers are the same.
+  at a time on the SmolLM2-shaped Llama, fp32 and bf16, and how many answers are the same;
+- generate/rollouts (optional: ``--only generate/rollouts``, issue 47): scripts/bench_rollouts.py
+  on the SmolLM2-shaped Llama: rollout tokens/s of generation.engine=batched and continuous and
+  TRL's GRPOTrainer with transformers' continuous batching, and their ratios.
 
 Output (``--out DIR``; at most 8 files, as a device machine returns): ``rows.jsonl`` (one JSON
 record per row, appended as each row ends), ``table.md`` (rewritten after every row, with the
@@ -279,6 +282,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         Process("sft", "child", 5),
         Process("grpo", "child", 5),
         Process("continuous", "child", 10, models=True),
+        Process("rollouts", "child", 15, models=True),
         Process("setup", "child", 10),
         Process("probe", "child", 8),
         Process("adamw", "child", 10),
@@ -355,6 +359,14 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             25,
             "continuous",
             "generation.complete against transformers' continuous batching",
+        ),
+        Row(
+            "generate/rollouts",
+            "rollouts",
+            60,
+            "rollouts",
+            "bench_rollouts.py: batched, continuous and TRL paged engines, tokens/s",
+            optional=True,
         ),
         Row("micro/sdpa_probe", "probe", 7, "sdpa_probe", "one SDPA step against eager", True),
         Row("micro/adamw_fused", "adamw", 12, "adamw_fused", "fused=null/true vs false", True),
@@ -1761,6 +1773,31 @@ def child_continuous(models: Path, out: Path, dry_run: bool) -> dict:
     }
 
 
+def child_rollouts(models: Path, out: Path, dry_run: bool) -> dict:
+    """scripts/bench_rollouts.py on the SmolLM2-shaped Llama (random weights: every completion
+    runs to its length limit) in the device's half precision: a GRPO step's sampling, 8 prompts
+    x 8 generations x 32 new tokens, by the batched engine, generation.engine=continuous and
+    TRL's GRPOTrainer with transformers' continuous batching; its ratio lines as the note."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_rollouts
+
+    load = ["--prompts", "2", "--num-generations", "2", "--max-completion-length", "4"]
+    argv = ["--model", str(models / "llama-135m"), "--out", str(out / "rollouts.json")]
+    argv += [*load, "--rounds", "1"] if dry_run else ["--rounds", "3"]
+    found = bench_rollouts.main(argv)
+    speed, ratios = found["tokens_per_s"], found["ratios"]
+    return {
+        "ok": all(v > 0 for v in speed.values()),
+        "tokens_per_s": speed.get("continuous"),
+        "ratio": ratios.get("continuous/batched"),
+        "note": "rollout tokens/s: "
+        + ", ".join(f"{side} {v:,.0f}" for side, v in speed.items())
+        + "; ratio "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+        + f" ({found['load']})",
+    }
+
+
 CHILDREN = {
     "sdpa_probe": child_sdpa_probe,
     "adamw_fused": child_adamw_fused,
@@ -1783,6 +1820,8 @@ def run_child(name: str, out: Path, models: Path, dry_run: bool, data: Path | No
         result = child_llm_peer(name, out, dry_run)
     elif name == "continuous":
         result = child_continuous(models, out, dry_run)
+    elif name == "rollouts":
+        result = child_rollouts(models, out, dry_run)
     else:
         result = CHILDREN[name](dry_run)
     atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())

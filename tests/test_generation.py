@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from recipes import generation
 from recipes.config import ASSETS, ConfigError, GenerationConfig
@@ -152,3 +152,101 @@ def test_sampling_with_beam_search_is_refused():
     sampled = GenerationConfig(do_sample=True, num_beams=2)
     with pytest.raises(ConfigError, match=r"generation\.do_sample=true with beam search"):
         generation.complete(model, [[1, 2, 3]], tokenizer, sampled, 4)
+
+
+# ------------------------------------------------------ generation.engine=continuous
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_continuous_engine_gives_the_batched_engines_ids(name):
+    """transformers' continuous batching (paged KV cache, requests scheduled token by token)
+    against the batched engine on the same prompts: greedy ids equal, with a stop token some
+    rows reach part-way and a long prompt cut to max_length; (Llama) sampled rows equal too,
+    each from its own seeded stream, whichever rows share the call."""
+    model, tokenizer = _model(name)
+    llama = name == "tiny-llama"
+    prompts = _chat_prompts(tokenizer, 6) if llama else _text_prompts(tokenizer, 9)
+    limit = max(len(p) for p in prompts) - 4  # the longest prompts are cut: room for 1 token
+
+    def ids(engine: str, rows=prompts, **settings) -> list[list[int]]:
+        config = GenerationConfig(engine=engine, batch_size=4, **settings)
+        return generation.complete_ids(
+            model, rows, tokenizer, config, NEW, max_length=limit, seed=11
+        )
+
+    if not llama:  # a stop token that rows reach part-way (the tiny Llama repeats its first)
+        unstopped = ids("batched")
+        model.generation_config.eos_token_id = [
+            Counter(t for row in unstopped for t in row[1:]).most_common(1)[0][0]
+        ]
+    greedy = ids("batched")
+    assert ids("continuous") == greedy
+    room = [min(NEW, limit - min(len(p), limit - 1)) for p in prompts]
+    assert any(r < NEW and len(g) == r for g, r in zip(greedy, room, strict=True))
+    if not llama:
+        assert sum(len(g) < r for g, r in zip(greedy, room, strict=True)) >= 2  # stopped part-way
+        return
+    sampled = {"do_sample": True, "temperature": 1.5, "top_p": 0.9}
+    before = torch.random.get_rng_state()
+    rows = ids("continuous", **sampled)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the run's stream is left alone
+    assert rows == ids("batched", **sampled)
+    assert rows != greedy and len({tuple(r) for r in rows}) > 1
+    assert ids("continuous", prompts[:3], **sampled) == rows[:3]  # other rows, same draws
+
+
+def test_continuous_engine_falls_back_to_batched_where_it_cannot_page(caplog):
+    """Beam search and an encoder-decoder model: the batched engine's answers, one log line."""
+    model, tokenizer = _model("tiny-llama")
+    prompts = _chat_prompts(tokenizer, 4)
+    beams = {"num_beams": 3, "length_penalty": 0.5, "batch_size": 4}
+    with caplog.at_level("INFO", logger="recipes.generation"):
+        answers = [
+            generation.complete_ids(
+                model, prompts, tokenizer, GenerationConfig(engine=engine, **beams), 6
+            )
+            for engine in ("continuous", "batched", "continuous")
+        ]
+    assert answers[0] == answers[1] == answers[2]
+    assert sum("beam search" in r.getMessage() for r in caplog.records) == 1  # once per run
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-t5")
+    t5 = AutoModelForSeq2SeqLM.from_pretrained(ASSETS / "tiny-t5", dtype=torch.float32).eval()
+    sources = [tokenizer(f"translate: line {i} " * (i + 1))["input_ids"] for i in range(3)]
+    assert generation.complete_ids(
+        t5, sources, tokenizer, GenerationConfig(engine="continuous"), 5
+    ) == generation.complete_ids(t5, sources, tokenizer, GenerationConfig(), 5)
+
+
+def test_an_unknown_engine_is_refused_in_one_line():
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import register_resolvers, validate
+
+    register_resolvers()
+    conf = ASSETS.parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", ["recipe=llama_grpo", "output_dir=/tmp/u", "generation.engine=vlm"])
+    with pytest.raises(ConfigError, match=r"^generation\.engine=vlm: .*batched, continuous, vllm"):
+        validate(cfg)
+
+
+@pytest.mark.slow
+def test_grpo_with_the_continuous_engine_gives_the_pinned_numbers(tmp_path):
+    """recipe=llama_grpo's pinned smoke run (tests/unchanged_numbers.json, recorded with the
+    batched engine) with generation.engine=continuous: the same losses, rewards and lengths."""
+    import test_unchanged_numbers as pinned
+    from conftest import read_metrics, run_train
+
+    run = tmp_path / "run"
+    proc = run_train(
+        "recipe=llama_grpo", *pinned.RUN, "trainer.save_final_model=false",
+        "generation.engine=continuous", f"output_dir={run}",
+    )  # fmt: skip
+    assert "so the batched engine generates" not in proc.stderr  # no fallback
+    records = read_metrics(run)
+    got = {
+        "train": [pinned._numbers(m) for m in records if "train/loss" in m],
+        "eval": [pinned._numbers(m) for m in records if any(k.startswith("eval/") for k in m)],
+    }
+    want = json.loads(pinned.PINS.read_text())["llama_grpo"]
+    pinned._close(got, {k: want[k] for k in got}, "llama_grpo")

@@ -241,7 +241,7 @@ def answer_held_out(
     scores against the references (:func:`generation_scores`)."""
     if not data.prompts:
         return {}
-    greedy = GenerationConfig(batch_size=run.generation.batch_size)
+    greedy = GenerationConfig(batch_size=run.generation.batch_size, engine=run.generation.engine)
     answers = answer(model, data, run, greedy, max_new_tokens, max_length)
     records = [
         {"messages": p["messages"], "reference": p["reference"], "generated": answer}

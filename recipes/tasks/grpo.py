@@ -466,6 +466,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             top_p=args.top_p,
             top_k=args.top_k,
             batch_size=max(run.generation.batch_size, group),
+            engine=run.generation.engine,
         )
         started = time.perf_counter()
         completions = generation_lib.complete_ids(
@@ -805,7 +806,9 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         scored; none scored stops the run) and each function's mean (left out where it scored
         none), and the completions' length."""
         prompts = [row["input_ids"] for row in data.eval]
-        greedy = GenerationConfig(batch_size=run.generation.batch_size)
+        greedy = GenerationConfig(
+            batch_size=run.generation.batch_size, engine=run.generation.engine
+        )
         completions = generation_lib.complete_ids(
             model,
             prompts,

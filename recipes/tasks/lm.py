@@ -323,7 +323,7 @@ class CausalLanguageModeling(LanguageModeling):
             model,
             [ids],
             tokenizer,
-            GenerationConfig(),
+            GenerationConfig(engine=run.generation.engine),
             self.args.sample_max_new_tokens,
             accelerator=run.accelerator,
         )
