@@ -325,6 +325,13 @@ class GenerationConfig:
     # refilled at once; falls back to batched, with one log line, where it cannot serve), or
     # "vllm" (recipes/vllm_engine.py). Same answers either way (docs/configuration.md).
     engine: str = "batched"
+    # generation.engine=vllm: a vLLM server (vllm serve, or vllm-musa's on MUSA hosts) that the
+    # policy's LoRA adapter or weights are pushed to through a folder both sides see
+    # (docs/launching.md).
+    vllm_url: str = "http://localhost:8000"  # where the server listens
+    vllm_sync_dir: str | None = None  # the shared folder; null: a temporary one (same host)
+    vllm_timeout: float = 600.0  # seconds one request may take
+    vllm_max_concurrent_requests: int = 64  # completions requested at once
 
 
 @dataclass
@@ -478,6 +485,12 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("generation.num_beams", _null_or_at_least(1), "must be >= 1, or null for the model's own"),
     ("generation.batch_size", _at_least(1), "must be >= 1 (prompts generated together)"),
+    ("generation.vllm_timeout", lambda v: v is not None and v > 0, "must be > 0 (seconds)"),
+    (
+        "generation.vllm_max_concurrent_requests",
+        _at_least(1),
+        "must be >= 1 (completions requested at once)",
+    ),
     ("data.max_train_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     ("data.max_eval_examples", _null_or_at_least(1), "must be >= 1, or null for all examples"),
     (

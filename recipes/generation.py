@@ -40,7 +40,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -103,6 +103,17 @@ def complete(
     ]
 
 
+def on_engine(settings: GenerationConfig, run: GenerationConfig) -> GenerationConfig:
+    """``settings`` (a task's own sampling, or greedy answers) served by the run's engine:
+    ``generation.engine`` and its server's settings (``generation.vllm_*``) carried over."""
+    served = {
+        f.name: getattr(run, f.name)
+        for f in fields(run)
+        if f.name == "engine" or f.name.startswith("vllm_")
+    }
+    return replace(settings, **served)
+
+
 def complete_ids(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -130,6 +141,12 @@ def complete_ids(
     if generation.engine == "vllm":
         from recipes import vllm_engine
 
+        # The policy as it is now, before it generates (TRL's GRPO pushes before each
+        # generation too): its adapter (nothing when the server has it) or its weights.
+        if accelerator is None or accelerator.is_main_process:
+            vllm_engine.push_weights(model, generation, accelerator)
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
         return vllm_engine.complete_ids(
             model, prompts, tokenizer, generation, max_new_tokens, max_length=max_length,
             accelerator=accelerator, seed=seed, streams=streams,

@@ -64,14 +64,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 ADAPTER_PREFIX = "recipes-policy-"  # pushed adapters are named this plus their fingerprint
-# The settings and their defaults when ``generation`` does not hold them (GenerationConfig's
-# ``vllm_*`` fields, once added, win).
-DEFAULTS = {
-    "vllm_url": "http://localhost:8000",  # where `vllm serve` listens
-    "vllm_sync_dir": None,  # folder both sides see under this path; null: a temporary folder
-    "vllm_timeout": 600.0,  # seconds one request may take
-    "vllm_max_concurrent_requests": 64,  # completions requested at once
-}
 _TEMPORARY: list[Path] = []  # this process's sync folder when vllm_sync_dir is null
 
 
@@ -86,17 +78,16 @@ class Server:
 
     @classmethod
     def of(cls, generation: GenerationConfig) -> Server:
-        get = lambda key: getattr(generation, key, DEFAULTS[key])  # noqa: E731
-        sync_dir = get("vllm_sync_dir")
+        sync_dir = generation.vllm_sync_dir
         if sync_dir is None:
             if not _TEMPORARY:
                 _TEMPORARY.append(Path(tempfile.mkdtemp(prefix="recipes-vllm-")))
             sync_dir = _TEMPORARY[0]
         return cls(
-            url=str(get("vllm_url")).rstrip("/"),
+            url=generation.vllm_url.rstrip("/"),
             sync_dir=Path(sync_dir),
-            timeout=float(get("vllm_timeout")),
-            concurrency=max(1, int(get("vllm_max_concurrent_requests"))),
+            timeout=float(generation.vllm_timeout),
+            concurrency=generation.vllm_max_concurrent_requests,
         )
 
     def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -222,7 +213,7 @@ def complete_ids(
     prompts: Sequence[Sequence[int]],
     tokenizer: PreTrainedTokenizerBase,
     generation: GenerationConfig,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     *,
     max_length: int | None = None,
     accelerator: Accelerator | None = None,
@@ -259,7 +250,8 @@ def complete_ids(
     }
 
     def send(index: int) -> tuple[int, list[int]]:
-        ids, limit = _fit(prompts[index], max_new_tokens, max_length)
+        own = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[index]
+        ids, limit = _fit(prompts[index], own, max_length)
         body = {"model": name, "prompt": ids, "max_tokens": limit, "n": 1, **sampling}
         body |= {"stop_token_ids": stops, "return_token_ids": True}
         if generation.do_sample:

@@ -219,9 +219,7 @@ def tiny(folder):
 
 
 def _settings(url: str, folder: Path, **options) -> GenerationConfig:
-    settings = GenerationConfig(**options)
-    settings.vllm_url, settings.vllm_sync_dir = url, str(folder)  # GenerationConfig's vllm_*
-    return settings
+    return GenerationConfig(vllm_url=url, vllm_sync_dir=str(folder), **options)
 
 
 def _nudge(parameters, seed: int, scale: float) -> None:
@@ -264,6 +262,14 @@ def test_pushed_adapter_is_what_the_server_generates(server, folder, tiny, tmp_p
     base_name, adapters = vllm_engine.Server.of(settings).models()
     assert base_name == str(folder) and len(adapters) == 1 and adapters != first[1]
     assert [p.name for p in tmp_path.iterdir()] == adapters
+    # Through recipes.generation.complete_ids with generation.engine=vllm, as every caller
+    # (GRPO's rollouts and evaluation, mode=predict, the answers after training) reaches it: the
+    # policy's adapter is pushed before it generates.
+    _nudge(lora_b, seed=4, scale=0.3)
+    latest = answers(generation)
+    assert latest != newer
+    settings.engine = "vllm"
+    assert answers(generation) == latest
 
 
 def test_pushed_weights_and_sampling_requests(server, folder, tiny, tmp_path) -> None:

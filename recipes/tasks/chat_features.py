@@ -241,7 +241,9 @@ def answer_held_out(
     scores against the references (:func:`generation_scores`)."""
     if not data.prompts:
         return {}
-    greedy = GenerationConfig(batch_size=run.generation.batch_size, engine=run.generation.engine)
+    greedy = generation_lib.on_engine(
+        GenerationConfig(batch_size=run.generation.batch_size), run.generation
+    )
     answers = answer(model, data, run, greedy, max_new_tokens, max_length)
     records = [
         {"messages": p["messages"], "reference": p["reference"], "generated": answer}

@@ -460,13 +460,15 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         seeds = batch["row_seed"].tolist()
         repeated = [p for p in prompts for _ in range(group)]
         streams = [torch.Generator().manual_seed(int(s) + k) for s in seeds for k in range(group)]
-        sampling = GenerationConfig(
-            do_sample=True,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            batch_size=max(run.generation.batch_size, group),
-            engine=run.generation.engine,
+        sampling = generation_lib.on_engine(
+            GenerationConfig(
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                batch_size=max(run.generation.batch_size, group),
+            ),
+            run.generation,
         )
         started = time.perf_counter()
         completions = generation_lib.complete_ids(
@@ -806,8 +808,8 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         scored; none scored stops the run) and each function's mean (left out where it scored
         none), and the completions' length."""
         prompts = [row["input_ids"] for row in data.eval]
-        greedy = GenerationConfig(
-            batch_size=run.generation.batch_size, engine=run.generation.engine
+        greedy = generation_lib.on_engine(
+            GenerationConfig(batch_size=run.generation.batch_size), run.generation
         )
         completions = generation_lib.complete_ids(
             model,

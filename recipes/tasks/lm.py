@@ -323,7 +323,7 @@ class CausalLanguageModeling(LanguageModeling):
             model,
             [ids],
             tokenizer,
-            GenerationConfig(engine=run.generation.engine),
+            generation_lib.on_engine(GenerationConfig(), run.generation),
             self.args.sample_max_new_tokens,
             accelerator=run.accelerator,
         )
