@@ -131,9 +131,8 @@ def _our_metrics(stats: dict[str, torch.Tensor], rows: int) -> dict[str, float]:
     return metrics
 
 
-def test_rows_and_kl_rows_are_tokenized_as_trl(tmp_path):
-    _, batch, tokenizer, policy, reference = _ours(tmp_path)
-    _, theirs = _trl(tmp_path, tokenizer, policy, reference)
+def _rows_equal_trls(batch, theirs) -> list:
+    """Asserts that the rows and the KL rows have TRL's ids and labelled tokens; the KL rows'."""
     for prefix in ("", "KL_"):
         ours = _sequences(
             batch[f"{prefix}input_ids"],
@@ -146,6 +145,13 @@ def test_rows_and_kl_rows_are_tokenized_as_trl(tmp_path):
             theirs[f"{prefix}attention_mask"],
         )
         assert ours == expected, prefix
+    return ours
+
+
+def test_rows_and_kl_rows_are_tokenized_as_trl(tmp_path):
+    _, batch, tokenizer, policy, reference = _ours(tmp_path)
+    _, theirs = _trl(tmp_path, tokenizer, policy, reference)
+    _rows_equal_trls(batch, theirs)
     assert batch["label"].tolist() == theirs["label"].tolist() == [True, False] * 4
 
 
@@ -164,18 +170,7 @@ def test_kl_rows_pair_whole_completions_then_cut_as_trls(tmp_path):
     ]
     kto, batch, tokenizer, policy, reference = _ours(tmp_path, rows, max_seq_length=200)
     trainer, theirs = _trl(tmp_path, tokenizer, policy, reference, rows, max_length=200)
-    for prefix in ("", "KL_"):
-        ours = _sequences(
-            batch[f"{prefix}input_ids"],
-            batch[f"{prefix}labels"] != conversations.IGNORE_INDEX,
-            batch[f"{prefix}attention_mask"],
-        )
-        expected = _sequences(
-            theirs[f"{prefix}input_ids"],
-            theirs[f"{prefix}completion_mask"],
-            theirs[f"{prefix}attention_mask"],
-        )
-        assert ours == expected, prefix
+    ours = _rows_equal_trls(batch, theirs)
     labelled = [len(labels) for _, labels in ours]  # the KL rows'
     # Row 1: the cut row's whole completion; row 2: 194 + 11 tokens, cut after assembly.
     assert labelled == [6, 54, 6, 30] and len(ours[2][0]) == 200
