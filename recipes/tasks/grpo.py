@@ -732,7 +732,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             per_token = per_token + args.beta * kl
             stats["kl"] = _masked_mean(kl, mask)
         masked = per_token * mask  # a ratio per completion spreads over its tokens
-        rows = torch.tensor(float(len(mask)), device=mask.device)
+        rows = mask.new_full((), float(len(mask)))  # a fill on the device, no copy from the host
         if args.loss_type in TOKEN_SUMS:
             total, count = masked.sum(), mask.sum()
         elif args.loss_type in ("grpo", "sapo"):
