@@ -153,7 +153,7 @@ def complete_ids(
         )  # fmt: skip
     if getattr(unwrapped.config, "is_encoder_decoder", False):
         max_length = None  # the source is the encoder's: no shared length with the answer
-    rows = _fit(prompts, max_new_tokens, max_length)
+    rows = fit_prompts(prompts, max_new_tokens, max_length)
     if not rows:
         return []
     base_seed = torch.initial_seed() if seed is None else seed
@@ -211,10 +211,10 @@ def _batched_ids(
             if step < len(mine):
                 done.extend(zip((row.index for row in batch), new, strict=True))
     unwrapped.train(was_training)
-    return _gathered(done, rows, accelerator)
+    return gather_answers(done, rows, accelerator)
 
 
-def _gathered(
+def gather_answers(
     done: list[tuple[int, list[int]]], rows: list[Prompt], accelerator: Accelerator | None
 ) -> list[list[int]]:
     """Every process's ``(index, answer)`` pairs, on every process, in the prompts' order."""
@@ -271,10 +271,10 @@ def _continuous_ids(
 
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = rows[rank::world]
-    stops = _ids(getattr(model.generation_config, "eos_token_id", None))
+    stops = stop_ids(model)
     done: list[tuple[int, list[int]]] = []
     if not mine:
-        return _gathered(done, rows, accelerator)
+        return gather_answers(done, rows, accelerator)
     config = copy.deepcopy(model.generation_config)
     config.do_sample, config.num_beams = False, 1  # sampling is RowSlots'
     config.max_new_tokens = max(row.max_new_tokens for row in mine)
@@ -316,7 +316,7 @@ def _continuous_ids(
             manager.stop(block=True)
             manager.destroy()
             model.train(was_training)
-    return _gathered(done, rows, accelerator)
+    return gather_answers(done, rows, accelerator)
 
 
 def paging(rows: list[Prompt]) -> dict[str, Any]:
@@ -401,9 +401,11 @@ def _batches(order: list[Prompt], size: int, max_length: int | None) -> list[lis
     return batches
 
 
-def _fit(
+def fit_prompts(
     prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], max_length: int | None
 ) -> list[Prompt]:
+    """Each prompt as a :class:`Prompt`: under ``max_length`` its end (with room for one new
+    token) and an answer limit that fits; ``max_new_tokens``: one limit, or each prompt's."""
     rows = []
     for index, ids in enumerate(prompts):
         limit = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[index]
@@ -585,15 +587,21 @@ def _warpers(model: torch.nn.Module, generation: GenerationConfig) -> list[Logit
     warpers: list[LogitsProcessor] = []
     if generation.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(generation.temperature))
-    top_k = generation.top_k
-    if top_k is None:
-        top_k = getattr(model.generation_config, "top_k", None)
-        top_k = DEFAULT_TOP_K if top_k is None else top_k
+    top_k = sampling_top_k(model, generation)
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if generation.top_p < 1.0:
         warpers.append(TopPLogitsWarper(generation.top_p))
     return warpers
+
+
+def sampling_top_k(model: torch.nn.Module, generation: GenerationConfig) -> int:
+    """Sampling's top-k: ``generation.top_k``, else the model's generation_config's, else
+    transformers' default (0: off)."""
+    if generation.top_k is not None:
+        return generation.top_k
+    top_k = getattr(model.generation_config, "top_k", None)
+    return DEFAULT_TOP_K if top_k is None else top_k
 
 
 def _padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,6 +254,28 @@ def _load_reward_model(folder: Path) -> tuple[Any, Any]:
     return model.to(PartialState().device).eval(), tokenizer
 
 
+# ------------------------------------------------------------ tool calling (task.tools)
+
+
+def tool_math_answer(column: str = "answer") -> RewardFn:
+    """``math_answer`` of a conversation's last assistant turn that is text: with ``task.tools``
+    a completion is its assistant and tool turns (TRL's), and a tool's result, or a turn that
+    only calls a tool, is not the model's answer."""
+    check = math_answer(column)
+
+    def tool_math_answer(prompts: Sequence, completions: Sequence, **row: Any) -> list:
+        return check(prompts, [_last_answer(c) for c in completions], **row)
+
+    return tool_math_answer
+
+
+def _last_answer(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    turns = [m for m in completion if m.get("role") == "assistant" and not m.get("tool_calls")]
+    return text_of(turns[-1]) if turns else ""
+
+
 BUILT_IN: dict[str, Callable[..., RewardFn]] = {
     "answer_match": answer_match,
     "answer_f1": answer_f1,
@@ -262,6 +284,7 @@ BUILT_IN: dict[str, Callable[..., RewardFn]] = {
     "format": format_match,
     "length": length,
     "reward_model": reward_model,
+    "tool_math_answer": tool_math_answer,
 }
 
 
@@ -455,28 +478,3 @@ def _did_you_mean(word: str, choices: Any) -> str:
     :mod:`recipes.config` answers a misspelt option), else ``.``."""
     near = difflib.get_close_matches(word, list(choices), n=1)
     return f"; did you mean {near[0]}?" if near else "."
-
-
-# ------------------------------------------------------------ tool calling (task.tools)
-
-
-def tool_math_answer(column: str = "answer") -> RewardFn:
-    """``math_answer`` of a conversation's last assistant turn that is text: with ``task.tools``
-    a completion is its assistant and tool turns (TRL's), and a tool's result, or a turn that
-    only calls a tool, is not the model's answer."""
-    check = math_answer(column)
-
-    def tool_math_answer(prompts: Sequence, completions: Sequence, **row: Any) -> list:
-        return check(prompts, [_last_answer(c) for c in completions], **row)
-
-    return tool_math_answer
-
-
-def _last_answer(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    turns = [m for m in completion if m.get("role") == "assistant" and not m.get("tool_calls")]
-    return text_of(turns[-1]) if turns else ""
-
-
-BUILT_IN["tool_math_answer"] = tool_math_answer

@@ -29,10 +29,11 @@ is pushed to it over HTTP through a folder both sides see (docs/launching.md#grp
 Checked against a real ``vllm serve`` (vLLM's CPU build 0.32.0, fp32): after a push of either
 kind, greedy answers equal transformers' on the policy, token for token (tests/test_vllm_engine.py).
 
-TRL's server mode (``trl vllm-serve``, which now runs ``vllm serve`` with ``--weight-transfer-config
-'{"backend": "nccl"}'``) broadcasts the weights over NCCL from the trainer's NVIDIA device
-(trl/generation/vllm_client.py refuses any other device); MCCL on MUSA is not NCCL, so this module
-uses only HTTP and a shared folder, which any vLLM build (vllm-musa included) serves.
+TRL's server mode (``trl vllm-serve``, now ``vllm serve`` with a weight-transfer backend)
+broadcasts the weights in a collective from the trainer's device, which
+trl/generation/vllm_client.py allows on NVIDIA's devices only, and MUSA's MCCL is not that
+backend; so this module uses only HTTP and a shared folder, which any vLLM build (vllm-musa
+included) serves.
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ from transformers import PreTrainedTokenizerBase
 
 from recipes.adapters import is_peft_model
 from recipes.config import ConfigError, GenerationConfig
-from recipes.generation import DEFAULT_TOP_K, row_stream
+from recipes.generation import (
+    Prompt,
+    fit_prompts,
+    gather_answers,
+    row_stream,
+    sampling_top_k,
+    stop_ids,
+)
 from recipes.log import get_logger
 
 if TYPE_CHECKING:
@@ -239,23 +247,22 @@ def complete_ids(
     sampling = _sampling(unwrapped, generation)
     base_seed = torch.initial_seed() if seed is None else seed
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    mine = list(range(len(prompts)))[rank::world]
+    rows = fit_prompts(prompts, max_new_tokens, max_length)
+    mine = rows[rank::world]
 
     # Each prompt's seed is drawn from its own stream (row i's: seed + i), here, in order.
     seeds = {
-        index: int(torch.randint(0, 2**31 - 1, (1,), generator=stream))
-        for index in mine
-        for stream in [streams[index] if streams else row_stream(base_seed, index)]
+        row.index: int(torch.randint(0, 2**31 - 1, (1,), generator=stream))
+        for row in mine
+        for stream in [streams[row.index] if streams else row_stream(base_seed, row.index)]
         if generation.do_sample
     }
 
-    def send(index: int) -> tuple[int, list[int]]:
-        own = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[index]
-        ids, limit = _fit(prompts[index], own, max_length)
-        body = {"model": name, "prompt": ids, "max_tokens": limit, "n": 1, **sampling}
-        body |= {"stop_token_ids": stops, "return_token_ids": True}
+    def send(row: Prompt) -> tuple[int, list[int]]:
+        body = {"model": name, "prompt": row.ids, "max_tokens": row.max_new_tokens, "n": 1}
+        body |= {**sampling, "stop_token_ids": stops, "return_token_ids": True}
         if generation.do_sample:
-            body["seed"] = seeds[index]
+            body["seed"] = seeds[row.index]
         choice = server.call("/v1/completions", body)["choices"][0]
         if choice.get("token_ids") is None:
             raise ConfigError(
@@ -263,37 +270,21 @@ def complete_ids(
                 "serve with a vLLM whose completions take return_token_ids (0.28, vllm-musa's "
                 "base, does)"
             )
-        new = list(choice["token_ids"])[:limit]
+        new = list(choice["token_ids"])[: row.max_new_tokens]
         end = next((k + 1 for k, token in enumerate(new) if token in stops), len(new))
-        return index, new[:end]
+        return row.index, new[:end]
 
     done: list[tuple[int, list[int]]] = []
     if mine:
         with ThreadPoolExecutor(max_workers=min(server.concurrency, len(mine))) as pool:
             done = list(pool.map(send, mine))
-    if accelerator is not None and world > 1:
-        from accelerate.utils import gather_object
-
-        done = gather_object(done)
-    by_index = dict(done)
-    return [by_index[i] for i in range(len(prompts))]
-
-
-def _fit(ids: Sequence[int], max_new_tokens: int, max_length: int | None) -> tuple[list[int], int]:
-    """The prompt (its end, with room for one new token) and its answer limit under
-    ``max_length``, as recipes.generation cuts them."""
-    ids = list(ids)
-    if max_length is None:
-        return ids, max_new_tokens
-    ids = ids[-(max_length - 1) :]
-    return ids, min(max_new_tokens, max_length - len(ids))
+    return gather_answers(done, rows, accelerator)
 
 
 def _stop_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The model's stop tokens (its generation_config's ``eos_token_id``, which holds the chat
     template's end of turn) and the tokenizer's EOS, where vLLM stops by default."""
-    value = getattr(model.generation_config, "eos_token_id", None)
-    ids = [value] if isinstance(value, int) else list(value or [])
+    ids = stop_ids(model)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
@@ -305,14 +296,10 @@ def _sampling(model: torch.nn.Module, generation: GenerationConfig) -> dict[str,
     is the model's own (50 when it has none), as transformers samples (recipes.generation)."""
     if not generation.do_sample:
         return {"temperature": 0.0}
-    top_k = generation.top_k
-    if top_k is None:
-        top_k = getattr(model.generation_config, "top_k", None)
-        top_k = DEFAULT_TOP_K if top_k is None else top_k
     return {
         "temperature": generation.temperature,
         "top_p": generation.top_p,
-        "top_k": top_k,  # 0: every token, in vLLM as in transformers
+        "top_k": sampling_top_k(model, generation),  # 0: every token, in vLLM as in transformers
     }
 
 
