@@ -8,6 +8,7 @@ is the tiny Llama with its weights perturbed, the teacher the tiny Llama itself.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 import types
@@ -289,5 +290,15 @@ def test_on_policy_rows_take_the_students_samples_and_the_others_the_teachers(tm
         assert first["input_ids"][row][mask].tolist() == prompt + want
         labels = first["labels"][row][mask].tolist()
         assert labels == [-100] * n + want
+    # On the run's generation.engine: continuous batching draws the same seeded ids.
+    gkd.run = dataclasses.replace(run, generation=GenerationConfig(engine="continuous"))
+    assert torch.equal(gkd._sequences(student, batch)["input_ids"], first["input_ids"])
+    # generation.engine=vllm: the student's rows go to the server, here refused before a request
+    # (the tiny Llama ties its output layer, which vLLM cannot reload)
+    served = GenerationConfig(engine="vllm", vllm_sync_dir=str(tmp_path / "sync"))
+    gkd.run = dataclasses.replace(run, generation=served)
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings"):
+        gkd._sequences(student, batch)
+    gkd.run = run
     loss = gkd.loss(student, batch)
     assert loss.total > 0 and 0 < loss.stats["on_policy"] < loss.count

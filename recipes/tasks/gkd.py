@@ -302,16 +302,23 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         teacher: Reference | None,
     ) -> list[list[int]]:
         """Each prompt's completion sampled as TRL samples (``temperature``, top-k off, top-p
-        1) from its own seeded stream: by the student, or by ``teacher``."""
+        1) from its own seeded stream: by the student, or by ``teacher``, on the run's
+        ``generation.engine`` (the teacher's on the batched engine where that is vLLM: the
+        server holds the policy, not the teacher)."""
         run = self.run
         assert run is not None
-        sampling = GenerationConfig(
-            do_sample=True,
-            temperature=self.args.temperature,
-            top_p=1.0,
-            top_k=0,
-            batch_size=run.generation.batch_size,
+        sampling = generation_lib.on_engine(
+            GenerationConfig(
+                do_sample=True,
+                temperature=self.args.temperature,
+                top_p=1.0,
+                top_k=0,
+                batch_size=run.generation.batch_size,
+            ),
+            run.generation,
         )
+        if teacher is not None and sampling.engine == "vllm":
+            sampling = dataclasses.replace(sampling, engine="batched")
 
         def complete(weights: torch.nn.Module) -> list[list[int]]:
             return generation_lib.complete_ids(
