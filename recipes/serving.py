@@ -132,7 +132,7 @@ def _config(folder: Path, found: list[str]) -> dict[str, Any] | None:
         found.append(
             f"config.json: architectures={names} is not a text-generation head: vLLM's chat "
             "serves a causal LM, an architecture named *ForCausalLM or *LMHeadModel (the final/ "
-            "of an sft, dpo, kto or grpo run)"
+            "of an sft, dpo, kto, grpo or gkd run)"
         )
     if _dtype(config) not in DTYPES:
         found.append(
@@ -355,7 +355,9 @@ def _first_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.serving", description=__doc__)
-    parser.add_argument("folder", type=Path, help="a chat run's final/ (SFT, DPO, KTO or GRPO)")
+    parser.add_argument(
+        "folder", type=Path, help="a chat run's final/ (SFT, DPO, KTO, GRPO or GKD)"
+    )
     args = parser.parse_args(argv)
     from recipes.log import quiet_libraries
 

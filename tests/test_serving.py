@@ -242,10 +242,10 @@ def test_rope_settings_are_written_where_transformers_4_reads_them(tmp_path):
 def test_a_model_vllm_chat_cannot_serve_is_refused_saying_what_it_needs():
     """An encoder-decoder (the bundled tiny T5) is refused with what is required, an
     architecture named *ForCausalLM or *LMHeadModel, not "(SFT or DPO final/)": the final/ of a
-    KTO or GRPO run is a causal LM and passes."""
+    KTO, GRPO or GKD run is a causal LM and passes."""
     found = [line for line in serving.problems(T5) if line.startswith("config.json: arch")]
     assert found == [
         "config.json: architectures=['T5ForConditionalGeneration'] is not a text-generation "
         "head: vLLM's chat serves a causal LM, an architecture named *ForCausalLM or "
-        "*LMHeadModel (the final/ of an sft, dpo, kto or grpo run)"
+        "*LMHeadModel (the final/ of an sft, dpo, kto, grpo or gkd run)"
     ]
