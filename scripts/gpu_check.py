@@ -1665,6 +1665,8 @@ def child_llm_peer(kind: str, out: Path, dry_run: bool) -> dict:
     report = out / f"{kind}.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "throughput.py"), kind]
     cmd += ["--device", target, "--json", str(report)]
+    if dry_run:  # its smallest setting, one alternation of 2 + 2 steps: the path, not a speed
+        cmd += ["--rounds", "1", "--warmup", "2", "--steps", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (out / f"{kind}.log").write_text(f"$ {shlex.join(cmd)}\n{done.stdout}{done.stderr}")
     if done.returncode != 0:

@@ -255,8 +255,6 @@ def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) 
         if name == "compare/lora_memory":  # no device memory on a CPU
             assert row["status"] == "n/a", row
             continue
-        if name.startswith("llm/") and "not merged yet" in (row.get("error") or ""):
-            continue  # throughput.py sft / grpo come from another branch
         assert row["status"] == "ok", row
         if row.get("kind") in ("train", "launch"):
             # GRPO's policy loss is a sum of advantages (zero-mean per group): any sign, 0 when
@@ -281,6 +279,11 @@ def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) 
     assert profile["steps"][0]["sub"] >= 1 and profile["top_cpu_ops"], profile
     assert rows["profile/sub_batches"]["note"].startswith("likely cause: "), rows
     assert set(rows["bert_squad/defaults"]["ratios"]) == {"run_qa_no_trainer", "run_qa"}
+    # throughput.py sft / grpo against TRL's trainers, in their smallest setting (1 round of
+    # 2 warm-up and 2 timed steps a side): a ratio, and the report beside the row's log.
+    for kind in ("sft", "grpo"):
+        row = rows[f"llm/{kind}_vs_trl"]
+        assert row["ratio"] > 0 and row["note"].startswith("ours / TRL "), row
     assert "F1 ours" in rows["bert_squad/f1"]["note"]
     files = _archive(out)
     assert "profile-sub4_a/profile_ops.txt" in files and "profile-sub_batches/summary.json" in files
