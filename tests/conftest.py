@@ -51,6 +51,25 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("feature-cache")
 
 
+# The slow set's longest modules, longest first (seconds of one worker, pytest -m slow -n 2
+# --durations=0 on 2 cores): pytest-xdist's loadscope hands out whole modules in collection
+# order, so one of these handed out last would leave the other worker idle for its length.
+LONGEST_FIRST = (
+    "test_emulated_runs.py",  # ~500 s
+    "test_emulated_recipes.py",  # ~350 s
+    "test_gpu_check.py",  # ~280 s, its CPU dry run of every row
+    "test_nothing_lost.py",  # ~280 s
+    "test_multiple_choice.py",
+    "test_device_cost.py",
+    "test_readme_commands.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
 # Five logged fp32 steps in plain shuffled order, each micro-batch run whole, and nothing else:
 # what the golden-loss tests run on each recipe.
 GOLDEN_RUN = (
