@@ -126,6 +126,39 @@ def run_train(
     return proc
 
 
+class Sweep:
+    """The job folders of a :func:`sweep_train` run, by recipe."""
+
+    def __init__(self, jobs: dict[str, Path], stderr: str) -> None:
+        self.jobs, self.stderr = jobs, stderr
+
+    def job(self, recipe: str) -> Path:
+        """``recipe``'s job folder, once its run is known to have ended well: a failed job fails
+        the test that asks for it, not its neighbours'."""
+        job = self.jobs[recipe]
+        found = job / "results.json"
+        assert found.is_file(), f"{recipe}: no results.json\n{self.stderr[-3000:]}"
+        error = json.loads(found.read_text()).get("error")
+        assert error is None, f"{recipe}: {error}\n{(job / 'train.log').read_text()[-3000:]}"
+        return job
+
+
+def sweep_train(recipes: tuple[str, ...], *overrides: str, output_dir: Path, **kwargs) -> Sweep:
+    """``recipes`` as one Hydra sweep, ``train.py -m recipe=a,b,.. <overrides>`` (``kwargs`` as
+    :func:`run_train` takes them): each job builds its model, data, Accelerator and seeds as a
+    fresh process does, and Python's start-up (about 6.5 s of a 3-step smoke run's 8.3 s on
+    2 cores) is paid once, not per recipe."""
+    done = run_train(
+        "-m",
+        f"recipe={','.join(recipes)}",
+        *overrides,
+        f"output_dir={output_dir}",
+        check=False,
+        **kwargs,
+    )
+    return Sweep({recipe: output_dir / str(job) for job, recipe in enumerate(recipes)}, done.stderr)
+
+
 def start_train(
     *overrides: str,
     env: dict | None = None,

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import GOLDEN_RUN, musa_launch, on_musa, read_metrics, run_train
+from conftest import GOLDEN_RUN, Sweep, musa_launch, on_musa, read_metrics, run_train, sweep_train
 
 pytestmark = pytest.mark.slow
 
@@ -96,41 +96,22 @@ def _extras(recipe: str) -> tuple[str, ...]:
     return (*NO_DROPOUT.get(recipe, ()), *EVALUATES.get(recipe, ()))
 
 
-def _done(job: Path, recipe: str, stderr: str) -> Path:
-    """``job``, a sweep's job folder, after checking that its run ended well."""
-    found = job / "results.json"
-    assert found.is_file(), f"{recipe}: no results.json\n{stderr[-3000:]}"
-    error = json.loads(found.read_text()).get("error")
-    assert error is None, f"{recipe}: {error}\n{(job / 'train.log').read_text()[-3000:]}"
-    return job
-
-
 @functools.cache
-def _sweep(
-    where: str, recipes: tuple[str, ...], extra: tuple[str, ...], cache_dir: Path
-) -> tuple[dict, str]:
+def _sweep(where: str, recipes: tuple[str, ...], extra: tuple[str, ...], cache_dir: Path) -> Sweep:
     """``recipes`` that share ``extra`` (their dropout and evaluation settings) as one Hydra
-    sweep, ``train.py -m recipe=a,b,..``: each job builds its own model, data, Accelerator and
-    seeds as a fresh process does, and the ~6 s of Python start-up is paid once, not per recipe.
-    ``where``: ``cpu``, ``one`` card or ``bf16`` (one card, bf16 autocast, 2 steps); the job
-    folders by recipe, and the sweep's stderr."""
-    sweep = _runs() / f"{where}-{'-'.join(recipes)}"
+    sweep (:func:`conftest.sweep_train`); ``where``: ``cpu``, ``one`` card or ``bf16`` (one
+    card, bf16 autocast, 2 steps)."""
     overrides = [
-        "-m",
-        f"recipe={','.join(recipes)}",
         *EXACT,
         *extra,
         f"trainer.per_device_train_batch_size={GLOBAL_BATCH}",
         f"data.cache_dir={cache_dir}",
-        f"output_dir={sweep}",
     ]
     if where == "bf16":
         overrides += ["trainer.mixed_precision=bf16", "trainer.max_steps=2"]
-    if where == "cpu":
-        done = run_train(*overrides, check=False)
-    else:
-        done = run_train(*overrides, script=on_musa(), check=False)
-    return {recipe: sweep / str(job) for job, recipe in enumerate(recipes)}, done.stderr
+    script = {} if where == "cpu" else {"script": on_musa()}
+    sweep = _runs() / f"{where}-{'-'.join(recipes)}"
+    return sweep_train(recipes, *overrides, output_dir=sweep, **script)
 
 
 def _in_sweep(recipe: str, where: str, recipes: tuple[str, ...], cache_dir: Path) -> Path:
@@ -138,8 +119,7 @@ def _in_sweep(recipe: str, where: str, recipes: tuple[str, ...], cache_dir: Path
     settings."""
     extra = _extras(recipe) if where != "bf16" else ()
     group = tuple(r for r in recipes if where == "bf16" or _extras(r) == extra)
-    folders, stderr = _sweep(where, group, extra, cache_dir)
-    return _done(folders[recipe], recipe, stderr)
+    return _sweep(where, group, extra, cache_dir).job(recipe)
 
 
 def _one_card(recipe: str, cache_dir: Path) -> Path:

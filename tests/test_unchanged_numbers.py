@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import GOLDEN_RUN, ROOT, read_metrics, run_train
+from conftest import GOLDEN_RUN, ROOT, Sweep, read_metrics, run_train, sweep_train
 
 pytestmark = pytest.mark.slow
 
@@ -97,37 +97,26 @@ def _predictions(folder: Path) -> list:
 
 
 @functools.cache
-def _sweep(recipes: tuple[str, ...], root: Path, cache: Path) -> dict[str, Path]:
-    """``recipes`` (all with a predict run or all without) as one Hydra sweep,
-    ``train.py -m recipe=a,b,..``: each job builds its model, data, Accelerator and seeds as a
-    fresh process does, so the numbers are a single run's (the pins were recorded one run per
-    process), and Python's ~6 s start-up is paid once. The job folders by recipe."""
+def _sweep(recipes: tuple[str, ...], root: Path, cache: Path) -> Sweep:
+    """``recipes`` (all with a predict run or all without) as one Hydra sweep
+    (:func:`conftest.sweep_train`): a job's numbers are a fresh process's, so they match the
+    pins, recorded one run per process."""
     predicts = {r in PREDICTS for r in recipes}
     assert len(predicts) == 1, recipes
-    sweep = root / "-".join(recipes)
-    done = run_train(
-        "-m",
-        f"recipe={','.join(recipes)}",
+    return sweep_train(
+        recipes,
         *RUN,
         f"trainer.save_final_model={'true' if predicts.pop() else 'false'}",
         f"data.cache_dir={cache}",
-        f"output_dir={sweep}",
-        check=False,
+        output_dir=root / "-".join(recipes),
     )
-    jobs = {recipe: sweep / str(job) for job, recipe in enumerate(recipes)}
-    for recipe, job in jobs.items():
-        found = job / "results.json"
-        assert found.is_file(), f"{recipe}: no results.json\n{done.stderr[-3000:]}"
-        error = json.loads(found.read_text()).get("error")
-        assert error is None, f"{recipe}: {error}\n{(job / 'train.log').read_text()[-3000:]}"
-    return jobs
 
 
 def measure(recipe: str, recipes: tuple[str, ...], root: Path, cache: Path) -> dict:
     """``recipe``'s numbers, from the sweep of those of ``recipes`` that share its settings."""
     predict_file = PREDICTS.get(recipe)
     group = tuple(r for r in recipes if (r in PREDICTS) == (predict_file is not None))
-    run = _sweep(group, root, cache)[recipe]
+    run = _sweep(group, root, cache).job(recipe)
     records = read_metrics(run)
     out = {
         "train": [_numbers(m) for m in records if "train/loss" in m],
