@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -126,11 +127,12 @@ def run_train(
     return proc
 
 
+@dataclasses.dataclass
 class Sweep:
-    """The job folders of a :func:`sweep_train` run, by recipe."""
+    """The job folders of a :func:`sweep_train` run, by recipe, and the run's stderr."""
 
-    def __init__(self, jobs: dict[str, Path], stderr: str) -> None:
-        self.jobs, self.stderr = jobs, stderr
+    jobs: dict[str, Path]
+    stderr: str
 
     def job(self, recipe: str) -> Path:
         """``recipe``'s job folder, once its run is known to have ended well: a failed job fails
