@@ -5,7 +5,7 @@
 
 Each reply is generated from the whole conversation so far, rendered with the chat template
 the run trained with (saved with ``final/``'s tokenizer) by the same code as training and
-``mode=predict`` (:mod:`recipes.tasks.conversations`), and it stops at the template's end of turn (the
+``mode=predict`` (:mod:`recipes.tasks.chat`), and it stops at the template's end of turn (the
 ``generation_config`` the run saved). Greedy by default; ``--temperature`` > 0 samples. The
 device is accelerate's (MUSA, CUDA or CPU). Type ``/reset`` to start over, ``/exit`` or Ctrl-D to
 leave. Piped input works too (one user turn per line; the replies are printed one per turn).
@@ -113,14 +113,14 @@ class Chat:
         oldest turns are left out when the whole would not fit the model's positions)."""
 
         from recipes import generation
-        from recipes.tasks import conversations
+        from recipes.tasks import chat
 
         self.messages.append({"role": "user", "content": text})
         template = self.tokenizer.chat_template
         limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
-        ids = conversations.render(self.tokenizer, template, self.messages, True)
+        ids = chat.render(self.tokenizer, template, self.messages, True)
         while len(ids) + self.max_new_tokens > limit and self._forget_a_turn():
-            ids = conversations.render(self.tokenizer, template, self.messages, True)
+            ids = chat.render(self.tokenizer, template, self.messages, True)
         (text,) = generation.complete(
             self.model,
             [ids],

@@ -393,7 +393,7 @@ def evaluate(session: Session) -> RunResult:
     """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint of
     ``resume=...``) on the eval split, with the task's own evaluation; nothing trains, and no
     optimizer is built."""
-    from recipes.tasks.reference import check_evaluated_model  # chat tasks' module
+    from recipes.tasks.chat import check_evaluated_model  # chat tasks' module
 
     accelerator, task = session.accelerator, session.task
     # A final/ evaluated against a reference built from itself: refused before any work.

@@ -178,16 +178,14 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import PartialState
 
     from recipes import device as device_lib
-    from recipes.tasks import conversations as conv_lib
+    from recipes.tasks import chat
 
     args.device = args.device or str(PartialState().device)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     model, tokenizer, label = load_model(args.model, args.device, args.dtype)
-    template = conv_lib.resolve_chat_template(
-        tokenizer, None if tokenizer.chat_template else "chatml"
-    )
+    template = chat.resolve_chat_template(tokenizer, None if tokenizer.chat_template else "chatml")
     conversations = chat_prompts(tokenizer, args.prompts)
-    ids = [conv_lib.render(tokenizer, template, c, True) for c in conversations]
+    ids = [chat.render(tokenizer, template, c, True) for c in conversations]
     if not tokenizer.chat_template:
         tokenizer.chat_template = template  # TRL renders the conversations itself
     stops = set(generation_stops(model))

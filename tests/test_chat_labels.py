@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations as conv
+from recipes.tasks import chat
 
 trl = pytest.importorskip("trl")  # TRL needs python >= 3.11
 
@@ -115,11 +115,11 @@ def read(tmp_path: Path, rows: list[dict]) -> Dataset:
     """``rows`` read as the task reads a file of them."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return conv.read_conversations(path)
+    return chat.read_conversations(path)
 
 
 def ours(tokenizer, chat_template: str, row: dict) -> dict[str, list[int]]:
-    return conv.tokenize_conversation(
+    return chat.tokenize_conversation(
         tokenizer,
         chat_template,
         row["messages"],
@@ -130,7 +130,7 @@ def ours(tokenizer, chat_template: str, row: dict) -> dict[str, list[int]]:
 
 def transformers_mask(tokenizer, chat_template: str, messages: list[dict]) -> dict[str, list]:
     out = tokenizer.apply_chat_template(
-        conv._for_template(messages),
+        chat.template._for_template(messages),
         chat_template=chat_template,
         tokenize=True,
         return_dict=True,
@@ -142,7 +142,7 @@ def transformers_mask(tokenizer, chat_template: str, messages: list[dict]) -> di
 def labelled_runs(tokenizer, features: dict[str, list[int]]) -> list[str]:
     runs, current = [], []
     for token, label in zip(features["input_ids"], features["labels"], strict=True):
-        if label != conv.IGNORE_INDEX:
+        if label != chat.IGNORE_INDEX:
             current.append(token)
         elif current:
             runs, current = [*runs, tokenizer.decode(current)], []
@@ -165,7 +165,7 @@ def test_marked_templates_label_what_transformers_marks(tmp_path, tokenizer, nam
         features = ours(tokenizer, marked, row)
         theirs = transformers_mask(tokenizer, marked, row["messages"])
         assert features["input_ids"] == theirs["input_ids"]
-        expected = [t if m else conv.IGNORE_INDEX for t, m in zip(*theirs.values(), strict=True)]
+        expected = [t if m else chat.IGNORE_INDEX for t, m in zip(*theirs.values(), strict=True)]
         assert features["labels"][1:] == expected[1:]
     runs = labelled_runs(tokenizer, features)
     assert runs[-1].endswith("<|im_end|>\n")  # the template's newline is inside its markers
@@ -183,7 +183,7 @@ def test_qwen3_rows_are_rendered_as_at_inference_and_train_on_their_reasoning(tm
     checked = 0
     for raw, row in zip(plain + reasoned, read(tmp_path, plain + reasoned), strict=True):
         features = ours(tokenizer, qwen3_template, row)
-        inference = conv._encode(
+        inference = chat.template._encode(
             tokenizer,
             tokenizer.apply_chat_template(
                 raw["messages"], chat_template=qwen3_template, tokenize=False
@@ -214,7 +214,7 @@ def test_a_past_turn_without_reasoning_is_trained(tmp_path, tokenizer):
 def test_reasoning_a_template_never_renders_is_refused(tmp_path, tiny):
     row = read(tmp_path, [with_reasoning(conversations()[0], 1)])[0]
     with pytest.raises(Exception, match=r"never renders reasoning_content.*row"):
-        conv.check_template(tiny, template("qwen2_5"), row["messages"], "d.jsonl row", None)
+        chat.check_template(tiny, template("qwen2_5"), row["messages"], "d.jsonl row", None)
 
 
 # ----------------------------------------------------------------- prompt-completion rows
@@ -243,11 +243,11 @@ def test_prompt_completion_rows_label_after_the_generation_prompt(tmp_path, toke
 def test_zephyr_7b_beta_writes_a_newline_after_eos_which_we_leave_unlabelled(tmp_path, tiny):
     rows = read(tmp_path, conversations())
     for row in rows:
-        text = conv.render_text(tiny, ZEPHYR_7B_BETA, row["messages"])
-        assert text == conv.render_text(tiny, conv.CHAT_TEMPLATES["zephyr"], row["messages"])
+        text = chat.render_text(tiny, ZEPHYR_7B_BETA, row["messages"])
+        assert text == chat.render_text(tiny, chat.CHAT_TEMPLATES["zephyr"], row["messages"])
         assert text.endswith(tiny.eos_token + "\n")
         features = ours(tiny, ZEPHYR_7B_BETA, row)
-        last = max(i for i, t in enumerate(features["labels"]) if t != conv.IGNORE_INDEX)
+        last = max(i for i, t in enumerate(features["labels"]) if t != chat.IGNORE_INDEX)
         assert features["input_ids"][last] == tiny.eos_token_id
         assert tiny.decode(features["input_ids"][last + 1 :]) == "\n"
 
@@ -341,7 +341,7 @@ def test_qwen3_rows_differ_from_trls_only_where_documented(tmp_path, qwen3, tiny
     for i, ((ids, labels), (their_ids, their_labels)) in enumerate(zip(mine, theirs, strict=True)):
         assert ids == their_ids
         extra = [t for t, a, b in zip(ids, labels, their_labels, strict=True) if a != b]
-        assert all(labels[k] in (conv.IGNORE_INDEX, their_labels[k]) for k in range(1, len(ids)))
+        assert all(labels[k] in (chat.IGNORE_INDEX, their_labels[k]) for k in range(1, len(ids)))
         expected = "<think>\n\n</think>\n\n\n" if i < 12 else "\n"
         assert tokenizer.decode(extra) == expected
 
@@ -372,7 +372,7 @@ def test_dpo_text_pairs_raw_equal_trls_and_chat_equal_trls_on_messages(tmp_path,
     base = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
     assert not base.chat_template
     templated = copy.deepcopy(base)
-    templated.chat_template = conv.CHAT_TEMPLATES["llama3"]
+    templated.chat_template = chat.CHAT_TEMPLATES["llama3"]
     for tokenizer, text_rows_setting, trl_rows in (
         (base, "raw", text_rows),
         (templated, "chat", as_messages),
@@ -468,7 +468,7 @@ def test_sft_text_rows_raw_train_a_base_model_on_plain_strings(tmp_path):
             feature["input_ids"]
             == base(row["prompt"] + row["completion"] + base.eos_token)["input_ids"]
         )
-        labelled = [t for t in feature["labels"] if t != conv.IGNORE_INDEX]
+        labelled = [t for t in feature["labels"] if t != chat.IGNORE_INDEX]
         assert base.decode(labelled) == row["completion"] + base.eos_token
     with pytest.raises(ConfigError, match="no chat template"):
         make_task("sft").build_data(cfg, copy.deepcopy(base))

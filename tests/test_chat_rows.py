@@ -17,7 +17,7 @@ from datasets import Dataset
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat
 from recipes.tasks.sft import held_out_prompts
 
 CONVERSATIONS = ROOT / "recipes/assets/conversations/squad"
@@ -128,7 +128,7 @@ def smollm2():
 def transformers_labels(tokenizer, template, messages, tools=None) -> list[int]:
     """Labels from transformers' assistant mask (the first token unlabelled, as ours)."""
     out = tokenizer.apply_chat_template(
-        conversations._for_template(messages),
+        chat.template._for_template(messages),
         chat_template=template,
         tools=json.loads(tools) if isinstance(tools, str) else tools,
         tokenize=True,
@@ -136,10 +136,10 @@ def transformers_labels(tokenizer, template, messages, tools=None) -> list[int]:
         return_assistant_tokens_mask=True,
     )
     labels = [
-        t if m else conversations.IGNORE_INDEX
+        t if m else chat.IGNORE_INDEX
         for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
     ]
-    return [conversations.IGNORE_INDEX, *labels[1:]]
+    return [chat.IGNORE_INDEX, *labels[1:]]
 
 
 def unmarked(template: str) -> str:
@@ -151,16 +151,12 @@ def labelled_runs(tokenizer, template, messages, tools=None) -> list[str]:
     """Our labels under the template without its markers (each reply and its end token), checked
     token for token against transformers' mask of the marked template (which wraps just that),
     and against ours under the markers; as decoded runs of text."""
-    features = conversations.tokenize_conversation(
-        tokenizer, unmarked(template), messages, tools=tools
-    )
+    features = chat.tokenize_conversation(tokenizer, unmarked(template), messages, tools=tools)
     assert features["labels"] == transformers_labels(tokenizer, template, messages, tools)
-    assert features == conversations.tokenize_conversation(
-        tokenizer, template, messages, tools=tools
-    )
+    assert features == chat.tokenize_conversation(tokenizer, template, messages, tools=tools)
     runs, current = [], []
     for token, label in zip(features["input_ids"], features["labels"], strict=True):
-        if label != conversations.IGNORE_INDEX:
+        if label != chat.IGNORE_INDEX:
             current.append(token)
         elif current:
             runs, current = [*runs, tokenizer.decode(current)], []
@@ -178,21 +174,19 @@ def write_rows(path: Path, rows: list) -> Path:
 
 
 def read_rows(tmp_path: Path, rows: list) -> Dataset:
-    return conversations.read_conversations(write_rows(tmp_path / "rows.jsonl", rows))
+    return chat.read_conversations(write_rows(tmp_path / "rows.jsonl", rows))
 
 
 def test_marked_templates_render_as_the_originals(tiny):
     for messages in dev_rows():
-        marked = conversations.render_text(tiny, ZEPHYR_MARKED, messages)
-        assert marked == conversations.render_text(
-            tiny, conversations.CHAT_TEMPLATES["zephyr"], messages
-        )
+        marked = chat.render_text(tiny, ZEPHYR_MARKED, messages)
+        assert marked == chat.render_text(tiny, chat.CHAT_TEMPLATES["zephyr"], messages)
 
 
 def test_marked_smollm2_template_renders_as_its_own(smollm2):
     for messages in dev_rows():
-        marked = conversations.render_text(smollm2, SMOLLM2_MARKED, messages)
-        assert marked == conversations.render_text(smollm2, smollm2.chat_template, messages)
+        marked = chat.render_text(smollm2, SMOLLM2_MARKED, messages)
+        assert marked == chat.render_text(smollm2, smollm2.chat_template, messages)
 
 
 # ------------------------------------------------------------- a reply opening with a newline
@@ -203,14 +197,14 @@ def test_reply_starting_with_newlines_trains_as_transformers_labels_it(smollm2):
     prompt's tokens are no prefix of the whole: the boundary is placed by characters, and the
     token straddling it is labelled (it overlaps the reply)."""
     messages = [USER, {"role": "assistant", "content": "\n\nOld pond...\nA frog jumps in."}]
-    prompt = conversations.render(smollm2, smollm2.chat_template, [USER], generation_prompt=True)
-    whole = conversations.render(smollm2, smollm2.chat_template, messages)
+    prompt = chat.render(smollm2, smollm2.chat_template, [USER], generation_prompt=True)
+    whole = chat.render(smollm2, smollm2.chat_template, messages)
     assert whole[: len(prompt)] != prompt  # what used to stop the run
     runs = labelled_runs(smollm2, SMOLLM2_MARKED, messages)
     assert runs == ["\n\n\nOld pond...\nA frog jumps in.<|im_end|>"]
     # and the model's own template, without markers, gives the same labels
-    ours = conversations.tokenize_conversation(smollm2, smollm2.chat_template, messages)
-    assert ours == conversations.tokenize_conversation(smollm2, SMOLLM2_MARKED, messages)
+    ours = chat.tokenize_conversation(smollm2, smollm2.chat_template, messages)
+    assert ours == chat.tokenize_conversation(smollm2, SMOLLM2_MARKED, messages)
 
 
 def test_a_merge_at_a_header_ending_in_a_space_is_placed_by_characters(tiny):
@@ -226,10 +220,10 @@ def test_bundled_rows_are_labelled_as_transformers_labels_them(request, name):
     tokenizer = request.getfixturevalue(name)
     template = {"tiny": ZEPHYR_MARKED, "smollm2": SMOLLM2_MARKED}[name]
     for messages in dev_rows():
-        head = conversations.render_text(tokenizer, template, messages[:2], generation_prompt=True)
-        ids = conversations.render(tokenizer, template, messages)
+        head = chat.render_text(tokenizer, template, messages[:2], generation_prompt=True)
+        ids = chat.render(tokenizer, template, messages)
         assert (
-            conversations._token_prefix(tokenizer, ids, head) is not None
+            chat.template._token_prefix(tokenizer, ids, head) is not None
         )  # the token-prefix path
         assert len(labelled_runs(tokenizer, template, messages)) == len(messages) // 2
 
@@ -278,7 +272,7 @@ PERTURBATIONS = [
 def test_perturbed_rows_are_labelled_as_transformers_labels_them(tiny, how):
     for messages in dev_rows():
         row = _perturbed(messages, how)
-        assert conversations.to_messages({"messages": row}) == row  # read as given
+        assert chat.to_messages({"messages": row}) == row  # read as given
         runs = labelled_runs(tiny, ZEPHYR_MARKED, row)
         replies = [m["content"] for m in row if m["role"] == "assistant"]
         assert runs == [reply + "<|endoftext|>" for reply in replies]
@@ -309,7 +303,7 @@ def test_roles_in_other_case_and_text_parts_are_read_as_the_plain_row():
             *messages[3:],
         ]
         expected = [*messages[:2], {"role": "assistant", "content": f"{head}\n{tail}"}]
-        assert conversations.to_messages({"messages": row}) == expected + messages[3:]
+        assert chat.to_messages({"messages": row}) == expected + messages[3:]
 
 
 # ---------------------------------------------------------------------------------- tools
@@ -320,13 +314,13 @@ def test_tool_rows_keep_their_calls_through_the_dataset(tmp_path):
     dataset = read_rows(tmp_path, [plain, TOOL_ROW])
     assert dataset["place"] == ["line 1", "line 2"]
     assert dataset[0]["tools"] is None
-    assert conversations._for_template(dataset[0]["messages"]) == [USER, REPLY]
+    assert chat.template._for_template(dataset[0]["messages"]) == [USER, REPLY]
     stored = dataset[1]
     assert json.loads(stored["tools"]) == [WEATHER]
     expected = [{k: v for k, v in m.items() if v is not None} for m in TOOL_ROW["messages"]]
-    assert conversations._for_template(stored["messages"]) == expected
+    assert chat.template._for_template(stored["messages"]) == expected
     # read again (as a parquet file or a held-out split would be), the row is unchanged
-    assert conversations.normalise(dataset, "auto", "rows.jsonl").to_list() == dataset.to_list()
+    assert chat.normalise(dataset, "auto", "rows.jsonl").to_list() == dataset.to_list()
 
 
 @pytest.mark.parametrize("arguments", ["dict", "json-text"])
@@ -343,17 +337,15 @@ def test_tool_call_turns_are_labelled_and_tool_results_are_not(tmp_path, tiny, a
     assert call["arguments"] in ({"city": "Paris"}, json.dumps({"city": "Paris"}))
     assert runs[1] == "It is 21 degrees in Paris.<|im_end|>"
     assert len(runs) == 2  # the tool's result ({"c": 21}) carries no label
-    whole = conversations.render_text(tiny, TOOLS_MARKED, stored["messages"], tools=stored["tools"])
+    whole = chat.render_text(tiny, TOOLS_MARKED, stored["messages"], tools=stored["tools"])
     assert '"name": "get_weather", "description"' in whole  # the schema reached the template
 
 
 def test_a_template_that_never_renders_tool_calls_is_refused(tmp_path, tiny):
     stored = read_rows(tmp_path, [TOOL_ROW])[0]
-    zephyr = conversations.CHAT_TEMPLATES["zephyr"]
+    zephyr = chat.CHAT_TEMPLATES["zephyr"]
     with pytest.raises(ConfigError) as err:
-        conversations.check_template(
-            tiny, zephyr, stored["messages"], "d.jsonl line 1", stored["tools"]
-        )
+        chat.check_template(tiny, zephyr, stored["messages"], "d.jsonl line 1", stored["tools"])
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("task.chat_template: ") and "tool_calls or tools" in message
@@ -408,7 +400,7 @@ def test_prompts_to_answer_come_in_every_layout_and_need_a_user_turn(tmp_path):
         {"prompt": [USER]},
     ]
     path = write_rows(tmp_path / "prompts.jsonl", rows)
-    prompts = conversations.read_conversations(path, prompt=True)["messages"]
+    prompts = chat.read_conversations(path, prompt=True)["messages"]
     assert prompts[0] == [system, USER] and prompts[1] == [USER, REPLY]
     assert prompts[2] == [{"role": "user", "content": "Name a pond animal.\n\nOne word."}]
     assert prompts[3] == [{"role": "user", "content": "Summarise.\n\nFrogs live in ponds."}]
@@ -416,7 +408,7 @@ def test_prompts_to_answer_come_in_every_layout_and_need_a_user_turn(tmp_path):
     assert prompts[5] == [{"role": "user", "content": "Why do frogs jump?"}]
     assert prompts[6] == [USER]
     with pytest.raises(DataError) as err:
-        conversations.read_conversations(
+        chat.read_conversations(
             write_rows(
                 tmp_path / "bad.jsonl", [{"messages": [USER]}, {"messages": [system, REPLY]}]
             ),
@@ -441,9 +433,9 @@ def test_a_row_the_template_refuses_is_named_with_the_templates_words(tiny):
         "{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
-    conversations.check_template(tiny, alternating, [USER, REPLY], "d.jsonl line 1")
+    chat.check_template(tiny, alternating, [USER, REPLY], "d.jsonl line 1")
     with pytest.raises(DataError) as err:
-        conversations.check_template(tiny, alternating, [USER, USER, REPLY], "d.jsonl line 3")
+        chat.check_template(tiny, alternating, [USER, USER, REPLY], "d.jsonl line 3")
     message = str(err.value)
     assert "\n" not in message and not message.startswith("task.chat_template")
     assert message.startswith("d.jsonl line 3: ") and "roles must alternate" in message
@@ -455,9 +447,7 @@ def test_a_named_layout_reads_json_lines(tmp_path):
     path = tmp_path / "sg.jsonl"
     turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
     path.write_text(json.dumps({"conversations": turns}) + "\n")
-    dataset = conversations.normalise(
-        conversations.read_conversations(path, "sharegpt"), "sharegpt", str(path)
-    )
+    dataset = chat.normalise(chat.read_conversations(path, "sharegpt"), "sharegpt", str(path))
     assert dataset[0]["messages"] == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from recipes.config import ASSETS, ConfigError, DataConfig, register_resolvers, validate
 from recipes.data import DataError, load_splits
-from recipes.tasks import conversations
+from recipes.tasks import chat
 from recipes.tasks.qa import check_examples, read_squad_json
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -25,7 +25,7 @@ register_resolvers()
 
 
 def read_chat(path: Path):
-    return conversations.read_conversations(path, "auto")
+    return chat.read_conversations(path, "auto")
 
 
 def _key(row: dict) -> str:

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations, preference
-from recipes.tasks.reference import Reference
+from recipes.tasks import chat
+from recipes.tasks.chat import Reference
 
 PAIRS = ROOT / "recipes/assets/preferences/squad"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -55,12 +55,12 @@ def tokenizer():
     ids=["explicit", "ultrafeedback-binarized", "implicit"],
 )
 def test_layouts_read_as_one_pair(row):
-    assert preference.to_pair(row) == (PROMPT, CHOSEN, REJECTED)
+    assert chat.preference.to_pair(row) == (PROMPT, CHOSEN, REJECTED)
 
 
 def test_text_rows_and_raw_ultrafeedback():
     text = {"prompt": "Where is Paris?", "chosen": "In France.", "rejected": "In Spain."}
-    assert preference.to_pair(text) == (PROMPT[1:], CHOSEN, REJECTED)
+    assert chat.preference.to_pair(text) == (PROMPT[1:], CHOSEN, REJECTED)
     scored = {
         "instruction": "Where is Paris?",
         "completions": [
@@ -69,9 +69,9 @@ def test_text_rows_and_raw_ultrafeedback():
             {"response": "In Spain.", "overall_score": 1},
         ],
     }
-    assert preference.to_pair(scored) == (PROMPT[1:], CHOSEN, REJECTED)  # best against worst
+    assert chat.preference.to_pair(scored) == (PROMPT[1:], CHOSEN, REJECTED)  # best against worst
     ties = {**scored, "completions": [{"response": "a", "overall_score": 2}] * 2}
-    assert preference.to_pair(ties) is None  # no preference: left out
+    assert chat.preference.to_pair(ties) is None  # no preference: left out
 
 
 def test_malformed_pair_file_is_refused_with_lines_and_fields(tmp_path):
@@ -85,7 +85,7 @@ def test_malformed_pair_file_is_refused_with_lines_and_fields(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as err:
-        preference.read_pairs(path)
+        chat.preference.read_pairs(path)
     message = str(err.value)
     assert "4 row(s) are not preference pairs" in message
     assert "line 2: fits no layout (fields: chosen, prompt)" in message
@@ -112,7 +112,7 @@ def test_only_the_completion_is_labelled(tmp_path, tokenizer):
     _, data = _build(tmp_path, tokenizer, [row])
     feature = data.train[0]
     for side, reply in (("chosen", "In France."), ("rejected", "In Spain.")):
-        labelled = [t for t in feature[f"{side}_labels"] if t != conversations.IGNORE_INDEX]
+        labelled = [t for t in feature[f"{side}_labels"] if t != chat.IGNORE_INDEX]
         # The reply and the end of its turn (zephyr's EOS); not the prompt's earlier reply.
         assert tokenizer.decode(labelled) == reply + tokenizer.eos_token
     assert feature["chosen_input_ids"][:5] == feature["rejected_input_ids"][:5]

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import DataConfig, ModelConfig
 from recipes.model import fit_to_tokenizer, load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 trl = pytest.importorskip("trl")
 
@@ -97,7 +97,7 @@ def _our_sequences(data) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
             out.append(
                 (
                     tuple(feature[f"{side}_input_ids"]),
-                    tuple(i for i, t in enumerate(labels) if t != conversations.IGNORE_INDEX),
+                    tuple(i for i, t in enumerate(labels) if t != chat.IGNORE_INDEX),
                 )
             )
     return out

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 from recipes import generation
 from recipes.config import ASSETS, ConfigError, GenerationConfig
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 NEW = 12
 
@@ -31,12 +31,11 @@ def _model(name: str):
 
 def _chat_prompts(tokenizer, count: int) -> list[list[int]]:
     rows = (ASSETS / "conversations" / "squad" / "dev.jsonl").read_text().splitlines()[:count]
-    template = conversations.resolve_chat_template(
+    template = chat.resolve_chat_template(
         tokenizer, "chatml" if not tokenizer.chat_template else None
     )
     return [
-        conversations.render(tokenizer, template, json.loads(row)["messages"][:-1], True)
-        for row in rows
+        chat.render(tokenizer, template, json.loads(row)["messages"][:-1], True) for row in rows
     ]
 
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks.reference import Reference, check_evaluated_model
+from recipes.tasks.chat import Reference, check_evaluated_model
 
 # TRL's experimental GKD (imported here, at collection: its first import takes seconds).
 GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer

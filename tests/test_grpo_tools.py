@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from recipes import tool_calling
 from recipes.config import ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks import chat_features, grpo
+from recipes.tasks import chat, grpo
 from recipes.tools import calculator
 
 trl = pytest.importorskip("trl")
@@ -61,7 +61,7 @@ def _traces(question: str, answer: str) -> list[list[str]]:
 
 def _setup():
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
-    chat = chat_features.use_template(tokenizer, "qwen2_5")
+    chat_template = chat.use_template(tokenizer, "qwen2_5")
     tokenizer.eos_token = "<|im_end|>"  # TRL ends a turn at EOS; ours at the template's stop
     tool_calling.use_parser(tokenizer)
     rows = [json.loads(line) for line in ARITHMETIC.read_text().splitlines()[:PROMPTS]]
@@ -78,7 +78,7 @@ def _setup():
     with torch.no_grad():
         for weight in model.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
-    return tokenizer, chat, rows, turns, model
+    return tokenizer, chat_template, rows, turns, model
 
 
 class Script:
@@ -100,7 +100,7 @@ def test_tool_calling_equals_trl(tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    tokenizer, chat, rows, turns, model = _setup()
+    tokenizer, chat_template, rows, turns, model = _setup()
     task = make_task(
         "grpo",
         chat_template="qwen2_5",
@@ -111,7 +111,7 @@ def test_tool_calling_equals_trl(tmp_path):
         max_tool_calling_iterations=ITERATIONS,
     )
     ours_prompts = [
-        task._prompt_ids(tokenizer, chat.template, {**r, "place": f"row {i}"}, "dev")
+        task._prompt_ids(tokenizer, chat_template.template, {**r, "place": f"row {i}"}, "dev")
         for i, r in enumerate(rows)
     ]
     repeated = [p for p in ours_prompts for _ in range(GROUP)]
@@ -167,7 +167,7 @@ def test_tool_calling_equals_trl(tmp_path):
     got = tool_calling.tool_call_loop(
         generate,
         tokenizer,
-        chat.template,
+        chat_template.template,
         task.tools,
         repeated,
         [t[0] for t in turns],
@@ -175,7 +175,7 @@ def test_tool_calling_equals_trl(tmp_path):
         max_iterations=ITERATIONS,
         timeout=10.0,
         max_length=model.config.max_position_embeddings,
-        ends=chat.stop_tokens,
+        ends=chat_template.stop_tokens,
     )
     completion, completion_mask = grpo._pad(got.completion_ids, tokenizer.pad_token_id, False)
     tool_mask = grpo._pad(got.tool_mask, 0, False)[0]
@@ -229,11 +229,13 @@ def test_bad_tool_settings_are_refused(setting, words):
 
 def test_a_template_without_tool_calls_is_refused():
     from recipes.config import ConfigError
-    from recipes.tasks import conversations
+    from recipes.tasks import chat
 
-    tokenizer, chat, *_ = _setup()
-    tool_calling.check_template(tokenizer, chat.template, [calculator], chat.stop_tokens)
-    zephyr = conversations.CHAT_TEMPLATES["zephyr"]
+    tokenizer, chat_template, *_ = _setup()
+    tool_calling.check_template(
+        tokenizer, chat_template.template, [calculator], chat_template.stop_tokens
+    )
+    zephyr = chat.CHAT_TEMPLATES["zephyr"]
     with pytest.raises(ConfigError, match="does not render tool calls and tool messages"):
         tool_calling.check_template(tokenizer, zephyr, [calculator])
 
@@ -266,8 +268,8 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
     from recipes.config import GenerationConfig
     from recipes.tasks.base import RunContext
 
-    tokenizer, chat, rows, _, model = _setup()
-    model.generation_config.eos_token_id = chat.stop_tokens
+    tokenizer, chat_template, rows, _, model = _setup()
+    model.generation_config.eos_token_id = chat_template.stop_tokens
     task = make_task(
         "grpo",
         chat_template="qwen2_5",
@@ -279,7 +281,9 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
         tool_timeout=0.5,
     )
     run = RunContext(Accelerator(cpu=True), tokenizer, None, GenerationConfig())
-    prompt = task._prompt_ids(tokenizer, chat.template, {**rows[0], "place": "row 0"}, "dev")
+    prompt = task._prompt_ids(
+        tokenizer, chat_template.template, {**rows[0], "place": "row 0"}, "dev"
+    )
     end = "<|im_end|>"
     first = [
         _call("hang", seconds=30),

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations, grpo
+from recipes.tasks import chat, grpo
 
 trl = pytest.importorskip("trl")
 
@@ -41,7 +41,7 @@ def _rows(start: int = 0):
 
 def _setup(loss_type: str, beta: float, start: int = 0, **settings):
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
-    template = conversations.resolve_chat_template(tokenizer, "zephyr")
+    template = chat.resolve_chat_template(tokenizer, "zephyr")
     tokenizer.chat_template = template
     task = make_task(
         "grpo",
@@ -60,7 +60,7 @@ def _setup(loss_type: str, beta: float, start: int = 0, **settings):
         for weight in model.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
     rows = _rows(start)
-    prompt_ids = [conversations.render(tokenizer, template, r["prompt"], True) for r in rows]
+    prompt_ids = [chat.render(tokenizer, template, r["prompt"], True) for r in rows]
     eos = tokenizer.eos_token_id
     completions = []
     for r in rows:

@@ -24,9 +24,8 @@ from transformers import AutoModelForCausalLM
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
 from recipes.model import fit_to_tokenizer, load_tokenizer
-from recipes.tasks import conversations, unpaired
-from recipes.tasks.reference import Reference
-from recipes.tasks.token_loss import token_losses
+from recipes.tasks import chat
+from recipes.tasks.chat import Reference, token_losses
 
 PAIRS = ROOT / "recipes/assets/preferences/squad/dev.jsonl"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -136,7 +135,7 @@ def _rows_equal_trls(batch, theirs) -> list:
     for prefix in ("", "KL_"):
         ours = _sequences(
             batch[f"{prefix}input_ids"],
-            batch[f"{prefix}labels"] != conversations.IGNORE_INDEX,
+            batch[f"{prefix}labels"] != chat.IGNORE_INDEX,
             batch[f"{prefix}attention_mask"],
         )
         expected = _sequences(
@@ -244,10 +243,10 @@ def test_a_negative_kl_estimate_is_clamped_as_trls(tmp_path):
 
 def test_pairs_are_unpaired_and_text_rows_read():
     pair = json.loads(PAIRS.read_text().splitlines()[0])
-    chosen, rejected = unpaired.to_rows(pair)
+    chosen, rejected = chat.unpaired.to_rows(pair)
     assert (chosen[1], chosen[2]) == (pair["chosen"], True)
     assert (rejected[1], rejected[2]) == (pair["rejected"], False)
-    (row,) = unpaired.to_rows(
+    (row,) = chat.unpaired.to_rows(
         {"prompt": "Where is Paris?", "completion": "In France.", "label": 0 == 0}
     )
     assert row == (
@@ -262,16 +261,16 @@ def test_rows_read_by_datasets_are_checked_by_row():
     """Parquet or a saved folder: rows ``datasets`` read, each checked and named by its row."""
     from datasets import Dataset
 
-    rows = unpaired.normalise(Dataset.from_list(ROWS), "auto", "rows.parquet")
+    rows = chat.unpaired.normalise(Dataset.from_list(ROWS), "auto", "rows.parquet")
     assert rows["label"] == [True, False] * 4
     assert rows[1]["completion"] == ROWS[1]["completion"] and rows[1]["place"] == "row 1"
-    again = unpaired.normalise(rows, "auto", "cached")  # the module's own columns: kept
+    again = chat.unpaired.normalise(rows, "auto", "cached")  # the module's own columns: kept
     assert again["place"] == rows["place"] and again["prompt"] == rows["prompt"]
     bad = Dataset.from_list([{**row, "label": "yes" if row["label"] else "no"} for row in ROWS])
     with pytest.raises(
         DataError, match=r"rows\.parquet: 8 row\(s\) .* row 0: field 'label' is str"
     ):
-        unpaired.normalise(bad, "auto", "rows.parquet")
+        chat.unpaired.normalise(bad, "auto", "rows.parquet")
 
 
 def test_kl_is_averaged_over_processes_then_clamped():
@@ -311,7 +310,7 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as err:
-        unpaired.read_unpaired(path)
+        chat.unpaired.read_unpaired(path)
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"{path}: 6 row(s) are not unpaired preference rows or pairs")
@@ -329,11 +328,11 @@ def test_malformed_rows_are_refused_in_one_line_naming_file_row_and_field(tmp_pa
     ):
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(DataError, match=words):
-            unpaired.read_unpaired(path)
+            chat.unpaired.read_unpaired(path)
     # A row of no layout at all: the message names both layouts, and task.format as a fix.
     path.write_text(json.dumps({"question": "Where is Paris?", "answer": "In France."}) + "\n")
     with pytest.raises(DataError) as err:
-        unpaired.read_unpaired(path)
+        chat.unpaired.read_unpaired(path)
     message = str(err.value)
     assert "\n" not in message
     assert (
@@ -380,7 +379,7 @@ def test_a_field_no_row_has_is_said_once_with_the_fields_the_rows_have(tmp_path)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as err:
-        unpaired.read_unpaired(path)
+        chat.unpaired.read_unpaired(path)
     assert str(err.value) == (
         f"{path}: 8 row(s) are not unpaired preference rows or pairs: every row: field 'label' "
         "is missing: true (desirable) or false (undesirable) (8 rows; the rows' fields: "

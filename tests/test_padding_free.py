@@ -6,7 +6,7 @@ No flash kernel runs on a CPU: the tiny Llama runs here with :func:`_varlen_refe
 attention function registered with transformers that computes what flash-attention's
 variable-length kernel computes (attention within each sequence of the row, found where
 ``position_ids`` restart), and that the tasks are told reads ``position_ids`` so
-(``conversations.VARLEN_ATTENTION``), as a device's own kernel would be."""
+(``chat.VARLEN_ATTENTION``), as a device's own kernel would be."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from recipes.config import DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 PAIRS = ROOT / "recipes/assets/preferences/squad"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -52,7 +52,7 @@ AttentionInterface.register(VARLEN, _varlen_reference)
 
 @pytest.fixture(autouse=True)
 def varlen_kernel(monkeypatch):
-    monkeypatch.setattr(conversations, "VARLEN_ATTENTION", {VARLEN})
+    monkeypatch.setattr(chat.batches, "VARLEN_ATTENTION", {VARLEN})
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_dpo_padding_free_loss_and_gradients_equal_the_padded(tmp_path, tokenize
 def _frozen(model):
     import copy
 
-    from recipes.tasks.reference import Reference
+    from recipes.tasks.chat import Reference
 
     return Reference(False, copy.deepcopy(model).eval().requires_grad_(False))
 

@@ -20,7 +20,7 @@ from conftest import ROOT, make_task
 
 from recipes.config import DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
@@ -65,7 +65,7 @@ def _trl(tokenizer, rows: list[dict]) -> list[dict]:
 
 
 def _labelled(ids: list[int], labels: list[int]) -> list[int]:
-    return [t for t, label in zip(ids, labels, strict=True) if label != conversations.IGNORE_INDEX]
+    return [t for t, label in zip(ids, labels, strict=True) if label != chat.IGNORE_INDEX]
 
 
 def test_orpo_and_simpo_label_the_templates_tokens_where_trl_adds_an_eos(tmp_path):
@@ -99,4 +99,4 @@ def test_on_plain_strings_trl_adds_only_an_unlabelled_bos(tmp_path):
             ids, labels = our[f"{side}_input_ids"], our[f"{side}_labels"]
             assert ids[0] != tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
             assert their[f"{side}_input_ids"] == [tokenizer.bos_token_id, *ids]
-            assert their[f"{side}_labels"] == [conversations.IGNORE_INDEX, *labels]
+            assert their[f"{side}_labels"] == [chat.IGNORE_INDEX, *labels]

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from recipes import serving
 from recipes.checkpoint import add_legacy_rope
-from recipes.tasks import conversations as conv
+from recipes.tasks import chat
 
 MAX_SEQ_LENGTH = 256  # conf/debug_recipe/smoke_llama_sft.yaml
 DEV = ROOT / "recipes/assets/conversations/squad/dev.jsonl"
@@ -74,7 +74,7 @@ def test_final_serves_and_its_template_renders_the_ids_it_trained_on(run, capsys
     trained = [f["input_ids"] for f in load_from_disk(cached.group(1)) if not f["cut"]]
     saved = AutoTokenizer.from_pretrained(final)
     rendered = []
-    for row in conv.read_conversations(DEV):
+    for row in chat.read_conversations(DEV):
         text = saved.apply_chat_template(row["messages"], tokenize=False)
         rendered.append(saved(text, add_special_tokens=False)["input_ids"])
     # Only conversations longer than task.max_seq_length are cut or dropped.
@@ -85,12 +85,12 @@ def test_final_serves_and_its_template_renders_the_ids_it_trained_on(run, capsys
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="RECIPES_VLLM_PYTHON (a Python with vLLM) is not set")
 def test_vllm_serves_final_as_transformers_generates(run, tmp_path):
-    """vLLM's chat on final/ renders the prompt ids the run renders (conv.render) and replies,
+    """vLLM's chat on final/ renders the prompt ids the run renders (chat.render) and replies,
     greedy in fp32, with transformers' generate's tokens, stopping where it stops."""
     from transformers import AutoModelForCausalLM
 
     final = run / "final"
-    conversations = [row["messages"][:-1] for row in conv.read_conversations(DEV).select(range(8))]
+    conversations = [row["messages"][:-1] for row in chat.read_conversations(DEV).select(range(8))]
     (tmp_path / "conversations.json").write_text(json.dumps(conversations))
     command = [VLLM_PYTHON, str(ROOT / "tests/vllm_chat.py"), str(final)]
     files = [str(tmp_path / "conversations.json"), str(tmp_path / "replies.json")]
@@ -99,7 +99,7 @@ def test_vllm_serves_final_as_transformers_generates(run, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     for messages, reply in zip(conversations, replies, strict=True):
-        ids = conv.render(tokenizer, tokenizer.chat_template, messages, generation_prompt=True)
+        ids = chat.render(tokenizer, tokenizer.chat_template, messages, generation_prompt=True)
         assert reply["prompt_ids"] == ids
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)

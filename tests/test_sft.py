@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from recipes.config import ConfigError, ModelConfig
 from recipes.data import DataError
 from recipes.model import load_tokenizer
-from recipes.tasks import chat_features, conversations
+from recipes.tasks import chat
 from recipes.tasks.sft import token_losses
 
 CONVERSATIONS = ROOT / "recipes/assets/conversations/squad"
@@ -70,7 +70,7 @@ def tokenizer():
     ids=["messages", "sharegpt", "alpaca", "alpaca-no-input", "dolly"],
 )
 def test_layouts_are_detected_and_normalised(row, expected):
-    assert conversations.to_messages(row) == expected
+    assert chat.to_messages(row) == expected
 
 
 def test_a_row_that_fits_no_layout_is_named_by_line_and_field(tmp_path):
@@ -82,7 +82,7 @@ def test_a_row_that_fits_no_layout_is_named_by_line_and_field(tmp_path):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     with pytest.raises(DataError) as err:
-        conversations.read_conversations(path)
+        chat.read_conversations(path)
     message = str(err.value)
     assert "\n" not in message
     assert "line 2: conversations[1].from='bot'" in message
@@ -93,9 +93,9 @@ def test_a_row_that_fits_no_layout_is_named_by_line_and_field(tmp_path):
 def test_a_named_format_is_enforced(tmp_path):
     path = tmp_path / "train.json"
     path.write_text(json.dumps([{"messages": TURNS}]))
-    assert conversations.read_conversations(path, "messages")["messages"] == [TURNS]
+    assert chat.read_conversations(path, "messages")["messages"] == [TURNS]
     with pytest.raises(DataError, match=r"row 0: field 'instruction' is missing"):
-        conversations.read_conversations(path, "alpaca")
+        chat.read_conversations(path, "alpaca")
 
 
 def test_parquet_rows_are_checked_by_row(tmp_path):
@@ -103,12 +103,12 @@ def test_parquet_rows_are_checked_by_row(tmp_path):
 
     rows = Dataset.from_dict({"instruction": ["a", "b"], "output": ["x", None]})
     with pytest.raises(DataError, match=r"row 1: field 'output' is missing"):
-        conversations.normalise(rows, "auto", "data.parquet")
+        chat.normalise(rows, "auto", "data.parquet")
 
 
 def test_conversation_without_assistant_turn_is_refused():
     with pytest.raises(ValueError, match="no non-empty assistant turn"):
-        conversations.to_messages({"messages": TURNS[:2]})
+        chat.to_messages({"messages": TURNS[:2]})
 
 
 def test_bundled_conversations_are_rebuilt_byte_for_byte(tmp_path):
@@ -128,7 +128,7 @@ def test_bundled_conversations_are_rebuilt_byte_for_byte(tmp_path):
 
 
 def test_bundled_conversations_read_as_messages():
-    train = conversations.read_conversations(CONVERSATIONS / "train.jsonl")
+    train = chat.read_conversations(CONVERSATIONS / "train.jsonl")
     assert len(train) == 519
     first = train[0]["messages"]
     assert [m["role"] for m in first[:3]] == ["system", "user", "assistant"]
@@ -146,14 +146,14 @@ def test_labels_are_exactly_the_assistant_turns_with_their_end_of_turn(
     tokenizer, name, end_of_turn
 ):
     """Like TRL's assistant-only loss: each assistant turn and the token(s) that end it."""
-    template = conversations.CHAT_TEMPLATES[name]
-    features = conversations.tokenize_conversation(tokenizer, template, TURNS)
+    template = chat.CHAT_TEMPLATES[name]
+    features = chat.tokenize_conversation(tokenizer, template, TURNS)
     labels, ids = features["labels"], features["input_ids"]
-    assert ids == conversations.render(tokenizer, template, TURNS)
+    assert ids == chat.render(tokenizer, template, TURNS)
     # Labelled tokens form exactly two runs (the two assistant turns), decoded one by one.
     runs, current = [], []
     for token, label in zip(ids, labels, strict=True):
-        if label != conversations.IGNORE_INDEX:
+        if label != chat.IGNORE_INDEX:
             assert label == token
             current.append(token)
         elif current:
@@ -167,27 +167,24 @@ def test_labels_are_exactly_the_assistant_turns_with_their_end_of_turn(
 
 
 def test_train_on_prompt_labels_every_predicted_token(tokenizer):
-    template = conversations.CHAT_TEMPLATES["chatml"]
-    features = conversations.tokenize_conversation(tokenizer, template, TURNS, train_on_prompt=True)
-    assert features["labels"][0] == conversations.IGNORE_INDEX  # nothing predicts the first token
+    template = chat.CHAT_TEMPLATES["chatml"]
+    features = chat.tokenize_conversation(tokenizer, template, TURNS, train_on_prompt=True)
+    assert features["labels"][0] == chat.IGNORE_INDEX  # nothing predicts the first token
     assert features["labels"][1:] == features["input_ids"][1:]
 
 
 def test_a_base_model_without_template_is_refused(tokenizer):
     assert not tokenizer.chat_template
     with pytest.raises(ConfigError, match=r"no chat template.*task.chat_template=chatml"):
-        conversations.resolve_chat_template(tokenizer, None)
+        chat.resolve_chat_template(tokenizer, None)
     with pytest.raises(ConfigError, match=r"task.chat_template=vicuna: neither"):
-        conversations.resolve_chat_template(tokenizer, "vicuna")
+        chat.resolve_chat_template(tokenizer, "vicuna")
 
 
 def test_a_template_from_a_file_is_used(tokenizer, tmp_path):
     path = tmp_path / "t.jinja"
-    path.write_text(conversations.CHAT_TEMPLATES["zephyr"])
-    assert (
-        conversations.resolve_chat_template(tokenizer, str(path))
-        == conversations.CHAT_TEMPLATES["zephyr"]
-    )
+    path.write_text(chat.CHAT_TEMPLATES["zephyr"])
+    assert chat.resolve_chat_template(tokenizer, str(path)) == chat.CHAT_TEMPLATES["zephyr"]
 
 
 def test_a_template_that_rewrites_a_past_reply_for_no_reasoning_is_refused(tokenizer):
@@ -201,10 +198,8 @@ def test_a_template_that_rewrites_a_past_reply_for_no_reasoning_is_refused(token
         "{% else %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
-    with pytest.raises(
-        conversations.TemplateMismatch, match="differently inside the whole conversation"
-    ):
-        conversations.tokenize_conversation(tokenizer, rewriting, TURNS)
+    with pytest.raises(chat.TemplateMismatch, match="differently inside the whole conversation"):
+        chat.tokenize_conversation(tokenizer, rewriting, TURNS)
 
 
 # ------------------------------------------------------------------------ length policy
@@ -212,14 +207,14 @@ def test_a_template_that_rewrites_a_past_reply_for_no_reasoning_is_refused(token
 
 def test_length_policy_truncates_or_drops():
     features = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, -100, 4, 5, 6]}
-    assert conversations.fit_length(features, 6, "drop") is features
-    assert conversations.fit_length(features, 4, "drop") is None
-    assert conversations.fit_length(features, 4, "truncate") == {
+    assert chat.fit_length(features, 6, "drop") is features
+    assert chat.fit_length(features, 4, "drop") is None
+    assert chat.fit_length(features, 4, "truncate") == {
         "input_ids": [1, 2, 3, 4],
         "labels": [-100, -100, -100, 4],
     }
     # Cut before the first assistant token: nothing left to learn, so dropped.
-    assert conversations.fit_length(features, 3, "truncate") is None
+    assert chat.fit_length(features, 3, "truncate") is None
 
 
 def test_task_settings_are_checked():
@@ -234,11 +229,11 @@ def test_task_settings_are_checked():
 
 def test_pack_fills_rows_within_capacity_and_uses_each_conversation_once():
     lengths = [7, 3, 5, 2, 8, 1, 4, 6]
-    rows = conversations.pack(lengths, 10)
+    rows = chat.pack(lengths, 10)
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= 10 for row in rows)
     assert len(rows) == 4  # 36 tokens in rows of 10: the fewest possible
-    assert rows == conversations.pack(lengths, 10)
+    assert rows == chat.pack(lengths, 10)
 
 
 def _tiny_llama(attn: str) -> torch.nn.Module:
@@ -256,10 +251,10 @@ def _tiny_llama(attn: str) -> torch.nn.Module:
 
 
 def _conversation_features(tokenizer, count: int) -> list[dict[str, list[int]]]:
-    template = conversations.CHAT_TEMPLATES["zephyr"]
+    template = chat.CHAT_TEMPLATES["zephyr"]
     lines = (CONVERSATIONS / "dev.jsonl").read_text().splitlines()[:count]
     return [
-        conversations.tokenize_conversation(tokenizer, template, json.loads(line)["messages"])
+        chat.tokenize_conversation(tokenizer, template, json.loads(line)["messages"])
         for line in lines
     ]
 
@@ -271,15 +266,15 @@ def test_packed_conversations_score_as_they_do_alone(tokenizer, attn):
     from datasets import Dataset
 
     features = _conversation_features(tokenizer, 6)
-    packed = Dataset.from_dict(conversations.packed_rows(Dataset.from_list(features), capacity=512))
+    packed = Dataset.from_dict(chat.packed_rows(Dataset.from_list(features), capacity=512))
     assert len(packed) < len(features)  # several conversations do share a row
     task = make_task("sft", packing=True, max_seq_length=512)
     model = _tiny_llama(attn)
     task.check_model(model)
-    collate = conversations.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
+    collate = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     batch = collate(list(packed))
     with torch.no_grad():
-        logits = chat_features.forward(model, batch).logits
+        logits = chat.forward(model, batch).logits
     # Per token loss, summed by conversation (a conversation starts where position_ids is 0).
     labels = batch["labels"]
     losses = torch.nn.functional.cross_entropy(
@@ -291,7 +286,7 @@ def test_packed_conversations_score_as_they_do_alone(tokenizer, attn):
         for seg in segment[row].unique().tolist():
             if (labels[row, 1:][segment[row] == seg] != -100).any():
                 packed_sums.append(losses[row][segment[row] == seg].sum())
-    rows = conversations.pack([len(f["input_ids"]) for f in features], 512)
+    rows = chat.pack([len(f["input_ids"]) for f in features], 512)
     alone = []
     for index in [i for row in rows for i in row]:
         single = collate([features[index]])
@@ -307,9 +302,7 @@ def test_packing_is_refused_where_the_attention_cannot_take_it():
     model.config._attn_implementation = "flex_attention"  # as loaded with that implementation
     with pytest.raises(ConfigError, match=r"task.packing=true: .*flex_attention"):
         task.check_model(model)
-    assert (
-        conversations.packing_unsupported_reason("flash_attention_2") is None
-    )  # reads position_ids
+    assert chat.packing_unsupported_reason("flash_attention_2") is None  # reads position_ids
 
 
 def test_task_refuses_sequences_longer_than_the_model():
@@ -377,11 +370,11 @@ def test_smoke_run_learns_and_writes_generations(tmp_path, cache_dir):
     assert "train: 519 conversations -> " in log and "truncated" in log
     # final/ renders prompts with the template the run trained with (zephyr's, debug=smoke).
     saved = AutoTokenizer.from_pretrained(run / "final")
-    assert saved.chat_template == conversations.CHAT_TEMPLATES["zephyr"]
+    assert saved.chat_template == chat.CHAT_TEMPLATES["zephyr"]
     prompt = generations[0]["messages"]
     text = saved.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    assert saved(text, add_special_tokens=False)["input_ids"] == conversations.render(
-        saved, conversations.CHAT_TEMPLATES["zephyr"], prompt, generation_prompt=True
+    assert saved(text, add_special_tokens=False)["input_ids"] == chat.render(
+        saved, chat.CHAT_TEMPLATES["zephyr"], prompt, generation_prompt=True
     )
     eos = json.loads((run / "final" / "generation_config.json").read_text())["eos_token_id"]
     assert saved.eos_token_id in (eos if isinstance(eos, list) else [eos])
@@ -405,7 +398,7 @@ def test_bad_row_fails_the_run_with_one_line(tmp_path):
 
 
 def test_generation_scores_use_squad_normalisation():
-    from recipes.tasks.chat_features import generation_scores
+    from recipes.tasks.chat import generation_scores
 
     records = [
         {"generated": " The Melt ", "reference": "melt"},
@@ -424,7 +417,7 @@ def test_trainer_pad_to_multiple_of_reaches_the_chat_collator(tokenizer):
     from recipes.modes import pad_task_batches
     from recipes.tasks.base import TaskData
 
-    collate = conversations.ChatCollator(tokenizer.pad_token_id)
+    collate = chat.ChatCollator(tokenizer.pad_token_id)
     rows = [{"input_ids": [5] * n, "labels": [5] * n} for n in (5, 11)]
     data = TaskData(train=Dataset.from_list(rows), eval=Dataset.from_list(rows))
     data.train_collator = data.eval_collator = collate
@@ -433,4 +426,4 @@ def test_trainer_pad_to_multiple_of_reaches_the_chat_collator(tokenizer):
     batch = collate(rows)
     assert batch["input_ids"].shape == (2, 16)
     assert batch["attention_mask"].sum(dim=1).tolist() == [5, 11]
-    assert (batch["labels"][:, 11:] == conversations.IGNORE_INDEX).all()
+    assert (batch["labels"][:, 11:] == chat.IGNORE_INDEX).all()

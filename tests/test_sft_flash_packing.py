@@ -16,9 +16,8 @@ import torch
 from datasets import Dataset
 from test_sft import _conversation_features, _tiny_llama, tokenizer  # noqa: F401
 
-from recipes.tasks import conversations
-from recipes.tasks.chat_features import forward, padding_free
-from recipes.tasks.token_loss import token_losses
+from recipes.tasks import chat
+from recipes.tasks.chat import forward, padding_free, token_losses
 
 fa = pytest.importorskip("transformers.modeling_flash_attention_utils")
 if not hasattr(fa, "_is_packed_sequence") or not hasattr(fa, "prepare_fa_kwargs_from_position_ids"):
@@ -54,9 +53,9 @@ AttentionInterface.register("varlen_causal", _varlen_causal)
 
 def _packed_batch(tokenizer):  # noqa: F811
     features = _conversation_features(tokenizer, 6)
-    packed = Dataset.from_dict(conversations.packed_rows(Dataset.from_list(features), capacity=512))
+    packed = Dataset.from_dict(chat.packed_rows(Dataset.from_list(features), capacity=512))
     assert len(packed) > 1  # a batch of several packed rows, each holding several conversations
-    batch = conversations.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)(list(packed))
+    batch = chat.ChatCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)(list(packed))
     return features, batch
 
 
@@ -82,7 +81,7 @@ def test_packed_conversations_score_as_they_do_alone_under_varlen_attention(toke
     with torch.no_grad():  # as a model loaded with flash attention runs it
         out = forward(model, batch, attention="flash_attention_2")
         nll, count = token_losses(out.logits, batch["labels"])
-    collate = conversations.ChatCollator(tokenizer.pad_token_id)
+    collate = chat.ChatCollator(tokenizer.pad_token_id)
     alone_nll, alone_count = torch.zeros(()), torch.zeros(())
     for feature in features:
         single = collate([feature])

@@ -18,7 +18,7 @@ from conftest import ROOT
 from test_sft import _smoke
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipes.tasks import conversations
+from recipes.tasks import chat
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def _prompt_ids(tokenizer, template: str | None = None) -> list[int]:
     """The prompt of the conversation's last reply, as the run rendered it in training."""
     prompt = CONVERSATION[:-1]
     if template is not None:
-        return conversations.render(tokenizer, template, prompt, generation_prompt=True)
+        return chat.render(tokenizer, template, prompt, generation_prompt=True)
     return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
 
 
@@ -48,7 +48,7 @@ def test_chatml_on_a_base_model_adds_its_tokens_and_the_lora_adapter_loads(tmp_p
     assert end in json.loads((final / "generation_config.json").read_text())["eos_token_id"]
     # The saved template renders the training prompt (ids, with the tokenizer as trained).
     rendered = saved(_prompt_ids(saved), add_special_tokens=False)["input_ids"]
-    assert rendered == _prompt_ids(saved, conversations.CHAT_TEMPLATES["chatml"])
+    assert rendered == _prompt_ids(saved, chat.CHAT_TEMPLATES["chatml"])
     assert AutoTokenizer.from_pretrained(final / "adapter").chat_template == saved.chat_template
 
     merged = AutoModelForCausalLM.from_pretrained(final)

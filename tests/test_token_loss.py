@@ -1,4 +1,4 @@
-"""The chunked SFT loss (recipes/tasks/token_loss.py) against the full fp32 upcast it replaces:
+"""The chunked SFT loss (recipes/tasks/chat/token_loss.py) against the full fp32 upcast it replaces:
 the same per-row sums and counts, and the same gradients, in fp32 and bf16."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from packaging.version import Version
 from token_loss_reference import reference_losses
 from transformers import AutoModelForCausalLM
 
-from recipes.tasks import token_loss
-from recipes.tasks.token_loss import labelled_positions, token_losses
+from recipes.tasks import chat
+from recipes.tasks.chat import labelled_positions, token_losses
 
 
 def random_batch(
@@ -52,16 +52,16 @@ def losses_and_gradient(
 @pytest.mark.parametrize(
     "rows, length, vocab, chunk_elements",
     [
-        (4, 33, 50, token_loss.CHUNK_ELEMENTS),  # one chunk
+        (4, 33, 50, chat.CHUNK_ELEMENTS),  # one chunk
         (4, 33, 50, 7 * 50),  # chunks of 7 positions, the last one shorter
         (3, 9, 20, 1),  # a chunk per position
-        (1, 1, 10, token_loss.CHUNK_ELEMENTS),  # no position predicts anything
+        (1, 1, 10, chat.CHUNK_ELEMENTS),  # no position predicts anything
     ],
 )
 def test_same_losses_and_gradients_as_the_full_upcast(
     rows, length, vocab, chunk_elements, dtype, monkeypatch
 ):
-    monkeypatch.setattr(token_loss, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(chat.token_loss, "CHUNK_ELEMENTS", chunk_elements)
     logits, labels = random_batch(rows, length, vocab, dtype)
     sums, counts, grad = losses_and_gradient(token_losses, logits, labels)
     ref_sums, ref_counts, ref_grad = losses_and_gradient(reference_losses, logits, labels)

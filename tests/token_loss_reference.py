@@ -1,4 +1,4 @@
-"""The SFT loss as recipes/tasks/sft.py computed it before recipes/tasks/token_loss.py: the whole
+"""The SFT loss as recipes/tasks/sft.py computed it before recipes/tasks/chat/token_loss.py: the whole
 logits tensor upcast to fp32 (as transformers' ``ForCausalLMLoss`` does), for the tests and the
 benchmark to compare against."""
 

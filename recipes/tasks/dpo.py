@@ -1,9 +1,9 @@
 """Direct preference optimisation of a causal LM on preference pairs (``task=dpo``).
 
 What the task adds to the shared loop, beside the chat features it holds
-(:mod:`recipes.tasks.chat_features`):
+(:mod:`recipes.tasks.chat`):
 
-* pairs read in the layouts users have (:mod:`recipes.tasks.preference`), each side rendered
+* pairs read in the layouts users have (:mod:`recipes.tasks.chat.preference`), each side rendered
   with the chat template and labelled on its completion only (the prompt, its earlier replies
   included, carries no label); TRL's plain-string pairs are a user turn and two replies, or,
   with ``text_rows=raw``, text as TRL tokenizes them (no template, EOS after each side);
@@ -14,7 +14,7 @@ What the task adds to the shared loop, beside the chat features it holds
 * two losses without a reference model, on the policy's average (per-token) log-probabilities
   of each completion, as TRL 1.16 defines them (see :data:`REFERENCE_FREE`): ``orpo`` and
   ``simpo``;
-* the reference (not for ``orpo`` / ``simpo``, :mod:`recipes.tasks.reference`): under LoRA the
+* the reference (not for ``orpo`` / ``simpo``, :mod:`recipes.tasks.chat.reference`): under LoRA the
   same model with its adapter disabled (no second copy); with full fine-tuning a frozen copy of
   the starting weights; or, with ``precompute_reference``, its log-probabilities computed once
   before training (and cached with the features), which needs neither;
@@ -46,12 +46,10 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
-from recipes.tasks import chat_features, conversations, preference, reference
+from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures, Layout
+from recipes.tasks.chat import AnswersPrompts, ChatFeatures, Layout, PreferenceData, token_losses
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
-from recipes.tasks.reference import PreferenceData
-from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
@@ -117,9 +115,9 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         extra = ORPO_STATS if loss_type == "orpo" else ("nll_loss",) if self.with_nll else ()
         self.stats = STATS + extra  # TRL's metrics of this loss type, per pair
         # Built in before_training from the starting weights; None for orpo / simpo.
-        self.reference: reference.Reference | None = None
+        self.reference: chat.reference.Reference | None = None
         self.layout = Layout()  # padding-free or padded batches: chosen in check_model
-        self.padding_free = chat_features.padding_free_setting(args.padding_free)
+        self.padding_free = chat.padding_free_setting(args.padding_free)
 
     def loss_shape(self) -> LossShape:
         """One summed term per pair, TRL's metrics summed beside it."""
@@ -128,16 +126,16 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        chat = self.chat.use_template(tokenizer)
+        chat_template = self.chat.use_template(tokenizer)
         fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, fmt))
+        splits = data_lib.load_splits(cfg, lambda path: chat.preference.read_pairs(path, fmt))
         features, pairs, keys = {}, {}, {}
         for role, split in splits.items():
-            pairs[role] = preference.normalise(split.examples, fmt, split.source)
+            pairs[role] = chat.preference.normalise(split.examples, fmt, split.source)
             keys[role], features[role] = self._pair_features(
-                cfg, tokenizer, chat.template, role, split, pairs[role]
+                cfg, tokenizer, chat_template.template, role, split, pairs[role]
             )
-        held_out = chat_features.held_out_prompts(
+        held_out = chat.held_out_prompts(
             pairs["eval"], self.args.num_generations, _with_chosen_reply
         )
         return PreferenceData(
@@ -148,7 +146,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
             train_collator=self._collator(tokenizer),
             eval_collator=self._collator(tokenizer),
             max_length=self.args.max_seq_length,
-            **chat.data_fields(held_out),
+            **chat_template.data_fields(held_out),
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
@@ -189,8 +187,8 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     ) -> dict[str, list]:
         names = [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")]
         out: dict[str, list] = {name: [] for name in (*names, "length")}
-        for values in zip(*(batch[k] for k in preference.COLUMNS), strict=True):
-            pair = dict(zip(preference.COLUMNS, values, strict=True))
+        for values in zip(*(batch[k] for k in chat.preference.COLUMNS), strict=True):
+            pair = dict(zip(chat.preference.COLUMNS, values, strict=True))
             sides = self.chat.pair_sides(tokenizer, template, pair, f"{source} {pair['place']}")
             if sides is None:
                 continue
@@ -209,9 +207,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         a variable-length kernel (``padding_free`` auto or true); with ``true`` elsewhere, a
         pair per row under a block-diagonal mask (refused where the attention takes none)."""
         self.chat.check_model(model, packing=self.padding_free == "true")
-        self.layout.flat = self.padding_free != "false" and chat_features.flat_batches(
-            "auto", model
-        )
+        self.layout.flat = self.padding_free != "false" and chat.flat_batches("auto", model)
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
@@ -220,12 +216,12 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         for ``orpo`` / ``simpo``: no copy, no reference pass with the adapter disabled."""
         accelerator = run.accelerator
         if self.args.disable_dropout:
-            reference.disable_dropout(accelerator.unwrap_model(model))
+            chat.reference.disable_dropout(accelerator.unwrap_model(model))
         if self.reference_free:
             self.reference = None
             log.info("task.loss_type=%s: no reference model (none is built)", self.args.loss_type)
             return
-        self.reference = reference.prepare(
+        self.reference = chat.reference.prepare(
             model,
             accelerator,
             data,
@@ -262,7 +258,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         inputs = {
             k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
         }
-        logits = chat_features.forward(model, inputs).logits
+        logits = chat.forward(model, inputs).logits
         pairs = len(batch["index"])
         if "sequence" in batch:  # padding-free: one row, each token's pair in "sequence"
             return self._flat_terms(logits, batch, pairs, with_nll)
@@ -285,7 +281,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:meth:`_policy_terms` of a padding-free batch: the sums per pair of its row."""
         sums = [
-            chat_features.sequence_losses(logits, batch[f"{side}_labels"], batch["sequence"], pairs)
+            chat.sequence_losses(logits, batch[f"{side}_labels"], batch["sequence"], pairs)
             for side in SIDES
         ]
         logps = -torch.stack([nll for nll, _ in sums], dim=1)
@@ -294,7 +290,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
             return logps, tokens, None
         if not self.sequence_nll:
             return logps, tokens, -logps[:, 0] / tokens[:, 0].clamp(min=1)
-        nll, count = chat_features.sequence_losses(
+        nll, count = chat.sequence_losses(
             logits, batch["chosen_sequence_labels"], batch["sequence"], pairs
         )
         return logps, tokens, nll / count.clamp(1)
@@ -386,14 +382,14 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     def after_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext
     ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
         return self.chat.answer_held_out(model, data, run)
 
 
 class PairCollator:
     """Pads a batch of pairs: the chosen rows, then the rejected rows, with ``attention_mask``;
     or (``pair_rows``) one row per pair, chosen then rejected, with ``position_ids``; or
-    (``layout.flat``) every side in one row without padding (:func:`conversations.flat_rows`,
+    (``layout.flat``) every side in one row without padding (:func:`chat.flat_rows`,
     ``sequence`` naming each token's pair).
     ``chosen_labels`` / ``rejected_labels`` label one side each, ``index`` is each pair's
     position in its split, and ``reference_logps`` the precomputed reference (when set);
@@ -423,32 +419,32 @@ class PairCollator:
                 {
                     "input_ids": p[f"{side}_input_ids"],
                     f"{side}_labels": p[f"{side}_labels"],
-                    f"{other}_labels": [conversations.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                    f"{other}_labels": [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
                     "chosen_sequence_labels": list(p[f"{side}_input_ids"])
                     if side == "chosen"
-                    else [conversations.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
+                    else [chat.IGNORE_INDEX] * len(p[f"{side}_input_ids"]),
                 }
                 for side, other in (("chosen", "rejected"), ("rejected", "chosen"))
                 for p in pairs
             ]
-        longest = conversations.padded_length(rows, self.pad_to_multiple_of)
-        ignore = conversations.IGNORE_INDEX
+        longest = chat.padded_length(rows, self.pad_to_multiple_of)
+        ignore = chat.IGNORE_INDEX
         batch = {
-            "input_ids": conversations.pad_rows(rows, "input_ids", self.pad_token_id, longest),
-            "chosen_labels": conversations.pad_rows(rows, "chosen_labels", ignore, longest),
-            "rejected_labels": conversations.pad_rows(rows, "rejected_labels", ignore, longest),
+            "input_ids": chat.pad_rows(rows, "input_ids", self.pad_token_id, longest),
+            "chosen_labels": chat.pad_rows(rows, "chosen_labels", ignore, longest),
+            "rejected_labels": chat.pad_rows(rows, "rejected_labels", ignore, longest),
             "index": torch.tensor([p["index"] for p in pairs]),
         }
         if self.sequence_nll:
-            batch["chosen_sequence_labels"] = conversations.pad_rows(
+            batch["chosen_sequence_labels"] = chat.pad_rows(
                 rows, "chosen_sequence_labels", ignore, longest
             )
         if self.pair_rows:
-            batch["position_ids"] = conversations.pad_rows(rows, "position_ids", 0, longest)
+            batch["position_ids"] = chat.pad_rows(rows, "position_ids", 0, longest)
         else:
-            batch["attention_mask"] = conversations.attention_mask(rows, longest)
+            batch["attention_mask"] = chat.attention_mask(rows, longest)
         if self.reference is not None:
-            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
+            batch[chat.reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
 
     def _flat(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -462,10 +458,10 @@ class PairCollator:
                 sides.append(
                     {k: joined[k][part] for k in ("input_ids", *labels)} | {"group": group}
                 )
-        batch = conversations.flat_rows(sides, labels, self.pad_token_id, self.pad_to_multiple_of)
+        batch = chat.flat_rows(sides, labels, self.pad_token_id, self.pad_to_multiple_of)
         batch["index"] = torch.tensor([p["index"] for p in pairs])
         if self.reference is not None:
-            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
+            batch[chat.reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
 
     @staticmethod
@@ -473,11 +469,9 @@ class PairCollator:
         chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
         return {
             "input_ids": list(chosen) + list(rejected),
-            "chosen_labels": list(pair["chosen_labels"])
-            + [conversations.IGNORE_INDEX] * len(rejected),
-            "rejected_labels": [conversations.IGNORE_INDEX] * len(chosen)
-            + list(pair["rejected_labels"]),
-            "chosen_sequence_labels": list(chosen) + [conversations.IGNORE_INDEX] * len(rejected),
+            "chosen_labels": list(pair["chosen_labels"]) + [chat.IGNORE_INDEX] * len(rejected),
+            "rejected_labels": [chat.IGNORE_INDEX] * len(chosen) + list(pair["rejected_labels"]),
+            "chosen_sequence_labels": list(chosen) + [chat.IGNORE_INDEX] * len(rejected),
             "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
         }
 

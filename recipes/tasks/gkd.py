@@ -22,7 +22,7 @@ on another number of processes, trains on the same completions.
 Logged beside the loss: ``train/on_policy``, the share of the labelled tokens that were the
 student's own samples.
 
-The teacher (:class:`recipes.tasks.reference.Reference`, built in ``before_training``): a frozen
+The teacher (:class:`recipes.tasks.chat.reference.Reference`, built in ``before_training``): a frozen
 model loaded from ``teacher_model`` (same vocabulary as the student, checked), kept in eval mode
 and run without autograd under the run's autocast; with ``teacher_model`` unset, TRL's default,
 the student's starting weights (under LoRA its adapter disabled, no copy); or with
@@ -53,17 +53,16 @@ from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig, ModelConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
-from recipes.tasks import conversations, reference
+from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
-from recipes.tasks.chat_features import AnswersPrompts, ChatData
+from recipes.tasks.chat import AnswersPrompts, ChatData, Reference
 from recipes.tasks.configs.gkd import GkdConfig
 from recipes.tasks.configs.sft import SftConfig
-from recipes.tasks.reference import Reference
 from recipes.tasks.sft import SupervisedFineTuning
 
 log = get_logger(__name__)
 
-IGNORE = conversations.IGNORE_INDEX
+IGNORE = chat.IGNORE_INDEX
 TEACHER_LOGPS = "teacher_logps"  # a batch's precomputed teacher log-probs (labelled tokens, V)
 FSDP_REFUSAL = (
     "task=gkd under FSDP: the teacher cannot be sharded here, and each process samples its own "
@@ -105,7 +104,7 @@ class GkdData(ChatData):
     cache: Path | None = None
 
 
-class GkdCollator(conversations.ChatCollator):
+class GkdCollator(chat.ChatCollator):
     """SFT's padded rows, plus each row's ``index``, ``prompt_length`` (its tokens before the last
     labelled reply), and, drawn from (seed, epoch, row) (:class:`recipes.tasks.base.SeedsRows`),
     whether it goes ``on_policy`` (probability ``lmbda``) and the ``row_seed`` its sample is drawn
@@ -208,7 +207,7 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         self.run = run
         student = accelerator.unwrap_model(model)
         if self.args.disable_dropout:
-            reference.disable_dropout(student)
+            chat.reference.disable_dropout(student)
         if self.args.teacher_model is None:
             self.teacher = Reference.build(model, accelerator, FSDP_REFUSAL)
         else:
@@ -289,7 +288,7 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
                     "input_ids": prompts[i] + completion,
                     "labels": [IGNORE] * len(prompts[i]) + completion,
                 }
-        padded = conversations.ChatCollator(self.run.tokenizer.pad_token_id or 0)(rows)
+        padded = chat.ChatCollator(self.run.tokenizer.pad_token_id or 0)(rows)
         device = batch["input_ids"].device
         return {**{k: v.to(device) for k, v in padded.items()}, "on_policy": batch["on_policy"]}
 
@@ -410,7 +409,7 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
             features=features,
             teacher=self.args.teacher_model,
             dtype=self.args.teacher_dtype,
-            weights=reference.weights_fingerprint(model, accelerator),
+            weights=chat.reference.weights_fingerprint(model, accelerator),
             precision=accelerator.mixed_precision,
         )
         file = (data.cache or Path(".")) / f"gkd-teacher-{digest}.pt"

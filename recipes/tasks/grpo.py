@@ -77,7 +77,7 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.faults import TrainingError
 from recipes.log import get_logger
-from recipes.tasks import chat_features, conversations
+from recipes.tasks import chat
 from recipes.tasks.base import (
     Averaging,
     Batches,
@@ -88,9 +88,8 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
 )
-from recipes.tasks.chat_features import AnswersPrompts, ChatData, ChatFeatures
+from recipes.tasks.chat import AnswersPrompts, ChatData, ChatFeatures, Reference
 from recipes.tasks.configs.grpo import GrpoConfig
-from recipes.tasks.reference import Reference
 
 log = get_logger(__name__)
 
@@ -333,16 +332,21 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GrpoData:
-        chat = self.chat.use_template(tokenizer)
+        chat_template = self.chat.use_template(tokenizer)
         if self.tools:
-            tool_calling.check_template(tokenizer, chat.template, self.tools, chat.stop_tokens)
+            tool_calling.check_template(
+                tokenizer, chat_template.template, self.tools, chat_template.stop_tokens
+            )
             tool_calling.use_parser(tokenizer)
         max_prompt = self.args.max_prompt_length
         splits = data_lib.load_splits(cfg)
         features, rows = {}, {}
         for role, split in splits.items():
             rows[role] = prompt_rows(split.examples, split.source)
-            ids = [self._prompt_ids(tokenizer, chat.template, r, split.source) for r in rows[role]]
+            ids = [
+                self._prompt_ids(tokenizer, chat_template.template, r, split.source)
+                for r in rows[role]
+            ]
             cut = sum(len(i) > max_prompt for i in ids)
             if cut:
                 log.warning(
@@ -374,7 +378,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             # Prompt batches keep their own length; with trainer.padding=max_length this only
             # tells the loop that lengths are not grouped.
             max_length=self.chat.max_seq_length,
-            **chat.data_fields(held_out),
+            **chat_template.data_fields(held_out),
             rows=rows,
         )
 
@@ -390,9 +394,9 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
             return tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        chat_features.require_template(template, f"{source} {row['place']}")
+        chat.require_template(template, f"{source} {row['place']}")
         # `or None`: as TRL, a template may write tool boilerplate for an empty list.
-        return conversations.render(tokenizer, template, prompt, True, tools=self.tools or None)
+        return chat.render(tokenizer, template, prompt, True, tools=self.tools or None)
 
     def predict_layout(self) -> str:
         """mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows;
@@ -404,10 +408,10 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
 
     def check_model(self, model: torch.nn.Module) -> None:
         """The model's limits, and whether the loss's forwards run padding-free under its
-        attention (:func:`chat_features.flat_batches`)."""
-        setting = chat_features.padding_free_setting(self.args.padding_free)
+        attention (:func:`chat.flat_batches`)."""
+        setting = chat.padding_free_setting(self.args.padding_free)
         self.chat.check_model(model, packing=setting == "true")
-        self.flat = chat_features.flat_batches(setting, model)
+        self.flat = chat.flat_batches(setting, model)
 
     def before_training(
         self, model: torch.nn.Module, data: GrpoData, run: RunContext, batch_size: int
@@ -658,7 +662,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         a completion token only, scattered back to (rows, completion length)."""
         ids, positions, predicting, slots = flat
         inputs = {"input_ids": ids, "position_ids": positions}
-        logits = chat_features.forward(model, inputs).logits[0, predicting]
+        logits = chat.forward(model, inputs).logits[0, predicting]
         logps = torch.log_softmax(logits.float() / self.args.temperature, dim=-1)
         targets = completion_ids.reshape(-1)[slots]
         token = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -849,7 +853,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     def after_training(
         self, model: torch.nn.Module, data: GrpoData, run: RunContext
     ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
         return self.chat.answer_held_out(model, data, run)
 
 
@@ -896,7 +900,7 @@ def prompt_rows(examples: Dataset, source: str) -> list[dict[str, Any]]:
         if "prompt" in row:
             prompt = row.pop("prompt")
         elif "messages" in row:
-            messages = [conversations.parse_message(m, "messages") for m in row.pop("messages")]
+            messages = [chat.parse_message(m, "messages") for m in row.pop("messages")]
             if messages and messages[-1]["role"] == "assistant":
                 row.setdefault("answer", messages[-1]["content"])
                 messages = messages[:-1]

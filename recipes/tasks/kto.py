@@ -7,10 +7,10 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
 ``disable_dropout=True``, ``precompute_ref_log_probs=False``, ``learning_rate=1e-6`` and
 ``train_sampling_strategy="sequential"`` (below: why this loop shuffles).
 
-* Rows (:mod:`recipes.tasks.unpaired`): TRL's ``prompt`` / ``completion`` / ``label``, text or
+* Rows (:mod:`recipes.tasks.chat.unpaired`): TRL's ``prompt`` / ``completion`` / ``label``, text or
   messages, or preference pairs unpaired as TRL unpairs them. Each row is rendered with the chat
   template as DPO renders a side and labelled on its completion only.
-* The reference, as DPO's (:mod:`recipes.tasks.reference`): under LoRA the model with its
+* The reference, as DPO's (:mod:`recipes.tasks.chat.reference`): under LoRA the model with its
   adapter disabled, else a frozen copy of the starting weights, or (for ``apo_zero_unpaired``
   only) its log-probabilities precomputed once.
 * The KL estimate (``loss_type=kto``): each row's prompt is paired with the completion of the
@@ -70,12 +70,10 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
-from recipes.tasks import chat_features, conversations, reference, unpaired
+from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat_features import AnswersPrompts, ChatFeatures, Layout
+from recipes.tasks.chat import AnswersPrompts, ChatFeatures, Layout, PreferenceData, token_losses
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
-from recipes.tasks.reference import PreferenceData
-from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
@@ -111,7 +109,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
         super().__init__(args)
         self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
         # Chosen in before_training; until then, batches carry their reference's log-probs.
-        self.reference = reference.Reference.from_batches()
+        self.reference = chat.reference.Reference.from_batches()
         self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
         self.layout = Layout()  # padding-free or padded batches: chosen in check_model
 
@@ -126,23 +124,21 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        chat = self.chat.use_template(tokenizer)
+        chat_template = self.chat.use_template(tokenizer)
         fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: unpaired.read_unpaired(path, fmt))
+        splits = data_lib.load_splits(cfg, lambda path: chat.unpaired.read_unpaired(path, fmt))
         features, rows, keys = {}, {}, {}
         for role, split in splits.items():
-            rows[role] = unpaired.normalise(split.examples, fmt, split.source)
+            rows[role] = chat.unpaired.normalise(split.examples, fmt, split.source)
             keys[role], built = self.chat.tokenized(
-                cfg, tokenizer, chat.template, role, split, rows[role], self._tokenize
+                cfg, tokenizer, chat_template.template, role, split, rows[role], self._tokenize
             )
             self._report(role, rows[role], built)
             features[role] = built.remove_columns(["cut"]).add_column(
                 "index", list(range(len(built)))
             )
         self._check_weights(features["train"])
-        held_out = chat_features.held_out_prompts(
-            rows["eval"], self.args.num_generations, _desirable_reply
-        )
+        held_out = chat.held_out_prompts(rows["eval"], self.args.num_generations, _desirable_reply)
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
@@ -151,7 +147,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             train_collator=self._collator(tokenizer),
             eval_collator=self._collator(tokenizer),
             max_length=self.args.max_seq_length,
-            **chat.data_fields(held_out),
+            **chat_template.data_fields(held_out),
         )
 
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> UnpairedCollator:
@@ -225,19 +221,17 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             *(batch[k] for k in columns), strict=True
         ):
             if text and self.args.text_rows == "raw":
-                whole = conversations.tokenize_text(
+                whole = chat.tokenize_text(
                     tokenizer, prompt[0]["content"], [completion[0]["content"]]
                 )[0]
             else:
-                whole = chat_features.templated_reply(
+                whole = chat.templated_reply(
                     tokenizer, template, prompt, completion, tools, f"{source} {place}"
                 )
             fitted = self.chat.fit(whole)
             if fitted is None:
                 continue
-            labelled = [
-                i for i, t in enumerate(fitted["labels"]) if t != conversations.IGNORE_INDEX
-            ]
+            labelled = [i for i, t in enumerate(fitted["labels"]) if t != chat.IGNORE_INDEX]
             if not labelled:
                 continue
             out["input_ids"].append(fitted["input_ids"])
@@ -259,21 +253,21 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
 
     def check_model(self, model: torch.nn.Module) -> None:
         """The model's limits, and the batches' layout under its attention
-        (:func:`chat_features.flat_batches`)."""
-        setting = chat_features.padding_free_setting(self.args.padding_free)
+        (:func:`chat.flat_batches`)."""
+        setting = chat.padding_free_setting(self.args.padding_free)
         self.chat.check_model(model, packing=setting == "true")
-        self.layout.flat = chat_features.flat_batches(setting, model)
+        self.layout.flat = chat.flat_batches(setting, model)
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
     ) -> None:
-        """The reference, as DPO's (:mod:`recipes.tasks.reference`), from the starting
+        """The reference, as DPO's (:mod:`recipes.tasks.chat.reference`), from the starting
         weights."""
         if self.uses_kl and batch_size < 2:
             raise ConfigError(_ONE_ROW.format(key="trainer.per_device_eval_batch_size"))
         if self.args.disable_dropout:
-            reference.disable_dropout(run.accelerator.unwrap_model(model))
-        self.reference = reference.prepare(
+            chat.reference.disable_dropout(run.accelerator.unwrap_model(model))
+        self.reference = chat.reference.prepare(
             model,
             run.accelerator,
             data,
@@ -415,7 +409,7 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     def after_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext
     ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
         return self.chat.answer_held_out(model, data, run)
 
 
@@ -426,11 +420,11 @@ def _row_losses(
     their KL rows) and their count, from padded rows or a padding-free row."""
     if f"{prefix}sequence" in batch:
         inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "position_ids")}
-        logits = chat_features.forward(model, inputs).logits
+        logits = chat.forward(model, inputs).logits
         labels, sequence = batch[f"{prefix}labels"], batch[f"{prefix}sequence"]
-        return chat_features.sequence_losses(logits, labels, sequence, rows)
+        return chat.sequence_losses(logits, labels, sequence, rows)
     inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "attention_mask")}
-    return token_losses(chat_features.forward(model, inputs).logits, batch[f"{prefix}labels"])
+    return token_losses(chat.forward(model, inputs).logits, batch[f"{prefix}labels"])
 
 
 class UnpairedCollator:
@@ -442,7 +436,7 @@ class UnpairedCollator:
     ``DataCollatorForUnpairedPreference`` build them; ``reference_logps`` the precomputed
     reference (when set). With ``layout.flat`` the rows (and the KL rows) are one row each
     without padding, ``position_ids`` and ``sequence`` (each token's row) in place of the mask
-    (:func:`conversations.flat_rows`)."""
+    (:func:`chat.flat_rows`)."""
 
     def __init__(
         self, pad_token_id: int, max_length: int, kl: bool, layout: Layout | None = None
@@ -465,7 +459,7 @@ class UnpairedCollator:
         batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
         batch["index"] = torch.tensor([r["index"] for r in rows])
         if self.reference is not None:
-            batch[reference.BATCH_LOGPS] = self.reference[batch["index"]]
+            batch[chat.reference.BATCH_LOGPS] = self.reference[batch["index"]]
         return batch
 
     def _kl_row(self, row: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -473,24 +467,22 @@ class UnpairedCollator:
         put back), then cut to ``max_length``: TRL's collator cuts the assembled row."""
         cut, start = row["prompt_length"], other["prompt_length"]
         ids = [*row["input_ids"][:cut], *other["input_ids"][start:], *other["tail_ids"]]
-        labels = [conversations.IGNORE_INDEX] * cut
+        labels = [chat.IGNORE_INDEX] * cut
         labels += [*other["labels"][start:], *other["tail_labels"]]
         return {"input_ids": ids[: self.truncate_at], "labels": labels[: self.truncate_at]}
 
     def _padded(self, rows: list[dict[str, Any]], prefix: str) -> dict[str, torch.Tensor]:
         if self.layout.flat:
             rows = [{**row, "group": group} for group, row in enumerate(rows)]
-            return conversations.flat_rows(
+            return chat.flat_rows(
                 rows, ["labels"], self.pad_token_id, self.pad_to_multiple_of, prefix
             )
-        longest = conversations.padded_length(rows, self.pad_to_multiple_of)
-        ignore = conversations.IGNORE_INDEX
+        longest = chat.padded_length(rows, self.pad_to_multiple_of)
+        ignore = chat.IGNORE_INDEX
         return {
-            f"{prefix}input_ids": conversations.pad_rows(
-                rows, "input_ids", self.pad_token_id, longest
-            ),
-            f"{prefix}attention_mask": conversations.attention_mask(rows, longest),
-            f"{prefix}labels": conversations.pad_rows(rows, "labels", ignore, longest),
+            f"{prefix}input_ids": chat.pad_rows(rows, "input_ids", self.pad_token_id, longest),
+            f"{prefix}attention_mask": chat.attention_mask(rows, longest),
+            f"{prefix}labels": chat.pad_rows(rows, "labels", ignore, longest),
         }
 
 

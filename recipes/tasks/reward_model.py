@@ -1,7 +1,7 @@
 """A reward model on preference pairs (``task=reward_model``), as TRL 1.16's RewardTrainer.
 
 What the task adds to the shared loop, from the shared chat parts
-(:mod:`recipes.tasks.preference` reads the pairs, :class:`ChatFeatures` renders and tokenizes
+(:mod:`recipes.tasks.chat.preference` reads the pairs, :class:`ChatFeatures` renders and tokenizes
 both sides as DPO does):
 
 * the model: ``AutoModelForSequenceClassification`` with one output (``num_labels=1``) and the
@@ -44,7 +44,7 @@ from recipes.config import DataConfig
 from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
-from recipes.tasks import conversations, preference, reference
+from recipes.tasks import chat
 from recipes.tasks.base import (
     Averaging,
     LossShape,
@@ -55,7 +55,7 @@ from recipes.tasks.base import (
     row_ids,
     write_jsonl,
 )
-from recipes.tasks.chat_features import ChatFeatures
+from recipes.tasks.chat import ChatFeatures
 from recipes.tasks.configs.reward_model import RewardModelConfig
 
 log = get_logger(__name__)
@@ -108,10 +108,10 @@ class RewardModel(Task[RewardData]):
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> RewardData:
         template = self.chat.use_template(tokenizer)
         fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: preference.read_pairs(path, fmt))
+        splits = data_lib.load_splits(cfg, lambda path: chat.preference.read_pairs(path, fmt))
         features = {}
         for role, split in splits.items():
-            pairs = preference.normalise(split.examples, fmt, split.source)
+            pairs = chat.preference.normalise(split.examples, fmt, split.source)
             _check_margins(pairs, split.source)
             _, features[role] = self.chat.tokenized(
                 cfg, tokenizer, template.template, role, split, pairs, self._tokenize
@@ -141,14 +141,14 @@ class RewardModel(Task[RewardData]):
         tokenizer: PreTrainedTokenizerBase,
         template: str | None,
         source: str,
-        chat: ChatFeatures | None = None,
+        features: ChatFeatures | None = None,
     ) -> dict[str, list]:
-        chat = chat or self.chat
+        features = features or self.chat
         out: dict[str, list] = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": []}
         out["length"] = []
-        for values in zip(*(batch[k] for k in preference.COLUMNS), strict=True):
-            pair = dict(zip(preference.COLUMNS, values, strict=True))
-            sides = chat.pair_sides(tokenizer, template, pair, f"{source} {pair['place']}")
+        for values in zip(*(batch[k] for k in chat.preference.COLUMNS), strict=True):
+            pair = dict(zip(chat.preference.COLUMNS, values, strict=True))
+            sides = features.pair_sides(tokenizer, template, pair, f"{source} {pair['place']}")
             if sides is None:
                 continue
             for side, fitted in zip(SIDES, sides, strict=True):
@@ -170,7 +170,7 @@ class RewardModel(Task[RewardData]):
         self, model: torch.nn.Module, data: RewardData, run: RunContext, batch_size: int
     ) -> None:
         if self.args.disable_dropout:
-            reference.disable_dropout(run.accelerator.unwrap_model(model))
+            chat.reference.disable_dropout(run.accelerator.unwrap_model(model))
 
     # ------------------------------------------------------------------------------- loss
 
@@ -236,16 +236,16 @@ class RewardModel(Task[RewardData]):
         split = data_lib.load_predict_file(cfg, lambda path: _read_predict_rows(path, fmt))
         # Every row is read whole here and cut below: a prompt that fills the length still
         # gets a reward.
-        chat = dataclasses.replace(self.chat, max_seq_length=sys.maxsize)
-        pairs = tuple(split.examples.column_names) == preference.COLUMNS or (
-            tuple(split.examples.column_names) != conversations.COLUMNS
-            and preference.detect_format(split.examples[0]) is not None
+        features = dataclasses.replace(self.chat, max_seq_length=sys.maxsize)
+        pairs = tuple(split.examples.column_names) == chat.preference.COLUMNS or (
+            tuple(split.examples.column_names) != chat.COLUMNS
+            and chat.preference.detect_format(split.examples[0]) is not None
         )
         if pairs:
-            rows = preference.normalise(split.examples, fmt, split.source)
+            rows = chat.preference.normalise(split.examples, fmt, split.source)
             tokenize = self._tokenize
         else:
-            rows = conversations.normalise(split.examples, "auto", split.source)
+            rows = chat.normalise(split.examples, "auto", split.source)
             tokenize = _tokenize_conversations
         built = rows.map(
             tokenize,
@@ -255,7 +255,7 @@ class RewardModel(Task[RewardData]):
                 "tokenizer": tokenizer,
                 "template": template,
                 "source": split.source,
-                "chat": chat,
+                "features": features,
             },
         )
         built = _cut(built, self.args.max_seq_length)
@@ -320,12 +320,12 @@ class PairCollator:
             rows = [{"input_ids": e[f"{side}_input_ids"]} for side in SIDES for e in examples]
         else:
             rows = [{"input_ids": e["input_ids"]} for e in examples]
-        longest = conversations.padded_length(rows, self.pad_to_multiple_of)
+        longest = chat.padded_length(rows, self.pad_to_multiple_of)
         if self.padding == "max_length" and self.max_length:
             longest = max(longest, self.max_length)
         batch = {
-            "input_ids": conversations.pad_rows(rows, "input_ids", self.pad_token_id, longest),
-            "attention_mask": conversations.attention_mask(rows, longest),
+            "input_ids": chat.pad_rows(rows, "input_ids", self.pad_token_id, longest),
+            "attention_mask": chat.attention_mask(rows, longest),
         }
         if self.pairs:
             batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
@@ -362,9 +362,9 @@ def _check_margins(pairs: Dataset, source: str) -> None:
 def _read_predict_rows(path: Path, fmt: str) -> Dataset | None:
     """A predict file as pairs, or, where its rows are no pairs, as conversations."""
     try:
-        return preference.read_pairs(path, fmt)
+        return chat.preference.read_pairs(path, fmt)
     except DataError:
-        return conversations.read_conversations(path, "auto")
+        return chat.read_conversations(path, "auto")
 
 
 def _tokenize_conversations(
@@ -372,7 +372,7 @@ def _tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     template: str | None,
     source: str,
-    chat: ChatFeatures,
+    features: ChatFeatures,
 ) -> dict[str, list]:
     """Each conversation rendered whole with the template and fitted (mode=predict)."""
     out: dict[str, list] = {"input_ids": []}
@@ -380,12 +380,12 @@ def _tokenize_conversations(
         batch["messages"], batch["tools"], batch["place"], strict=True
     ):
         try:
-            whole = conversations.tokenize_conversation(
+            whole = chat.tokenize_conversation(
                 tokenizer, template, messages, train_on_prompt=True, tools=tools
             )
-        except (conversations.TemplateMismatch, conversations.RowError) as err:
-            raise conversations.refusal(err, f"{source} {place}") from None
-        fitted = chat.fit(whole)
+        except (chat.TemplateMismatch, chat.RowError) as err:
+            raise chat.refusal(err, f"{source} {place}") from None
+        fitted = features.fit(whole)
         if fitted is not None:
             out["input_ids"].append(fitted["input_ids"])
     return out

@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a causal LM on conversations (``task=sft``).
 
 What the task adds to the shared loop: conversations read in the common layouts and rendered
-with a chat template (:mod:`recipes.tasks.conversations`), loss on the assistant's tokens only, a
+with a chat template (:mod:`recipes.tasks.chat`), loss on the assistant's tokens only, a
 length policy, optional packing without cross-talk between the packed conversations, and after
 training greedy answers to a few held-out prompts. Evaluation is the loss and perplexity of the
 held-out conversations' labelled tokens (the assistant's), summed exactly across processes.
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
-from recipes.tasks import chat_features, conversations
+from recipes.tasks import chat
 from recipes.tasks.base import (
     Averaging,
     LossShape,
@@ -27,9 +27,8 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
 )
-from recipes.tasks.chat_features import AnswersPrompts, ChatData, ChatFeatures
+from recipes.tasks.chat import AnswersPrompts, ChatData, ChatFeatures, token_losses
 from recipes.tasks.configs.sft import SftConfig
-from recipes.tasks.token_loss import token_losses
 
 log = get_logger(__name__)
 
@@ -55,22 +54,20 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        chat = self.chat.use_template(tokenizer)
+        chat_template = self.chat.use_template(tokenizer)
         splits = data_lib.load_splits(
-            cfg, lambda path: conversations.read_conversations(path, self.args.format)
+            cfg, lambda path: chat.read_conversations(path, self.args.format)
         )
         features, dialogues = {}, {}
         for role, split in splits.items():
-            dialogues[role] = conversations.normalise(
-                split.examples, self.args.format, split.source
-            )
+            dialogues[role] = chat.normalise(split.examples, self.args.format, split.source)
             features[role] = self._features(
-                cfg, tokenizer, chat.template, role, split, dialogues[role]
+                cfg, tokenizer, chat_template.template, role, split, dialogues[role]
             )
         train = features["train"]
         if self.args.packing:
             train = self._pack(train)
-        collator = conversations.ChatCollator(tokenizer.pad_token_id)
+        collator = chat.ChatCollator(tokenizer.pad_token_id)
         held_out = held_out_prompts(dialogues["eval"], self.args.num_generations)
         return ChatData(
             train=train,
@@ -78,7 +75,7 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
             train_collator=collator,
             eval_collator=collator,
             max_length=self.args.max_seq_length,
-            **chat.data_fields(held_out),
+            **chat_template.data_fields(held_out),
         )
 
     def _features(
@@ -94,10 +91,8 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
         first = dialogues[0]
         if not (first["text"] and self.args.text_rows == "raw"):
             where = f"{split.source} {first['place']}"
-            chat_features.require_template(template, where)
-            conversations.check_template(
-                tokenizer, template, first["messages"], where, first["tools"]
-            )
+            chat.require_template(template, where)
+            chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
         _, built = self.chat.tokenized(
             cfg, tokenizer, template, role, split, dialogues, self._tokenize
         )
@@ -117,15 +112,15 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
         for messages, tools, turns, text, place in zip(*(batch[k] for k in names), strict=True):
             if text and self.args.text_rows == "raw":
                 prompt, completion = (m["content"] for m in messages)
-                whole = conversations.tokenize_text(tokenizer, prompt, [completion], on_prompt)[0]
+                whole = chat.tokenize_text(tokenizer, prompt, [completion], on_prompt)[0]
             else:
-                chat_features.require_template(template, f"{source} {place}")
+                chat.require_template(template, f"{source} {place}")
                 try:
-                    whole = conversations.tokenize_conversation(
+                    whole = chat.tokenize_conversation(
                         tokenizer, template, messages, on_prompt, tools, turns
                     )
-                except (conversations.TemplateMismatch, conversations.RowError) as err:
-                    raise conversations.refusal(err, f"{source} {place}") from None
+                except (chat.TemplateMismatch, chat.RowError) as err:
+                    raise chat.refusal(err, f"{source} {place}") from None
             fitted = self.chat.fit(whole)
             if fitted is not None:
                 out["input_ids"].append(fitted["input_ids"])
@@ -151,7 +146,7 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
 
     def _pack(self, train: Dataset) -> Dataset:
         capacity = self.args.max_seq_length
-        packed = Dataset.from_dict(conversations.packed_rows(train, capacity))
+        packed = Dataset.from_dict(chat.packed_rows(train, capacity))
         tokens = sum(len(ids) for ids in train["input_ids"])
         log.info(
             "packing: %d conversations in %d rows of at most %d tokens (%.1f%% filled)",
@@ -170,13 +165,13 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
         the labelled tokens of the whole optimizer step on every process."""
-        nll, count = token_losses(chat_features.forward(model, batch).logits, batch["labels"])
+        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
         return SummedLoss(nll.sum(), count.sum())
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        nll, count = token_losses(chat_features.forward(model, batch).logits, batch["labels"])
+        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
         return {"nll": nll, "count": count}
 
     def score(
@@ -192,14 +187,14 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     def after_training(
         self, model: torch.nn.Module, data: ChatData, run: RunContext
     ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts (:func:`chat_features.answer_held_out`)."""
+        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
         return self.chat.answer_held_out(model, data, run)
 
 
 def held_out_prompts(dialogues: Iterable[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:
     """The first ``count`` evaluation conversations, cut before their last assistant turn with
     text (one that opens the conversation leaves no prompt, so that conversation is passed)."""
-    return chat_features.held_out_prompts(dialogues, count, _before_last_reply)
+    return chat.held_out_prompts(dialogues, count, _before_last_reply)
 
 
 def _before_last_reply(row: Mapping[str, Any]) -> tuple[list, str] | None:

@@ -34,20 +34,18 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
-from recipes.tasks import conversations
 from recipes.tasks.base import RunContext, TaskData, write_jsonl
-from recipes.tasks.token_loss import token_losses
+from recipes.tasks.chat.batches import attention_of, fit_length, packing_unsupported_reason
+from recipes.tasks.chat.rows import FORMATS, normalise, read_conversations
+from recipes.tasks.chat.template import (
+    ChatTemplate,
+    render,
+    templated_reply,
+    tokenize_text,
+    use_template,
+)
 
 log = get_logger(__name__)
-
-# Special tokens the named templates write (task.chat_template=<name>). A tokenizer without them
-# gets them added, and the model embedding rows for them, as TRL's clone_chat_template does: else
-# "<|im_end|>" is seven ordinary tokens and the model never learns one token that ends a turn.
-TEMPLATE_TOKENS = {
-    "chatml": ("<|im_start|>", "<|im_end|>"),
-    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
-    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-}
 
 # What ChatFeatures.tokenized maps over a split, batched: (batch, tokenizer, template, source)
 # -> the feature columns of the rows it keeps.
@@ -60,120 +58,6 @@ class ChatData(TaskData):
     (``{"messages", "tools", "reference"}``, asked in ``template``)."""
 
     prompts: list[dict[str, Any]] = field(default_factory=list)
-
-
-# -------------------------------------------------------------------------------- template
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """The template a task renders with (None: plain-text rows without one), the token ids it
-    added to the tokenizer, and the tokens that end an assistant turn (TaskData's fields)."""
-
-    template: str | None
-    new_tokens: list[int] = field(default_factory=list)
-    stop_tokens: list[int] = field(default_factory=list)
-
-    def data_fields(self, held_out: list[dict[str, Any]]) -> dict[str, Any]:
-        """What a chat task's data declares of its template: the template, the ``held_out``
-        prompts it can ask (:func:`answerable`), the tokens it added and those that end a turn."""
-        return {
-            "template": self.template,
-            "prompts": answerable(held_out, self.template),
-            "new_tokens": self.new_tokens,
-            "stop_tokens": self.stop_tokens,
-        }
-
-
-def resolve_template(
-    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, text_rows: str = "chat"
-) -> str | None:
-    """The chat template ``task.chat_template`` names, or the tokenizer's; with
-    ``text_rows=raw`` and none to be had (a base model), None: plain-text rows need none, and a
-    row of messages is refused when it is met (:func:`require_template`)."""
-    if text_rows == "raw" and not chat_template and not tokenizer.chat_template:
-        return None
-    return conversations.resolve_chat_template(tokenizer, chat_template)
-
-
-def use_template(
-    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, text_rows: str = "chat"
-) -> ChatTemplate:
-    """Resolve the template (:func:`resolve_template`), add its special tokens to ``tokenizer``
-    (:func:`add_template_tokens`) and set it there: saved with the tokenizer, final/ renders
-    prompts as the model was trained on them."""
-    template = resolve_template(tokenizer, chat_template, text_rows)
-    new_tokens = add_template_tokens(tokenizer, chat_template)
-    tokenizer.chat_template = template
-    return ChatTemplate(template, new_tokens, end_of_turn(tokenizer, template))
-
-
-def add_template_tokens(tokenizer: PreTrainedTokenizerBase, choice: str | None) -> list[int]:
-    """Add the special tokens of the named template ``choice`` that ``tokenizer`` lacks (or
-    has only as several tokens); returns their ids."""
-    missing = [
-        t
-        for t in TEMPLATE_TOKENS.get(choice or "", ())
-        if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1
-    ]
-    if not missing:
-        return []
-    tokenizer.add_tokens(missing, special_tokens=True)
-    ids = tokenizer.convert_tokens_to_ids(missing)
-    log.info(
-        "task.chat_template=%s: added %s to the tokenizer as special tokens (ids %s); the model "
-        "gets new embedding rows for them, trained under LoRA too",
-        choice,
-        " ".join(missing),
-        ids,
-    )
-    return ids
-
-
-def end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[int]:
-    """The special token that ends an assistant turn under ``template`` (the last labelled token
-    of a probe conversation's reply that is not whitespace: a template's markers may wrap the
-    newline after it), if it is a special token; [] otherwise, and without a template."""
-    if template is None:
-        return []
-    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    labels = conversations.tokenize_conversation(tokenizer, template, probe)["labels"]
-    labelled = [t for t in labels if t != conversations.IGNORE_INDEX]
-    while labelled and not tokenizer.decode(labelled[-1]).strip():
-        labelled.pop()
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
-    return [labelled[-1]] if labelled and labelled[-1] in special else []
-
-
-def require_template(template: str | None, place: str) -> None:
-    """Refuse a row of messages (at ``place``) when there is no chat template to render it."""
-    if template is None:
-        raise ConfigError(
-            f"{place} holds messages, which need a chat template, and the tokenizer has none "
-            "(task.text_rows=raw reads only plain-string rows without one); name one with "
-            f"task.chat_template={'|'.join(conversations.CHAT_TEMPLATES)} or a Jinja file."
-        )
-
-
-def templated_reply(
-    tokenizer: PreTrainedTokenizerBase,
-    template: str | None,
-    prompt: list,
-    completion: list,
-    tools: Any,
-    where: str,
-) -> dict[str, list[int]]:
-    """``prompt`` then ``completion`` rendered with the template, labelled on the completion
-    (a preference pair's side, an unpaired row); a row the template cannot render is refused
-    naming ``where``."""
-    require_template(template, where)
-    try:
-        return conversations.tokenize_conversation(
-            tokenizer, template, prompt + completion, tools=tools, label_from=len(prompt)
-        )
-    except (conversations.TemplateMismatch, conversations.RowError) as err:
-        raise conversations.refusal(err, where) from None
 
 
 # ---------------------------------------------------------------------- held-out prompts
@@ -199,15 +83,6 @@ def held_out_prompts(
     return prompts
 
 
-def answerable(prompts: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
-    """Held-out prompts to answer after training: none without a chat template to render them
-    with (plain-text rows on a base model, task.text_rows=raw)."""
-    if prompts and template is None:
-        log.info("no held-out answers after training: there is no chat template to ask with")
-        return []
-    return prompts
-
-
 def answer(
     model: torch.nn.Module,
     data: ChatData,
@@ -220,8 +95,7 @@ def answer(
     answering its share; the answers of all on every process)."""
     tokenizer = run.tokenizer
     prompts = [
-        conversations.render(tokenizer, data.template, p["messages"], True, p["tools"])
-        for p in data.prompts
+        render(tokenizer, data.template, p["messages"], True, p["tools"]) for p in data.prompts
     ]
     return generation_lib.complete(
         model,
@@ -284,12 +158,10 @@ def predict_data(
     rows; a conversation that ends with an assistant reply is asked what comes before it, and
     the reply is kept as its reference."""
     chat = use_template(tokenizer, chat_template)
-    fmt = fmt if fmt in conversations.FORMATS else "auto"  # a pair's or row's layout: auto
-    split = data_lib.load_predict_file(
-        cfg, lambda path: conversations.read_conversations(path, fmt, prompt=True)
-    )
+    fmt = fmt if fmt in FORMATS else "auto"  # a pair's or row's layout: auto
+    split = data_lib.load_predict_file(cfg, lambda path: read_conversations(path, fmt, prompt=True))
     prompts = []
-    for row in conversations.normalise(split.examples, fmt, split.source, prompt=True):
+    for row in normalise(split.examples, fmt, split.source, prompt=True):
         messages, reference = row["messages"], None
         if messages[-1]["role"] == "assistant":
             messages, reference = messages[:-1], messages[-1]["content"]
@@ -406,7 +278,7 @@ class ChatFeatures:
 
     def fit(self, whole: dict[str, list[int]]) -> dict[str, list[int]] | None:
         """A tokenized row within ``max_seq_length`` tokens, or None where it is dropped."""
-        return conversations.fit_length(whole, self.max_seq_length, self.truncation)
+        return fit_length(whole, self.max_seq_length, self.truncation)
 
     def pair_sides(
         self,
@@ -420,12 +292,12 @@ class ChatFeatures:
         the length policy drops a side, and with it the pair. A plain-string pair under
         ``text_rows=raw`` is text as TRL tokenizes it (no template, EOS after each side), any
         other is rendered with ``template``. ``pair``: a row of
-        :data:`recipes.tasks.preference.COLUMNS`."""
+        :data:`recipes.tasks.chat.preference.COLUMNS`."""
         prompt, tools = pair["prompt"], pair["tools"]
         completions = (pair["chosen"], pair["rejected"])
         if pair["text"] and self.text_rows == "raw":
             texts = [side[0]["content"] for side in completions]
-            wholes = conversations.tokenize_text(tokenizer, prompt[0]["content"], texts)
+            wholes = tokenize_text(tokenizer, prompt[0]["content"], texts)
         else:
             wholes = [
                 templated_reply(tokenizer, template, prompt, c, tools, where) for c in completions
@@ -500,88 +372,8 @@ class ChatFeatures:
                 f"task.max_seq_length={self.max_seq_length} is longer than the model's "
                 f"{positions} positions; set task.max_seq_length={positions} or less."
             )
-        if packing and (reason := conversations.packing_unsupported_reason(attention_of(model))):
+        if packing and (reason := packing_unsupported_reason(attention_of(model))):
             raise ConfigError(
                 f"task.packing=true: {reason}; use model.attn_implementation=sdpa (or eager), "
                 "or task.packing=false."
             )
-
-
-# ------------------------------------------------------------------------------- forward
-
-
-def attention_of(model: torch.nn.Module) -> str:
-    """The attention implementation ``model`` was loaded with (under DDP's or FSDP's wrapper)."""
-    inner = getattr(model, "module", model)
-    config = getattr(inner, "config", None)
-    return getattr(config, "_attn_implementation", None) or "eager"
-
-
-def padding_free_setting(value: object) -> str:
-    """``task.padding_free`` as auto, true or false (a YAML or command-line boolean
-    reaches a string field as ``True`` / ``False``)."""
-    return str(value).lower()
-
-
-@dataclass
-class Layout:
-    """How a chat task's collators lay out a batch, decided once the model is known
-    (:func:`flat_batches`) and shared with them: ``flat``, the padding-free row
-    (:func:`recipes.tasks.conversations.flat_rows`); else padded rows."""
-
-    flat: bool = False
-
-
-def flat_batches(setting: str, model: torch.nn.Module) -> bool:
-    """Whether batches run padding-free (one row of sequences, no padding tokens) under
-    ``task.padding_free=setting``: ``auto`` where the model's attention runs that row through a
-    variable-length kernel (:func:`conversations.reads_packed_positions`), exact and without
-    padding; ``true`` always (elsewhere under a dense block-diagonal mask: exact, not faster);
-    ``false`` never."""
-    setting = padding_free_setting(setting)
-    if setting == "auto":
-        return conversations.reads_packed_positions(attention_of(model))
-    return setting == "true"
-
-
-def forward(
-    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], attention: str | None = None
-) -> Any:
-    """The model on a batch without its labels or a KV cache. Packed rows (``position_ids``)
-    get their block-diagonal mask, or under a variable-length kernel run as one row
-    (:func:`padding_free`); ``attention``: the model's attention implementation (read from
-    its config by default)."""
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "sequence")}
-    if "position_ids" not in inputs:
-        return model(**inputs, use_cache=False)
-    attention = attention or attention_of(model)
-    if conversations.reads_packed_positions(attention):
-        rows, length = inputs["input_ids"].shape
-        out = model(**padding_free(inputs), use_cache=False)
-        out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
-        return out
-    dtype = next(model.parameters()).dtype
-    inputs["attention_mask"] = conversations.block_causal_mask(
-        inputs["position_ids"], attention, dtype
-    )
-    return model(**inputs, use_cache=False)
-
-
-def padding_free(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Packed rows as the one row flash attention reads as packed, TRL's padding-free layout.
-
-    Flash kernels get no mask: transformers finds where conversations start from
-    ``position_ids`` restarting at 0, but only in a batch of one row (``_is_packed_sequence``);
-    a (2, L) batch would read as two plain sequences, and attention would cross the
-    dialogues packed in each. Row padding (position 0) becomes one-token sequences with no
-    label; the logits are viewed back as rows, so the loss never pairs tokens of two rows."""
-    return {k: v.reshape(1, -1) for k, v in inputs.items()}
-
-
-def sequence_losses(
-    logits: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor, groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_losses` of a padding-free row, (1, tokens), summed per group
-    (``sequence``: each token's, of ``groups``) rather than per row: each group's summed
-    next-token cross-entropy of its labelled tokens, and their count, (groups,) each."""
-    return token_losses(logits, labels, groups=(sequence, groups))

@@ -1,7 +1,7 @@
 """Preference pairs for DPO: the layouts users have, read into one form, a prompt conversation
 and two completions of it, the chosen and the rejected.
 
-Pure functions (no model, no loop), as :mod:`recipes.tasks.conversations` is for conversations, whose
+Pure functions (no model, no loop), as :mod:`recipes.tasks.chat` is for conversations, whose
 messages (and checks of them) a pair reuses. Layouts (``task.format``, detected per row by
 default):
 
@@ -33,9 +33,18 @@ from datasets import Dataset
 
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import conversations
+from recipes.tasks.chat.rows import (
+    LayoutError,
+    Message,
+    check_roles,
+    has_reply,
+    json_list,
+    kind_of,
+    read_rows,
+    rows_dataset,
+    turns_of,
+)
 from recipes.tasks.configs.dpo import PAIR_FORMATS
-from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
@@ -60,7 +69,7 @@ def to_pair(
     nothing (an UltraFeedback row of ties). ValueError names the field that is wrong."""
     layout = detect_format(row) if fmt == "auto" else fmt
     if layout is None:
-        raise conversations.LayoutError(
+        raise LayoutError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
             "prompt/chosen/rejected (TRL), chosen/rejected conversations sharing a prompt, or "
             "instruction/completions (UltraFeedback)"
@@ -86,10 +95,8 @@ def is_text_pair(row: Mapping[str, Any], fmt: str = "auto") -> bool:
 
 
 def _from_explicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    prompt = conversations.turns_of(row, "prompt", "user")
-    chosen, rejected = (
-        conversations.turns_of(row, key, "assistant") for key in ("chosen", "rejected")
-    )
+    prompt = turns_of(row, "prompt", "user")
+    chosen, rejected = (turns_of(row, key, "assistant") for key in ("chosen", "rejected"))
     return prompt, _after(prompt, chosen), _after(prompt, rejected)
 
 
@@ -101,7 +108,7 @@ def _after(prompt: list[Message], completion: list[Message]) -> list[Message]:
 
 
 def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
-    chosen, rejected = (conversations.turns_of(row, key, None) for key in ("chosen", "rejected"))
+    chosen, rejected = (turns_of(row, key, None) for key in ("chosen", "rejected"))
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
@@ -118,9 +125,7 @@ def _from_implicit(row: Mapping[str, Any]) -> tuple[list[Message], ...]:
 def _from_ultrafeedback(row: Mapping[str, Any]) -> tuple[list[Message], ...] | None:
     instruction = row.get("instruction", row.get("prompt"))
     if not isinstance(instruction, str):
-        raise ValueError(
-            f"field 'instruction' is {conversations.kind_of(instruction)}, not a string"
-        )
+        raise ValueError(f"field 'instruction' is {kind_of(instruction)}, not a string")
     completions = row["completions"]
     if not isinstance(completions, list) or len(completions) < 2:
         raise ValueError("field 'completions' is not a list of at least two completions")
@@ -147,14 +152,14 @@ def _reply(text: str) -> Message:
 
 def _check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
     for key, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        conversations.check_roles(turns, key)
+        check_roles(turns, key)
     if prompt[-1]["role"] == "assistant":
         raise ValueError(
             "the prompt ends with an assistant turn; the completions must start with the reply "
             "they differ in"
         )
     for key, turns in (("chosen", chosen), ("rejected", rejected)):
-        if turns[0]["role"] != "assistant" or not conversations.has_reply(turns[0]):
+        if turns[0]["role"] != "assistant" or not has_reply(turns[0]):
             raise ValueError(f"field {key!r} does not start with an assistant reply")
 
 
@@ -179,14 +184,14 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
 
     def convert(row: Mapping[str, Any]) -> tuple | None:
         pair = to_pair(row, fmt)
-        tools = conversations.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         if pair is None:
             ties.append(row)
             return None
         text = bool(row.get("text")) if normalised else is_text_pair(row, fmt)
         return (*pair, tools, text, margin_of(row))
 
-    pairs = conversations.rows_dataset(
+    pairs = rows_dataset(
         rows,
         convert,
         COLUMNS,
@@ -202,7 +207,7 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
 
 def read_pairs(path: Path, fmt: str = "auto") -> Dataset | None:
     """A JSON lines or JSON file of pairs (None for other files, read by ``datasets``)."""
-    return conversations.read_rows(path, lambda rows: pair_dataset(rows, fmt, str(path)))
+    return read_rows(path, lambda rows: pair_dataset(rows, fmt, str(path)))
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:

@@ -41,7 +41,7 @@ from recipes import data as data_lib
 from recipes.config import ConfigError
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
-from recipes.tasks.chat_features import ChatData
+from recipes.tasks.chat.features import ChatData
 from recipes.tasks.configs import TaskConfig
 from recipes.tasks.configs.dpo import REFERENCE_FREE, DpoConfig
 from recipes.tasks.configs.gkd import GkdConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from recipes.tasks.conversations import IGNORE_INDEX
+from recipes.tasks.chat.template import IGNORE_INDEX
 
 # fp32 logits per chunk (64 MiB: 341 positions of a 49k vocabulary, 128 of a 128k one): the
 # chunk's temporaries (its upcast, log-softmax or softmax, the cast back) stay small next to the

@@ -1,6 +1,6 @@
 """Unpaired preference rows for KTO: a prompt, one completion and whether it is desirable.
 
-Pure functions (no model, no loop), as :mod:`recipes.tasks.preference` is for pairs. Layouts
+Pure functions (no model, no loop), as :mod:`recipes.tasks.chat.preference` is for pairs. Layouts
 (``task.format``, detected per row by default):
 
 * ``unpaired``: TRL's ``{"prompt", "completion", "label"}``. The prompt is text (one user turn)
@@ -11,7 +11,7 @@ Pure functions (no model, no loop), as :mod:`recipes.tasks.preference` is for pa
   desirable completion, ``false`` for an undesirable one. Anything else is refused: a string
   (``"true"``), and also the numbers 0 and 1, which TRL's tensors would take silently but which
   as often hold a score or a class id as a verdict (a 1-5 rating's 1 would read as desirable).
-* a preference pair in any layout :mod:`recipes.tasks.preference` reads (``explicit``,
+* a preference pair in any layout :mod:`recipes.tasks.chat.preference` reads (``explicit``,
   ``implicit``, ``ultrafeedback``): unpaired as TRL's ``unpair_preference_dataset`` does, its
   chosen completion a desirable row and its rejected one an undesirable row. The two rows follow
   each other (TRL puts a whole map batch's chosen rows before its rejected ones; the training
@@ -33,9 +33,20 @@ from datasets import Dataset
 
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks import conversations, preference
+from recipes.tasks.chat import preference
+from recipes.tasks.chat.rows import (
+    LayoutError,
+    Message,
+    check_roles,
+    has_reply,
+    json_list,
+    kind_of,
+    parse_message,
+    read_rows,
+    rows_dataset,
+    turns_of,
+)
 from recipes.tasks.configs.kto import UNPAIRED_FORMATS
-from recipes.tasks.conversations import Message
 
 log = get_logger(__name__)
 
@@ -57,7 +68,7 @@ def to_rows(
     for a pair (chosen, then rejected), none for a pair of ties. ValueError names the field."""
     layout = detect_format(row) if fmt == "auto" else fmt
     if layout is None:
-        raise conversations.LayoutError(
+        raise LayoutError(
             f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
             "prompt/completion/label (TRL's unpaired rows) or a preference pair: "
             "prompt/chosen/rejected, chosen/rejected conversations sharing a prompt, or "
@@ -78,16 +89,16 @@ def to_rows(
         raise ValueError("field 'completion' is missing (text or a list of messages)")
     if (isinstance(completion, str) and not completion.strip()) or completion == []:
         raise ValueError("field 'completion' is empty, so there is nothing to judge")
-    prompt = conversations.turns_of(row, "prompt", "user")
-    turns = preference._after(prompt, conversations.turns_of(row, "completion", "assistant"))
-    conversations.check_roles(prompt, "prompt")
-    conversations.check_roles(turns, "completion")
+    prompt = turns_of(row, "prompt", "user")
+    turns = preference._after(prompt, turns_of(row, "completion", "assistant"))
+    check_roles(prompt, "prompt")
+    check_roles(turns, "completion")
     if prompt[-1]["role"] == "assistant":
         raise ValueError(
             "the prompt ends with an assistant turn; the completion must start with the reply "
             "that is judged"
         )
-    if turns[0]["role"] != "assistant" or not conversations.has_reply(turns[0]):
+    if turns[0]["role"] != "assistant" or not has_reply(turns[0]):
         raise ValueError(
             "field 'completion' does not start with an assistant reply (text or tool calls)"
         )
@@ -103,7 +114,7 @@ def _label(row: Mapping[str, Any]) -> bool:
         return label
     hint = " (a number may be a score or a class id; write true or false)"
     raise ValueError(
-        f"field 'label' is {conversations.kind_of(label)} {label!r}, not a boolean: true (desirable) or "
+        f"field 'label' is {kind_of(label)} {label!r}, not a boolean: true (desirable) or "
         f"false (undesirable){hint if isinstance(label, (int, float)) else ''}"
     )
 
@@ -116,17 +127,17 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
     groups: list[tuple[list[tuple], str | None]] = []  # each source row's rows, and its tools
 
     def convert(row: Mapping[str, Any]) -> tuple:
-        tools = conversations.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         if normalised:
-            prompt = [conversations.parse_message(m, "prompt") for m in row["prompt"]]
-            completion = [conversations.parse_message(m, "completion") for m in row["completion"]]
+            prompt = [parse_message(m, "prompt") for m in row["prompt"]]
+            completion = [parse_message(m, "completion") for m in row["completion"]]
             found = [(prompt, completion, bool(row["label"]), bool(row["text"]))]
         else:
             found = to_rows(row, fmt)
         groups.append((found, tools))
         return (len(groups) - 1,)
 
-    kept = conversations.rows_dataset(
+    kept = rows_dataset(
         rows,
         convert,
         ("group", "place"),
@@ -150,7 +161,7 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
 
 def read_unpaired(path: Path, fmt: str = "auto") -> Dataset | None:
     """A JSON lines or JSON file of rows (None for other files, read by ``datasets``)."""
-    return conversations.read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
+    return read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:

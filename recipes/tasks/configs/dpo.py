@@ -10,7 +10,7 @@ from recipes.config import ConfigError
 from recipes.tasks.configs import feature
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 
-# The row layouts of preference pairs (recipes.tasks.preference reads them).
+# The row layouts of preference pairs (recipes.tasks.chat.preference reads them).
 PAIR_FORMATS = ("auto", "explicit", "implicit", "ultrafeedback")
 REFERENCE_FREE = ("orpo", "simpo")  # the losses without a reference model (recipes.tasks.dpo)
 LOSS_TYPES = ("sigmoid", "ipo", "robust", *REFERENCE_FREE)

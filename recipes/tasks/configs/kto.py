@@ -9,7 +9,7 @@ from recipes.tasks.configs import at_least, feature
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE, PAIR_FORMATS
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 
-# TRL's unpaired rows, or preference pairs unpaired (recipes.tasks.unpaired reads them).
+# TRL's unpaired rows, or preference pairs unpaired (recipes.tasks.chat.unpaired reads them).
 UNPAIRED_FORMATS = ("auto", "unpaired", *PAIR_FORMATS[1:])
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 

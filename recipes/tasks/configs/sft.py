@@ -10,7 +10,7 @@ from typing import ClassVar
 from recipes.config import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
 
-# The row layouts of conversations (recipes.tasks.conversations reads them).
+# The row layouts of conversations (recipes.tasks.chat reads them).
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "dolly", "prompt_completion")
 TRUNCATION = ("truncate", "drop")
 # task.text_rows: rows whose prompt and replies are plain strings (TRL's "standard" rows), as
