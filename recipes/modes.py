@@ -278,6 +278,7 @@ class Session:
             **({} if trained_for == "predict" else task.model_kwargs(data)),
         )
         task.check_model(model)
+        data.layout.decide(task.flat_batches(model))  # once: the collators hold it
         fit_to_tokenizer(model, self.tokenizer, data.new_tokens, data.stop_tokens)
         if self.accelerator.distributed_type == DistributedType.FSDP:
             share_tied_embeddings(model)  # FSDP2 shards one weight in one group (T5's embedding)
@@ -393,13 +394,9 @@ def evaluate(session: Session) -> RunResult:
     """``mode=eval``: score the model as loaded (``model.name_or_path``, or the checkpoint of
     ``resume=...``) on the eval split, with the task's own evaluation; nothing trains, and no
     optimizer is built."""
-    from recipes.tasks.chat import check_evaluated_model  # chat tasks' module
-
     accelerator, task = session.accelerator, session.task
     # A final/ evaluated against a reference built from itself: refused before any work.
-    check_evaluated_model(
-        session.settings.task, session.settings.model.name_or_path, session.resume_from
-    )
+    _check_evaluated_model(task, session.settings.model.name_or_path, session.resume_from)
     data = session.build_data()
     # The weights of model.name_or_path as they are; with resume=..., the checkpoint's replace
     # them (a task's reference model is built from the starting weights first).
@@ -421,6 +418,20 @@ def evaluate(session: Session) -> RunResult:
     where = session.resume_from or session.settings.model.name_or_path
     log.info("evaluated %s: %s", where, format_metrics(scores))
     return session.finish(session.result(scores), best=state.best, steps=state.step)
+
+
+def _check_evaluated_model(task: Task, model: str, resume: Path | None) -> None:
+    """``mode=eval`` of a task evaluated against its starting weights (a reference or teacher
+    built from the weights loaded): without ``resume`` it would score ``model`` against itself
+    (every reward, margin and KL exactly 0), so it is refused, with the way to real numbers."""
+    if resume is not None or not task.evaluates_against_start:
+        return
+    raise ConfigError(
+        f"mode=eval with model.name_or_path={model}: task={task.args.NAME} scores a model against "
+        "its reference model, which here would be the model itself (every reward and KL exactly "
+        "0). Evaluate a checkpoint of its training run instead: resume=<run folder> with "
+        "model.name_or_path set to the model that run started from (the recipe's)."
+    )
 
 
 def predict(session: Session) -> RunResult:

@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.model import load_tokenizer
-from recipes.tasks.chat import Reference, check_evaluated_model
+from recipes.modes import _check_evaluated_model
+from recipes.tasks.chat import Reference
 
 # TRL's experimental GKD (imported here, at collection: its first import takes seconds).
 GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
@@ -103,8 +104,8 @@ def test_settings_refused_with_one_line():
     assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
     # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself.
     with pytest.raises(ConfigError, match=r"mode=eval .*its reference model"):
-        check_evaluated_model(make_task("gkd").args, "run/final", None)
-    check_evaluated_model(make_task("gkd", teacher_model="teacher").args, "run/final", None)
+        _check_evaluated_model(make_task("gkd"), "run/final", None)
+    _check_evaluated_model(make_task("gkd", teacher_model="teacher"), "run/final", None)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -107,6 +107,7 @@ def test_dpo_padding_free_loss_and_gradients_equal_the_padded(tmp_path, tokenize
         data = _data(dpo, tmp_path / attention, tokenizer, _pairs(6))
         model = _model(attention)
         dpo.check_model(model)
+        data.layout.decide(dpo.flat_batches(model))  # as the loop does
         dpo.reference = None if loss_type == "orpo" else _frozen(model)
         batch = data.train_collator([data.train[i] for i in range(len(data.train))])
         shapes[attention] = batch["input_ids"].shape
@@ -136,6 +137,7 @@ def test_kto_padding_free_loss_and_gradients_equal_the_padded(tmp_path, tokenize
         data = _data(kto, tmp_path / attention, tokenizer, _pairs(3))  # pairs: 6 rows unpaired
         model = _model(attention)
         kto.check_model(model)
+        data.layout.decide(kto.flat_batches(model))  # as the loop does
         kto.reference = _frozen(model)
         batch = data.train_collator([data.train[i] for i in range(len(data.train))])
         shapes[attention] = batch["input_ids"].shape
@@ -147,10 +149,10 @@ def test_kto_padding_free_loss_and_gradients_equal_the_padded(tmp_path, tokenize
 def test_padding_free_true_runs_the_row_under_a_dense_mask_and_false_pads(tokenizer):
     kto = make_task("kto", max_seq_length=256, padding_free=True)
     kto.check_model(_model("sdpa"))
-    assert kto.layout.flat  # true: one row under sdpa too, with a block-diagonal mask
+    assert kto.flat_batches(_model("sdpa"))  # true: one row under sdpa too, block-diagonal mask
     kto = make_task("kto", max_seq_length=256, padding_free="false")
     kto.check_model(_model(VARLEN))
-    assert not kto.layout.flat
+    assert not kto.flat_batches(_model(VARLEN))
 
 
 # ----------------------------------------------------------------------------------- GRPO
@@ -173,7 +175,7 @@ def test_grpo_padding_free_loss_and_gradients_equal_the_padded():
         model = _model(attention)
         task.check_model(model)
         flat = grpo._flat_sequences(prompts, completions, torch.device("cpu"))
-        flat = flat if task.flat else None
+        flat = flat if task.flat_batches(model) else None
         with torch.no_grad():
             ref = task._logps(_frozen(model).frozen, *sampled, flat=flat)
         model.zero_grad()
@@ -184,7 +186,7 @@ def test_grpo_padding_free_loss_and_gradients_equal_the_padded():
         mask = sampled[3].bool()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[attention] = (total, count, stats, logps[mask], entropies[0][mask], grads)
-    assert task.flat  # the varlen run ran padding-free
+    assert task.flat_batches(model)  # the varlen run ran padding-free
     padded, free = results["sdpa"], results[VARLEN]
     for a, b in zip(padded[:5], free[:5], strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

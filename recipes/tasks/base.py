@@ -111,6 +111,24 @@ class PadsToLength(Protocol):
 
 
 @dataclass
+class Layout:
+    """How a task's batches are laid out: padded rows, or (``flat``) each batch as one row of
+    its sequences without padding (padding-free). The task's collators hold it from
+    ``build_data`` on; the loop decides it once, when the model is loaded
+    (:meth:`Task.flat_batches`), and never again."""
+
+    flat: bool = False
+    decided: bool = False
+
+    def decide(self, flat: bool) -> None:
+        """Settle the layout; a second decision must agree with the first (the collators and
+        any reference table were built for it)."""
+        if self.decided and flat != self.flat:
+            raise RuntimeError(f"the batch layout was decided as flat={self.flat} already")
+        self.flat, self.decided = flat, True
+
+
+@dataclass
 class TaskData:
     """Model-ready features and how the loop batches and draws them.
 
@@ -137,6 +155,9 @@ class TaskData:
     # The chat template the model learns to answer in (saved with its tokenizer): final/ of such
     # a model is checked the way vLLM serves it.
     template: str | None = None
+    # How the batches are laid out (padded or padding-free), shared with the task's collators
+    # and decided once by the loop when the model is loaded (:meth:`Task.flat_batches`).
+    layout: Layout = field(default_factory=Layout)
 
 
 DataT = TypeVar("DataT", bound=TaskData)
@@ -230,6 +251,12 @@ class Task(abc.ABC, Generic[DataT]):
     # Its settings, a dataclass of recipes.tasks.configs whose _target_ names the task; each
     # task narrows the annotation to its own config class.
     args: TaskConfig
+    # The attributes its before_training builds for training itself (a reference policy, a
+    # rollout buffer, a teacher): the only ones a task sets after __init__.
+    parts: tuple[str, ...] = ()
+    # mode=predict's part, where the task answers a predict file the way another task does
+    # (the chat tasks' PromptAnswers); a task without one overrides the predict calls itself.
+    predictor: Predictor | None = None
 
     def __init__(self, args: TaskConfig) -> None:
         self.args = args
@@ -286,6 +313,18 @@ class Task(abc.ABC, Generic[DataT]):
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse settings the loaded model cannot run (raise ConfigError naming the key)."""
 
+    def flat_batches(self, model: torch.nn.Module) -> bool:
+        """Whether the batches run padding-free on ``model`` (its attention); the loop decides
+        :attr:`TaskData.layout` with it once, after :meth:`check_model`. Padded by default."""
+        return False
+
+    @property
+    def evaluates_against_start(self) -> bool:
+        """Whether its evaluation compares the model with the weights it started from (DPO's
+        rewards and margins, KTO's KL, GKD's divergence from the starting weights): mode=eval
+        then needs the training run (``resume``), or it would score a model against itself."""
+        return False
+
     def loss(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> torch.Tensor | SummedLoss:
@@ -310,17 +349,28 @@ class Task(abc.ABC, Generic[DataT]):
         """mode=predict: the rows of ``data.predict_file`` (no labels needed) as model-ready
         features in ``eval`` (``train`` is empty), checked as training rows are, plus what
         :meth:`predict` needs to write its answers."""
-        raise ConfigError(
-            f"mode=predict: task={type(self).__name__} has no predictions to make; qa, "
-            "classification, token_classification, multiple_choice, seq2seq, clm, sft and dpo models "
-            "predict (mode=eval scores this one)."
-        )
+        if self.predictor is None:
+            raise ConfigError(
+                f"mode=predict: task={self.args.NAME} has no predictions to make (mode=eval "
+                "scores its model)."
+            )
+        return self.predictor.build_predict_data(cfg, tokenizer)
 
     def predict(self, model: nn.Module, loader: Batches, data: DataT, run: RunContext) -> Report:
         """mode=predict: answer every row of ``data`` (``loader`` batches ``data.eval``), write
         the task's predictions file into ``run.output_dir`` (main process), and return what to
         report: ``rows`` and ``file``."""
-        raise NotImplementedError
+        if self.predictor is None:
+            raise NotImplementedError
+        return self.predictor.predict(model, loader, data, run)
+
+
+class Predictor(Protocol):
+    """mode=predict as a part a task holds (:attr:`Task.predictor`)."""
+
+    def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any: ...
+
+    def predict(self, model: nn.Module, loader: Batches, data: Any, run: RunContext) -> Report: ...
 
 
 # A predict file's columns that name its rows (GLUE's test files have idx), kept in the output.

@@ -47,8 +47,8 @@ from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat
-from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import AnswersPrompts, ChatFeatures, Layout, PreferenceData, token_losses
+from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
+from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
 
 log = get_logger(__name__)
@@ -97,15 +97,17 @@ STATS = (
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-class DirectPreference(AnswersPrompts, Task[PreferenceData]):
+class DirectPreference(Task[PreferenceData]):
     """DPO (``task=dpo``); its settings: :class:`recipes.tasks.configs.dpo.DpoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
     args: DpoConfig
+    parts = ("reference",)
 
     def __init__(self, args: DpoConfig) -> None:
         super().__init__(args)
         self.chat = ChatFeatures.of(args, "dpo", FEATURES_VERSION, ("pair", "both its replies"))
+        self.predictor = PromptAnswers(self.chat, args.format)
         loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
@@ -116,7 +118,6 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         self.stats = STATS + extra  # TRL's metrics of this loss type, per pair
         # Built in before_training from the starting weights; None for orpo / simpo.
         self.reference: chat.reference.Reference | None = None
-        self.layout = Layout()  # padding-free or padded batches: chosen in check_model
         self.padding_free = chat.padding_free_setting(args.padding_free)
 
     def loss_shape(self) -> LossShape:
@@ -138,20 +139,22 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
         held_out = chat.held_out_prompts(
             pairs["eval"], self.args.num_generations, _with_chosen_reply
         )
+        layout = Layout()  # padded or padding-free: the loop decides (flat_batches)
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
             train=features["train"],
             eval=features["eval"],
-            train_collator=self._collator(tokenizer),
-            eval_collator=self._collator(tokenizer),
+            train_collator=self._collator(tokenizer, layout),
+            eval_collator=self._collator(tokenizer, layout),
             max_length=self.args.max_seq_length,
+            layout=layout,
             **chat_template.data_fields(held_out),
         )
 
-    def _collator(self, tokenizer: PreTrainedTokenizerBase) -> PairCollator:
+    def _collator(self, tokenizer: PreTrainedTokenizerBase, layout: Layout) -> PairCollator:
         pair_rows = self.padding_free == "true"
-        return PairCollator(tokenizer.pad_token_id, pair_rows, self.sequence_nll, self.layout)
+        return PairCollator(tokenizer.pad_token_id, pair_rows, self.sequence_nll, layout)
 
     def _pair_features(
         self,
@@ -203,11 +206,19 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """The model's limits, and the batches' layout under its attention: padding-free under
-        a variable-length kernel (``padding_free`` auto or true); with ``true`` elsewhere, a
-        pair per row under a block-diagonal mask (refused where the attention takes none)."""
+        """The model's limits: with ``padding_free=true`` its attention must take the mask of a
+        pair per row where it has no variable-length kernel."""
         self.chat.check_model(model, packing=self.padding_free == "true")
-        self.layout.flat = self.padding_free != "false" and chat.flat_batches("auto", model)
+
+    def flat_batches(self, model: torch.nn.Module) -> bool:
+        """Padding-free under a variable-length kernel (``padding_free`` auto or true); with
+        ``true`` elsewhere, a pair per row under a block-diagonal mask (not flat)."""
+        return self.padding_free != "false" and chat.flat_batches("auto", model)
+
+    @property
+    def evaluates_against_start(self) -> bool:
+        """Its rewards and margins compare the model with its reference (not orpo / simpo)."""
+        return not self.reference_free
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int

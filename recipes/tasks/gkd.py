@@ -8,7 +8,7 @@ KL(student || teacher), between: the JSD against the beta-mixture), at temperatu
 ``compute_loss`` calls it, summed over every labelled token of the optimizer step and divided by
 their count (TRL's ``batchmean`` over labelled tokens, with ``num_items_in_batch``).
 
-The rows are SFT's conversations (:class:`recipes.tasks.sft.SupervisedFineTuning` builds them:
+The rows are SFT's conversations (:class:`recipes.tasks.sft.Conversations` builds them:
 the chat template, labels on the assistant's tokens). A training row's completion is, as TRL:
 
 * with probability ``lmbda``, the student's own sample (on-policy) from the row's prompt (its
@@ -55,10 +55,10 @@ from recipes.evaluation import eval_mode
 from recipes.log import get_logger
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
-from recipes.tasks.chat import AnswersPrompts, ChatData, Reference
+from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, Reference
 from recipes.tasks.configs.gkd import GkdConfig
 from recipes.tasks.configs.sft import SftConfig
-from recipes.tasks.sft import SupervisedFineTuning
+from recipes.tasks.sft import FEATURES_VERSION, Conversations
 
 log = get_logger(__name__)
 
@@ -149,20 +149,26 @@ def _forward(inputs: Mapping[str, torch.Tensor]) -> Any:
     return lambda weights: weights(**inputs, use_cache=False).logits[:, :-1]
 
 
-class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
+class KnowledgeDistillation(Task[GkdData]):
     """GKD (``task=gkd``); see the module's docstring. Its settings:
-    :class:`recipes.tasks.configs.gkd.GkdConfig`. ``teacher`` is built in
-    :meth:`before_training` (None before), ``run`` the run it samples with."""
+    :class:`recipes.tasks.configs.gkd.GkdConfig`. Its parts, built in :meth:`before_training`
+    (None before): ``teacher``, and ``run``, the run its loss samples with."""
 
     auto_model_class = AutoModelForCausalLM
     args: GkdConfig
+    parts = ("teacher", "run")
 
     def __init__(self, args: GkdConfig) -> None:
         super().__init__(args)
         shared = ("format", "chat_template", "text_rows", "max_seq_length", "truncation")
         shared += ("num_generations", "generation_max_new_tokens")
-        self.sft = SupervisedFineTuning(SftConfig(**{k: getattr(args, k) for k in shared}))
-        self.chat = self.sft.chat
+        sft = SftConfig(**{k: getattr(args, k) for k in shared})
+        # SFT's rows and features (the same cache), built by SFT's builder.
+        self.chat = ChatFeatures.of(
+            sft, "sft", FEATURES_VERSION, ("conversation", "its assistant turns")
+        )
+        self.conversations = Conversations(self.chat, sft)
+        self.predictor = PromptAnswers(self.chat, args.format)
         self.teacher: Reference | None = None
         self.run: RunContext | None = None
 
@@ -175,7 +181,7 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GkdData:
         """SFT's features with each row's ``index``, batched by :class:`GkdCollator`."""
-        data = self.sft.build_data(cfg, tokenizer)
+        data = self.conversations.build(cfg, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
         return GkdData(
@@ -193,7 +199,12 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        self.sft.check_model(model)
+        self.chat.check_model(model, packing=False)
+
+    @property
+    def evaluates_against_start(self) -> bool:
+        """Its divergence is from the starting weights where ``teacher_model`` is unset."""
+        return self.args.teacher_model is None
 
     def before_training(
         self, model: torch.nn.Module, data: GkdData, run: RunContext, batch_size: int
@@ -379,7 +390,7 @@ class KnowledgeDistillation(AnswersPrompts, Task[GkdData]):
         self, model: torch.nn.Module, data: GkdData, run: RunContext
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts, as SFT."""
-        return self.sft.after_training(model, data, run)
+        return self.chat.answer_held_out(model, data, run)
 
     # ------------------------------------------------------------------------ precompute
 

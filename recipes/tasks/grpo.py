@@ -88,7 +88,7 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
 )
-from recipes.tasks.chat import AnswersPrompts, ChatData, ChatFeatures, Reference
+from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, Reference
 from recipes.tasks.configs.grpo import GrpoConfig
 
 log = get_logger(__name__)
@@ -244,6 +244,7 @@ class Rollouts:
         self.run = run
         self.tally = ScoreTally(run, reward_names)
         self.rows = data.rows["train"]
+        self.flat = data.layout.flat  # the loss's forwards padding-free (flat_batches)
         self.reference = reference
         self.buffer = RolloutBuffer(run.accelerator)
         tokenizer = run.tokenizer
@@ -252,7 +253,7 @@ class Rollouts:
         self.stops = {*data.stop_tokens, *([eos] if eos is not None else [])}
 
 
-class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
+class GroupRelativePolicy(Task[GrpoData]):
     """GRPO (``task=grpo``); see the module's docstring. Its settings:
     :class:`recipes.tasks.configs.grpo.GrpoConfig`.
 
@@ -260,6 +261,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
     :meth:`before_training`)."""
 
     auto_model_class = AutoModelForCausalLM
+    parts = ("rollouts",)
     main_metric = "reward"
     greater_is_better = True
     args: GrpoConfig
@@ -296,8 +298,10 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
                 args.loss_type,
             )
         self.rollouts: Rollouts | None = None
-        self.flat = False  # padding-free loss forwards: chosen in check_model
         self.tools = tool_calling.load_tools(args.tools)  # task.tools: multi-turn rollouts
+        # mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows; each
+        # is answered within max_completion_length new tokens (unless generation.max_new_tokens).
+        self.predictor = PromptAnswers(self.chat, "auto")
 
     def loss_shape(self) -> LossShape:
         """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo, cispo,
@@ -398,20 +402,16 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         # `or None`: as TRL, a template may write tool boilerplate for an empty list.
         return chat.render(tokenizer, template, prompt, True, tools=self.tools or None)
 
-    def predict_layout(self) -> str:
-        """mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows;
-        each is answered within ``max_completion_length`` new tokens unless
-        ``generation.max_new_tokens`` says otherwise."""
-        return "auto"
-
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """The model's limits, and whether the loss's forwards run padding-free under its
-        attention (:func:`chat.flat_batches`)."""
         setting = chat.padding_free_setting(self.args.padding_free)
         self.chat.check_model(model, packing=setting == "true")
-        self.flat = chat.flat_batches(setting, model)
+
+    def flat_batches(self, model: torch.nn.Module) -> bool:
+        """Whether the loss's forwards run padding-free under the model's attention
+        (:func:`chat.flat_batches`)."""
+        return chat.flat_batches(self.args.padding_free, model)
 
     def before_training(
         self, model: torch.nn.Module, data: GrpoData, run: RunContext, batch_size: int
@@ -505,7 +505,7 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         per_func = self._rewards(run.tokenizer, row_list, completions, "train", messages)
         advantages, reward_stats = self.advantages(per_func.to(device), accelerator)
         sampled = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        flat = _flat_sequences(repeated, completions, device) if self.flat else None
+        flat = _flat_sequences(repeated, completions, device) if rollouts.flat else None
         old = self._logps(model, *sampled, flat=flat) if args.num_iterations > 1 else None
         ref = None
         if rollouts.reference is not None:

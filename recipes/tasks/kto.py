@@ -71,8 +71,8 @@ from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat
-from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import AnswersPrompts, ChatFeatures, Layout, PreferenceData, token_losses
+from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
+from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
 
 log = get_logger(__name__)
@@ -99,19 +99,20 @@ _ONE_ROW = (
 )
 
 
-class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
+class KahnemanTversky(Task[PreferenceData]):
     """KTO (``task=kto``); its settings: :class:`recipes.tasks.configs.kto.KtoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
     args: KtoConfig
+    parts = ("reference",)
 
     def __init__(self, args: KtoConfig) -> None:
         super().__init__(args)
         self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
+        self.predictor = PromptAnswers(self.chat, args.format)
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = chat.reference.Reference.from_batches()
         self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
-        self.layout = Layout()  # padding-free or padded batches: chosen in check_model
 
     @property
     def uses_kl(self) -> bool:
@@ -139,20 +140,22 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
             )
         self._check_weights(features["train"])
         held_out = chat.held_out_prompts(rows["eval"], self.args.num_generations, _desirable_reply)
+        layout = Layout()  # padded or padding-free: the loop decides (flat_batches)
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
             train=features["train"],
             eval=features["eval"],
-            train_collator=self._collator(tokenizer),
-            eval_collator=self._collator(tokenizer),
+            train_collator=self._collator(tokenizer, layout),
+            eval_collator=self._collator(tokenizer, layout),
             max_length=self.args.max_seq_length,
+            layout=layout,
             **chat_template.data_fields(held_out),
         )
 
-    def _collator(self, tokenizer: PreTrainedTokenizerBase) -> UnpairedCollator:
+    def _collator(self, tokenizer: PreTrainedTokenizerBase, layout: Layout) -> UnpairedCollator:
         return UnpairedCollator(
-            tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, self.layout
+            tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, layout
         )
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
@@ -252,11 +255,17 @@ class KahnemanTversky(AnswersPrompts, Task[PreferenceData]):
     # ------------------------------------------------------------------------------ model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """The model's limits, and the batches' layout under its attention
-        (:func:`chat.flat_batches`)."""
         setting = chat.padding_free_setting(self.args.padding_free)
         self.chat.check_model(model, packing=setting == "true")
-        self.layout.flat = chat.flat_batches(setting, model)
+
+    def flat_batches(self, model: torch.nn.Module) -> bool:
+        """The batches' layout under the model's attention (:func:`chat.flat_batches`)."""
+        return chat.flat_batches(self.args.padding_free, model)
+
+    @property
+    def evaluates_against_start(self) -> bool:
+        """Its rewards and KL compare the model with its reference."""
+        return True
 
     def before_training(
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int

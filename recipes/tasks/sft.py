@@ -10,6 +10,7 @@ held-out conversations' labelled tokens (the assistant's), summed exactly across
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
 )
-from recipes.tasks.chat import AnswersPrompts, ChatData, ChatFeatures, token_losses
+from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, token_losses
 from recipes.tasks.configs.sft import SftConfig
 
 log = get_logger(__name__)
@@ -35,7 +36,7 @@ log = get_logger(__name__)
 FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
 
 
-class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
+class SupervisedFineTuning(Task[ChatData]):
     """Chat SFT (``task=sft``); its settings: :class:`recipes.tasks.configs.sft.SftConfig`."""
 
     auto_model_class = AutoModelForCausalLM
@@ -46,6 +47,8 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
         self.chat = ChatFeatures.of(
             args, "sft", FEATURES_VERSION, ("conversation", "its assistant turns")
         )
+        self.predictor = PromptAnswers(self.chat, args.format)
+        self.conversations = Conversations(self.chat, args)
 
     def loss_shape(self) -> LossShape:
         """Summed over labelled tokens (at most ``max_seq_length`` per conversation)."""
@@ -54,6 +57,53 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        return self.conversations.build(cfg, tokenizer)
+
+    # ------------------------------------------------------------------------------ model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        self.chat.check_model(model, packing=self.args.packing)
+
+    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
+        """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
+        the labelled tokens of the whole optimizer step on every process."""
+        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
+        return SummedLoss(nll.sum(), count.sum())
+
+    def eval_step(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
+        return {"nll": nll, "count": count}
+
+    def score(
+        self, rows: Mapping[str, torch.Tensor], data: ChatData, run: RunContext
+    ) -> dict[str, float]:
+        """Loss and perplexity over every labelled token of the held-out conversations (sums,
+        not a mean of per-batch means)."""
+        nll, count = rows["nll"].double().sum().item(), rows["count"].double().sum().item()
+        loss = nll / max(count, 1.0)
+        perplexity = float(torch.tensor(loss, dtype=torch.float64).exp().clamp(max=1e30))
+        return {"loss": loss, "perplexity": perplexity, "tokens": count}
+
+    def after_training(
+        self, model: torch.nn.Module, data: ChatData, run: RunContext
+    ) -> dict[str, Any]:
+        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
+        return self.chat.answer_held_out(model, data, run)
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """SFT's feature builder: conversations read in any layout (``args.format``), rendered with
+    the template, labelled, fitted to ``max_seq_length`` and cached (``chat``), packed with
+    ``args.packing``; GKD builds its rows with it too. ``args``: SFT's settings."""
+
+    chat: ChatFeatures
+    args: SftConfig
+
+    def build(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
+        """Both splits' features, the collator, and the held-out prompts."""
         chat_template = self.chat.use_template(tokenizer)
         splits = data_lib.load_splits(
             cfg, lambda path: chat.read_conversations(path, self.args.format)
@@ -156,39 +206,6 @@ class SupervisedFineTuning(AnswersPrompts, Task[ChatData]):
             100 * tokens / max(1, len(packed) * capacity),
         )
         return packed
-
-    # ------------------------------------------------------------------------------ model
-
-    def check_model(self, model: torch.nn.Module) -> None:
-        self.chat.check_model(model, packing=self.args.packing)
-
-    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
-        """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
-        the labelled tokens of the whole optimizer step on every process."""
-        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
-        return SummedLoss(nll.sum(), count.sum())
-
-    def eval_step(
-        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
-        return {"nll": nll, "count": count}
-
-    def score(
-        self, rows: Mapping[str, torch.Tensor], data: ChatData, run: RunContext
-    ) -> dict[str, float]:
-        """Loss and perplexity over every labelled token of the held-out conversations (sums,
-        not a mean of per-batch means)."""
-        nll, count = rows["nll"].double().sum().item(), rows["count"].double().sum().item()
-        loss = nll / max(count, 1.0)
-        perplexity = float(torch.tensor(loss, dtype=torch.float64).exp().clamp(max=1e30))
-        return {"loss": loss, "perplexity": perplexity, "tokens": count}
-
-    def after_training(
-        self, model: torch.nn.Module, data: ChatData, run: RunContext
-    ) -> dict[str, Any]:
-        """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
-        return self.chat.answer_held_out(model, data, run)
 
 
 def held_out_prompts(dialogues: Iterable[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:

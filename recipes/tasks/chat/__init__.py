@@ -20,7 +20,6 @@ from recipes.tasks.chat import preference, reference, unpaired
 from recipes.tasks.chat.batches import (
     VARLEN_ATTENTION,
     ChatCollator,
-    Layout,
     attention_mask,
     fit_length,
     flat_batches,
@@ -36,14 +35,14 @@ from recipes.tasks.chat.batches import (
     sequence_losses,
 )
 from recipes.tasks.chat.features import (
-    AnswersPrompts,
     ChatData,
     ChatFeatures,
+    PromptAnswers,
     answer_held_out,
     generation_scores,
     held_out_prompts,
 )
-from recipes.tasks.chat.reference import PreferenceData, Reference, check_evaluated_model
+from recipes.tasks.chat.reference import PreferenceData, Reference
 from recipes.tasks.chat.rows import (
     COLUMNS,
     LayoutError,
@@ -82,21 +81,19 @@ __all__ = [
     "COLUMNS",
     "IGNORE_INDEX",
     "VARLEN_ATTENTION",
-    "AnswersPrompts",
     "ChatCollator",
     "ChatData",
     "ChatFeatures",
     "ChatTemplate",
-    "Layout",
     "LayoutError",
     "Message",
     "PreferenceData",
+    "PromptAnswers",
     "Reference",
     "RowError",
     "TemplateMismatch",
     "answer_held_out",
     "attention_mask",
-    "check_evaluated_model",
     "check_template",
     "fit_length",
     "flat_batches",

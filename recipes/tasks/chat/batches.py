@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -211,15 +210,6 @@ def padding_free_setting(value: object) -> str:
     """``task.padding_free`` as auto, true or false (a YAML or command-line boolean
     reaches a string field as ``True`` / ``False``)."""
     return str(value).lower()
-
-
-@dataclass
-class Layout:
-    """How a chat task's collators lay out a batch, decided once the model is known
-    (:func:`flat_batches`) and shared with them: ``flat``, the padding-free row
-    (:func:`recipes.tasks.flat_rows`); else padded rows."""
-
-    flat: bool = False
 
 
 def flat_batches(setting: str, model: torch.nn.Module) -> bool:

@@ -196,20 +196,18 @@ def predict(
     return {"rows": len(answers), "file": "generations.jsonl"}
 
 
-class AnswersPrompts:
-    """``mode=predict`` of a chat task (SFT, DPO, KTO) that holds its :class:`ChatFeatures` as
-    ``self.chat``: the prompts of ``data.predict_file`` answered in the task's template
-    (:func:`predict_data`, :func:`predict`). Listed before ``Task`` in the task's bases."""
+@dataclass(frozen=True)
+class PromptAnswers:
+    """``mode=predict`` of a chat task, the part it holds as ``predictor``: the prompts of
+    ``data.predict_file`` (rows in ``layout``, the task's ``format``; auto detects it) answered
+    in the task's template with its :class:`ChatFeatures` (:func:`predict_data`,
+    :func:`predict`)."""
 
     chat: ChatFeatures
-    args: Any
-
-    def predict_layout(self) -> str:
-        """The layout of data.predict_file's rows: the task's ``format`` (auto detects it)."""
-        return self.args.format
+    layout: str = "auto"
 
     def build_predict_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
-        return self.chat.predict_data(cfg, tokenizer, self.predict_layout())
+        return self.chat.predict_data(cfg, tokenizer, self.layout)
 
     def predict(
         self, model: torch.nn.Module, loader: Any, data: ChatData, run: RunContext

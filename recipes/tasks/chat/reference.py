@@ -42,10 +42,6 @@ from recipes.config import ConfigError
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
 from recipes.tasks.chat.features import ChatData
-from recipes.tasks.configs import TaskConfig
-from recipes.tasks.configs.dpo import REFERENCE_FREE, DpoConfig
-from recipes.tasks.configs.gkd import GkdConfig
-from recipes.tasks.configs.kto import KtoConfig
 
 log = get_logger(__name__)
 
@@ -137,33 +133,6 @@ class Reference:
         if self.precomputed:
             raise RuntimeError("the reference was precomputed, and this batch carries none")
         return self.run(model, lambda weights: forward(weights, batch))
-
-
-def evaluated_against_reference(config: TaskConfig) -> bool:
-    """Whether the task's evaluation compares the model with its reference (DPO's rewards,
-    margins and accuracies; KTO's rewards and KL), rather than scoring the model alone. GRPO's
-    evaluation scores greedy completions with the reward functions: its ``beta`` (the reference)
-    changes only the training loss. GKD's evaluation is the divergence from its teacher: the
-    starting weights where ``teacher_model`` is unset."""
-    if isinstance(config, GkdConfig):
-        return config.teacher_model is None
-    if isinstance(config, DpoConfig):
-        return config.loss_type not in REFERENCE_FREE
-    return isinstance(config, KtoConfig)
-
-
-def check_evaluated_model(config: TaskConfig, model: str, resume: Path | None) -> None:
-    """``mode=eval``: the reference is built from the weights loaded, so without ``resume`` a
-    task that is evaluated against it would score ``model`` against itself (every reward, margin
-    and KL exactly 0, accuracies 0): refused, with the way to real numbers."""
-    if resume is not None or not evaluated_against_reference(config):
-        return
-    raise ConfigError(
-        f"mode=eval with model.name_or_path={model}: task={config.NAME} scores a model against "
-        "its reference model, which here would be the model itself (every reward and KL exactly "
-        "0). Evaluate a checkpoint of its training run instead: resume=<run folder> with "
-        "model.name_or_path set to the model that run started from (the recipe's)."
-    )
 
 
 def prepare(
