@@ -4,7 +4,8 @@ refusals, and runs that never build, keep or ask for a reference.
 
 TRL's trainers are called through their own ``get_batch_loss_metrics`` (forward, NLL, average
 log-probs, loss and metrics) on an instance made without ``__init__`` and given only the
-settings those methods read, on the project's token ids and completion labels (TRL's tokenizer
+settings those methods read, on the project's token ids and completion labels, against
+:func:`recipes.losses.preference_loss` on the log-probabilities the task gathers (TRL's tokenizer
 path is checked for DPO in tests/test_dpo_trl.py). Rows: the first bundled held-out pairs (SQuAD
 answers against wrong spans), not written for this test; the model: the tiny Llama's config,
 randomly initialised.
@@ -28,6 +29,7 @@ from conftest import ROOT, make_task, read_metrics, run_train
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
+from recipes.losses import PairLosses, preference_loss
 from recipes.model import fit_to_tokenizer, load_tokenizer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -87,6 +89,23 @@ def _ours(tmp_path, **task):
     return dpo, data, tokenizer, model.train()
 
 
+def _loss(dpo, policy, tokens, nll) -> PairLosses:
+    """:func:`recipes.losses.preference_loss` of the task's gathered log-probs, under its
+    settings."""
+    args = dpo.args
+    return preference_loss(
+        policy,
+        None,
+        tokens,
+        nll,
+        loss_type=args.loss_type,
+        beta=args.beta,
+        label_smoothing=args.label_smoothing,
+        simpo_gamma=args.simpo_gamma,
+        nll_weight=args.nll_weight,
+    )
+
+
 def _trl_batch(batch) -> dict[str, torch.Tensor]:
     """The project's padded pair batch (chosen rows, then rejected rows) in TRL's keys."""
     pairs = len(batch["index"])
@@ -138,10 +157,10 @@ def test_loss_and_gradient_equal_trls(tmp_path, case):
         trl_metrics.append(metrics)
 
     ours = copy.deepcopy(model)
-    summed = dpo.loss(ours, collate(pairs))
-    (summed.total / summed.count).backward()
+    losses, stats = _loss(dpo, *dpo._policy_terms(ours, collate(pairs), dpo.with_nll))
+    losses.mean().backward()
 
-    loss_diff = abs(float(summed.total.detach() / summed.count) - sum(trl_losses) / len(pairs))
+    loss_diff = abs(float(losses.detach().mean()) - sum(trl_losses) / len(pairs))
     grads = dict(theirs.named_parameters())
     grad_diff = max(
         float((weight.grad - grads[name].grad).abs().max())
@@ -153,11 +172,11 @@ def test_loss_and_gradient_equal_trls(tmp_path, case):
         torch.testing.assert_close(weight.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
     assert all(weight.grad.abs().max() > 0 for weight in ours.parameters())  # all trained
 
-    # The metrics, summed over pairs by the loss, are TRL's per-pair metrics summed.
+    # The metrics, summed over pairs, are TRL's per-pair metrics summed.
     assert set(dpo.stats) <= set(trl_metrics[0])
-    for name in dpo.stats:
+    for name, summed in zip(dpo.stats, stats.sum(0), strict=True):
         expected = sum(m[name] for m in trl_metrics)
-        assert float(summed.stats[name]) == pytest.approx(expected, rel=1e-4, abs=1e-5), name
+        assert float(summed) == pytest.approx(expected, rel=1e-4, abs=1e-5), name
 
 
 @pytest.mark.parametrize("case", ["orpo", "simpo-smoothed"])
@@ -170,7 +189,7 @@ def test_whole_batch_terms_and_metrics_equal_trls(tmp_path, case):
     with torch.no_grad():
         loss, metrics = _trl_loss(trainer_class, settings, model, batch, tokenizer.pad_token_id)
         policy, tokens, nll = dpo._policy_terms(model, batch, dpo.with_nll)
-        losses, stats = dpo.pair_losses(policy, None, tokens, nll)
+        losses, stats = _loss(dpo, policy, tokens, nll)
     means = dict(zip(dpo.stats, stats.mean(0).tolist(), strict=True))
     ours_nll = float(nll.mean()) if nll is not None else 0.0
     their_nll = metrics.get("nll_loss", 0.0) if case == "orpo" else 0.0
@@ -197,7 +216,7 @@ def test_orpo_nll_covers_the_prompt_in_padded_and_padding_free_batches(tmp_path)
         batch = data.train_collator([data.train[i] for i in range(len(data.train))])
         with torch.no_grad():
             policy, tokens, nll = dpo._policy_terms(model.eval(), batch, True)
-        results[free] = dpo.pair_losses(policy, None, tokens, nll)[0]
+        results[free] = _loss(dpo, policy, tokens, nll).losses
         lengths = torch.tensor([len(data.train[i]["chosen_input_ids"]) for i in range(6)])
         labelled = (batch["chosen_sequence_labels"] != -100).sum(1)[:6]
         assert labelled.tolist() == lengths.tolist()  # the prompt included

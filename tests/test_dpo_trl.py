@@ -2,7 +2,8 @@
 completion masks of each side, and for one batch the loss, TRL's metrics and the gradient.
 
 Rows: the first bundled held-out pairs (SQuAD answers against wrong spans), not written for
-this test. The policy is the tiny Llama with its weights perturbed, the reference the tiny
+this test. The loss is :func:`recipes.losses.dpo_loss`, called on the log-probabilities the
+task gathers. The policy is the tiny Llama with its weights perturbed, the reference the tiny
 Llama itself, so rewards and margins are not zero. TRL (1.x) labels a side's whole text after
 the prompt, the project its reply and end-of-turn token, not the template's whitespace after it
 (what TRL's own SFT ``assistant_only_loss`` and the project's SFT label): with llama3's template,
@@ -21,6 +22,7 @@ from conftest import ROOT, make_task
 from transformers import AutoModelForCausalLM
 
 from recipes.config import DataConfig, ModelConfig
+from recipes.losses import dpo_loss
 from recipes.model import fit_to_tokenizer, load_tokenizer
 from recipes.tasks import chat
 
@@ -142,7 +144,14 @@ def test_loss_metrics_and_gradient_equal_trls(tmp_path, loss_type, smoothing):
     with torch.no_grad():
         reference_logps = dpo._logps_of(reference, ours_batch)[0]
     policy_logps, tokens = dpo._logps_of(ours, ours_batch)
-    losses, stats = dpo.pair_losses(policy_logps, reference_logps, tokens)
+    losses, stats = dpo_loss(
+        policy_logps,
+        reference_logps,
+        tokens,
+        beta=BETA,
+        loss_type=loss_type,
+        label_smoothing=smoothing,
+    )
     losses.mean().backward()
 
     assert float(losses.mean()) == pytest.approx(float(trl_loss), rel=1e-5)

@@ -25,6 +25,7 @@ from conftest import (
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
+from recipes.losses import distillation_loss, generalized_jsd
 from recipes.model import load_tokenizer
 from recipes.modes import _check_evaluated_model
 from recipes.tasks.chat import Reference
@@ -65,15 +66,23 @@ def _grads(model):
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
-    """This task's loss (summed JSD over labelled tokens / their count) and the student's
-    gradient equal TRL's, its ``compute_loss`` (which calls ``generalized_jsd_loss`` with the
-    causal shift, the labels' mask and no temperature) run on the same batch and models; the
-    sampling temperature (0.7 here) does not enter the loss in either."""
+    """The loss (:func:`recipes.losses.distillation_loss`: summed JSD over labelled tokens /
+    their count) and the student's gradient equal TRL's, its ``compute_loss`` (which calls
+    ``generalized_jsd_loss`` with the causal shift, the labels' mask and no temperature) run on
+    the same batch and models; the sampling temperature (0.7 here) does not enter the loss in
+    either."""
     gkd, batch = _batch(tmp_path, beta=beta, temperature=0.7, lmbda=0.0)
     student, teacher = _models()
-    gkd.teacher = Reference(adapter_disabled=False, frozen=teacher)
-    total, count = gkd.divergence(student, batch)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        teacher_logits = teacher(**inputs, use_cache=False).logits[:, :-1]
+    student_logits = student(**inputs, use_cache=False).logits[:, :-1]
+    mask = batch["labels"][:, 1:] != -100  # the logits at t against the label at t + 1
+    total, count = distillation_loss(student_logits, teacher_logits, mask, beta)
     ours = total.sum() / count.sum()
+    gkd.teacher = Reference(adapter_disabled=False, frozen=teacher)
+    with torch.no_grad():  # the task's divergence is the function's, on its own forwards
+        torch.testing.assert_close(gkd.divergence(student, batch), (total, count))
     ours.backward()
     ours_grads = _grads(student)
     student.zero_grad()
@@ -90,6 +99,27 @@ def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     for mine, trls in zip(ours_grads, _grads(student), strict=True):
         torch.testing.assert_close(mine, trls, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_jsd_of_random_logits_equals_trls(beta):
+    """:func:`recipes.losses.generalized_jsd` summed over labelled positions equals TRL's
+    ``generalized_jsd_loss`` (reduction ``sum``), and the precomputed path (the teacher's
+    log-probs at the labelled positions only) gives the same sums per row."""
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 5, 17, generator=generator)
+    teacher = torch.randn(3, 5, 17, generator=generator)
+    labels = torch.randint(0, 17, (3, 5), generator=generator)
+    labels[0, :2] = labels[2, 3] = -100
+    mask = labels != -100
+    theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=beta, reduction="sum")
+    ours = (generalized_jsd(student, teacher, beta) * mask).sum()
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    total, count = distillation_loss(student, teacher, mask, beta)
+    logps = torch.log_softmax(teacher[mask], dim=-1)
+    precomputed, _ = distillation_loss(student, logps, mask, beta, teacher_is_logps=True)
+    torch.testing.assert_close(precomputed, total)
+    assert count.tolist() == [3, 5, 4]
 
 
 def test_settings_refused_with_one_line():

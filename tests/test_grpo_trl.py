@@ -3,7 +3,9 @@ functions and weights: the rewards and advantages, then for each loss type (and 
 term) the loss, TRL's logged statistics and the gradient.
 
 TRL gets our completions through its ``rollout_func`` (so neither side samples), then runs its
-own ``_generate_and_score_completions`` (rewards, group normalisation) and ``_compute_loss``.
+own ``_generate_and_score_completions`` (rewards, group normalisation) and ``_compute_loss``;
+ours are :func:`recipes.losses.group_advantages` and :func:`recipes.losses.policy_loss`, called
+on the rewards and log-probabilities the task computes.
 Rows: the first bundled held-out SQuAD prompts, not written for this test. Completions per
 prompt: its reference answer, the answer's first word, and two strings of random tokens; the
 tiny Llama's weights are perturbed, so that log-probabilities differ between tokens."""
@@ -19,6 +21,8 @@ from conftest import ROOT, make_task
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ModelConfig
+from recipes.losses import PolicyLossSettings, group_advantages, policy_loss
+from recipes.losses.grpo import advantage_stat_names
 from recipes.model import load_tokenizer
 from recipes.tasks import chat, grpo
 
@@ -71,6 +75,16 @@ def _setup(loss_type: str, beta: float, start: int = 0, **settings):
             sampled = torch.randint(1, 2000, (MAX_COMPLETION,), generator=generator).tolist()
             completions.append(sampled[: 6 + k])
     return task, tokenizer, model, rows, prompt_ids, completions
+
+
+def _advantages(task, table) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`recipes.losses.group_advantages` of the rewards under the task's settings, and
+    its statistics by name."""
+    advantages, values = group_advantages(
+        table, task.reward_weights, task.args.num_generations, task.args.scale_rewards
+    )
+    names = advantage_stat_names(task.reward_names)
+    return advantages, dict(zip(names, values.tolist(), strict=True))
 
 
 def _trl_trainer(tmp_path, task, tokenizer, model, rows, prompt_ids, completions, beta, **settings):
@@ -169,7 +183,7 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta, setti
     # Rewards and advantages: ours from the same functions on the same completions.
     row_list = [r for r in rows for _ in range(GROUP)]
     table = task._rewards(tokenizer, row_list, completions)
-    advantages, stats = task.advantages(table)
+    advantages, stats = _advantages(task, table)
     torch.testing.assert_close(advantages, theirs["advantages"].float(), rtol=1e-5, atol=1e-6)
     for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/answer_f1/mean"):
         assert stats[name] == pytest.approx(trainer._metrics["train"][name][-1], abs=1e-6)
@@ -196,12 +210,14 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta, setti
             torch.cat([theirs["prompt_mask"], theirs["completion_mask"]], dim=1),
             theirs["completion_ids"].shape[1],
         )[0]
-    total, count, _ = task.policy_loss(
+    settings = PolicyLossSettings.of(task.args)
+    total, count, _ = policy_loss(
         trl_logps,
         old,
         theirs.get("ref_per_token_logps"),
         theirs["advantages"],
         theirs["completion_mask"],
+        settings,
     )
     assert float(total / count) == pytest.approx(float(trl_loss.detach()), rel=0, abs=1e-6)
 
@@ -211,7 +227,7 @@ def test_loss_advantages_and_gradient_equal_trl(tmp_path, loss_type, beta, setti
         with torch.no_grad():
             ref = task._logps(reference, prompt, prompt_mask, completion, completion_mask)
     logps = task._logps(ours_model, prompt, prompt_mask, completion, completion_mask)
-    total, count, ours_stats = task.policy_loss(logps, old, ref, advantages, completion_mask)
+    total, count, ours_stats = policy_loss(logps, old, ref, advantages, completion_mask, settings)
     loss = total / count
     loss.backward()
     assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-7)
@@ -261,7 +277,7 @@ def test_frac_reward_zero_std_follows_batch_scaling(tmp_path):
     inputs = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows for _ in range(GROUP)]
     theirs = trainer._generate_and_score_completions(inputs)
     table = task._rewards(tokenizer, [r for r in rows for _ in range(GROUP)], completions)
-    advantages, stats = task.advantages(table)
+    advantages, stats = _advantages(task, table)
     torch.testing.assert_close(advantages, theirs["advantages"].float(), rtol=1e-5, atol=1e-6)
     totals = (table * task.reward_weights).nansum(dim=1).view(-1, GROUP)
     assert float(totals[0].std()) == 0 and float(totals.std()) > 0  # a group of equal rewards

@@ -1,7 +1,9 @@
 """KTO (``task=kto``) against TRL 1.16's ``KTOTrainer`` on the same tiny model and rows: the
 tokens of each row and of its KL row (the completions rotated by one within the batch), the
 loss, TRL's metrics and the gradient; the clamp of a negative KL estimate on the same
-log-probabilities; refusals of malformed rows; and the recipe end to end.
+log-probabilities; refusals of malformed rows; and the recipe end to end. The loss and its metrics are
+:func:`recipes.losses.kto_loss` and :func:`recipes.losses.kl_estimate`, called on the
+log-probabilities the task gathers.
 
 Rows: the first bundled held-out preference pairs (SQuAD answers against wrong spans), unpaired
 into a desirable and an undesirable row each, not written for this test. The reference is the tiny
@@ -23,6 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
+from recipes.losses import kl_estimate, kto_loss
+from recipes.losses.kto import STATS
 from recipes.model import fit_to_tokenizer, load_tokenizer
 from recipes.tasks import chat
 from recipes.tasks.chat import Reference, token_losses
@@ -130,6 +134,33 @@ def _our_metrics(stats: dict[str, torch.Tensor], rows: int) -> dict[str, float]:
     return metrics
 
 
+def _loss(kto, policy, batch, ref: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`recipes.losses.kto_loss` under the task's settings, on the (rows, 2) log-probs
+    the task gathers from ``policy`` (each row's completion, and its KL row's without gradient)
+    and the reference's ``ref``, the KL estimate from :func:`recipes.losses.kl_estimate`: the
+    rows' mean loss, and their summed statistics (what the loop logs, times the rows)."""
+    args = kto.args
+    logps = kto._logps_of(policy, batch)[0]
+    kl = kl_estimate(logps[:, 1], ref[:, 1]) if args.loss_type == "kto" else torch.zeros(())
+    losses, stats = kto_loss(
+        logps[:, 0],
+        ref[:, 0],
+        batch["label"],
+        kl,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+    )
+    return losses.mean(), dict(zip(STATS, stats.sum(0), strict=True))
+
+
+def _reference_logps(kto, reference, batch) -> torch.Tensor:
+    """The frozen reference's (rows, 2) log-probs of the rows and their KL rows."""
+    with torch.no_grad():
+        return kto._logps_of(reference, batch)[0]
+
+
 def _rows_equal_trls(batch, theirs) -> list:
     """Asserts that the rows and the KL rows have TRL's ids and labelled tokens; the KL rows'."""
     for prefix in ("", "KL_"):
@@ -175,6 +206,7 @@ def test_kl_rows_pair_whole_completions_then_cut_as_trls(tmp_path):
     assert labelled == [6, 54, 6, 30] and len(ours[2][0]) == 200
     trainer.model.train()
     trainer.compute_loss(trainer.model, theirs)
+    # The task's own loss here (its reference, its KL estimate): its wiring against TRL's.
     kto.reference = Reference(adapter_disabled=False, frozen=reference)
     out = kto.loss(copy.deepcopy(policy).train(), batch)
     kl = float(out.stats["kl"]) / len(rows)
@@ -195,15 +227,14 @@ def test_loss_metrics_and_gradient_equal_trls(tmp_path, loss_type, desirable, un
     trl_loss.backward()
 
     ours = copy.deepcopy(policy).train()
-    kto.reference = Reference(adapter_disabled=False, frozen=reference)  # the frozen copy
-    out = kto.loss(ours, batch)
-    (out.total / out.count).backward()
+    mean, stats = _loss(kto, ours, batch, _reference_logps(kto, reference, batch))
+    mean.backward()
 
-    loss = float((out.total / out.count).detach())
+    loss = float(mean.detach())
     print(f"{loss_type}: loss {loss:.8f}, TRL {float(trl_loss.detach()):.8f}")
     assert loss == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-7)
     expected = _trl_metrics(trainer)
-    got = _our_metrics(out.stats, len(ROWS))
+    got = _our_metrics(stats, len(ROWS))
     for name, value in got.items():
         print(f"  {name}: {value:.8f}, TRL {expected.get(name, 0.0):.8f}")
         assert value == pytest.approx(expected.get(name, 0.0), rel=1e-4, abs=1e-6), name
@@ -230,12 +261,9 @@ def test_a_negative_kl_estimate_is_clamped_as_trls(tmp_path):
     trainer.model.train()
     trl_loss = trainer.compute_loss(trainer.model, theirs)
 
-    batch["reference_logps"] = ref
-    out = kto.loss(copy.deepcopy(policy).train(), batch)
-    assert float((out.total / out.count).detach()) == pytest.approx(
-        float(trl_loss.detach()), rel=1e-5
-    )
-    assert _trl_metrics(trainer)["kl"] == 0 and float(out.stats["kl"]) == 0
+    mean, stats = _loss(kto, copy.deepcopy(policy).train(), batch, ref)
+    assert float(mean.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-5)
+    assert _trl_metrics(trainer)["kl"] == 0 and float(stats["kl"]) == 0
 
 
 # ------------------------------------------------------------------------------ rows

@@ -1,6 +1,8 @@
 """The reward model task (``task=reward_model``) against TRL 1.16's ``RewardTrainer`` on the same
 tiny model and rows: the tokens of each side, and for one batch the loss and TRL's metrics, with
-and without a margin column and the centring term; refusals; and the recipe end to end.
+and without a margin column and the centring term (the loss is
+:func:`recipes.losses.bradley_terry_loss` on the rewards the task's model gives); refusals; and
+the recipe end to end.
 
 Rows: the first bundled held-out pairs (SQuAD answers against wrong spans), not written for this
 test; their margins, where a test gives them, are each side's length in characters apart.
@@ -28,7 +30,10 @@ from transformers import AutoModelForSequenceClassification
 
 from recipes.config import ConfigError, DataConfig, ModelConfig
 from recipes.data import DataError
+from recipes.losses import bradley_terry_loss
+from recipes.losses.reward import STATS
 from recipes.model import load_tokenizer
+from recipes.tasks.reward_model import pair_rewards
 
 PAIRS = ROOT / "recipes/assets/preferences/squad/dev.jsonl"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -135,12 +140,13 @@ def test_tokens_loss_and_metrics_equal_trls(tmp_path, text, margins, center):
     else:
         assert batch["margin"].abs().sum() == 0
 
-    summed = rm.loss(model.train(), batch)
+    rewards = pair_rewards(model.train(), batch)
+    losses, stats = bradley_terry_loss(rewards, batch["margin"], center)
     expected = trainer.compute_loss(trainer.model.train(), theirs)
-    assert float(summed.total.detach() / summed.count) == pytest.approx(float(expected), abs=1e-6)
+    assert float(losses.detach().mean()) == pytest.approx(float(expected), abs=1e-6)
     logged = _trl_metrics(trainer)
-    for name in ("accuracy", "margin", "mean_reward"):
-        assert float(summed.stats[name] / summed.count) == pytest.approx(logged[name], abs=1e-6)
+    for name, value in zip(STATS, stats.mean(0), strict=True):
+        assert float(value) == pytest.approx(logged[name], abs=1e-6)
     with torch.no_grad():
         scores = rm.score(rm.eval_step(model, batch), data, None)
     for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):

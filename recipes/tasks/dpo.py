@@ -34,18 +34,17 @@ row under a block-diagonal mask instead, which saves the padding of a short side
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
+from recipes.losses.preference import preference_loss, stat_names
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
 from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
@@ -54,29 +53,11 @@ from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # n
 log = get_logger(__name__)
 
 FEATURES_VERSION = 2
-# The losses without a reference model, as TRL 1.16 defines them (trl/experimental/orpo/
-# orpo_trainer.py and orpo_config.py; trl/experimental/cpo/cpo_trainer.py and cpo_config.py,
-# SimPO being CPOTrainer's loss_type="simpo"). Both read the policy's average log-probability
-# per completion token of each side (TRL's get_batch_logps(average_log_prob=True)).
-#
-# orpo (ORPOTrainer; ORPOConfig defaults: beta=0.1, disable_dropout=True, max_length=1024,
-#   learning_rate=1e-6): per pair
-#       nll(chosen) - beta * logsigmoid(log_odds),
-#       log_odds = (a_c - a_r) - (log(1 - exp(a_c)) - log(1 - exp(a_r)))
-#   with a_c / a_r the average log-probs; TRL's NLL is the chosen row's cross-entropy over its
-#   whole sequence, prompt included ("orpo chosen nll loss is computed over the full prompt and
-#   response"), every token but the first, as here. rewards = beta * a (no reference).
-# simpo (CPOTrainer, loss_type="simpo"; CPOConfig defaults: beta=0.1, simpo_gamma=0.5,
-#   label_smoothing=0.0, cpo_alpha=1.0, alpha=0.0 (AlphaPO off), disable_dropout=True,
-#   max_length=1024, learning_rate=1e-6): per pair, with z = beta * (a_c - a_r) - gamma,
-#       -(1 - ls) * logsigmoid(z) - ls * logsigmoid(-z) + nll_weight * nll(chosen)
-#   (ls = label_smoothing, the conservative form, not robust DPO's; CPO's NLL is on the chosen
-#   completion's tokens only). TRL's cpo_alpha=1.0 default is CPO's behaviour-cloning term; pure
-#   SimPO has none (the SimPO paper; TRL's docs/source/cpo_trainer.md: SimPO "does not use BC
-#   regularization ... loss_type="simpo" and cpo_alpha=0"; cpo_alpha > 0 is their "CPO-SimPO";
-#   cpo_config.py's alphapo also sets cpo_alpha=0.0), so task.nll_weight defaults to 0. The
-#   SimPO paper trains with beta ~2-2.5 and gamma/beta ~0.5; task.beta keeps TRL's 0.1 default
-#   for every loss.
+# The losses (recipes.losses.preference, as TRL defines them): per pair, from the summed
+# log-probabilities this task gathers. ORPO's NLL is the chosen row's cross-entropy over its
+# whole sequence, prompt included, every token but the first, as TRL's ("orpo chosen nll loss is
+# computed over the full prompt and response"); SimPO's (CPO-SimPO, task.nll_weight > 0) over
+# the chosen completion's tokens only, as CPO's.
 #
 # Where the project differs: TRL's NLL is one token-weighted mean over a micro-batch's chosen
 # rows, so its value depends on how pairs fall into micro-batches; here each pair's NLL is the
@@ -86,15 +67,6 @@ FEATURES_VERSION = 2
 # padding included) are not logged; its other metrics are, under its names.
 # REFERENCE_FREE and LOSS_TYPES: recipes.tasks.configs.dpo.
 SIDES = ("chosen", "rejected")
-STATS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 class DirectPreference(Task[PreferenceData]):
@@ -114,8 +86,7 @@ class DirectPreference(Task[PreferenceData]):
         # SimPO's (nll_weight > 0), over its completion.
         self.sequence_nll = loss_type == "orpo"
         self.with_nll = loss_type == "orpo" or (loss_type == "simpo" and args.nll_weight > 0)
-        extra = ORPO_STATS if loss_type == "orpo" else ("nll_loss",) if self.with_nll else ()
-        self.stats = STATS + extra  # TRL's metrics of this loss type, per pair
+        self.stats = stat_names(loss_type, self.with_nll)  # TRL's metrics of this loss, per pair
         # Built in before_training from the starting weights; None for orpo / simpo.
         self.reference: chat.reference.Reference | None = None
         self.padding_free = chat.padding_free_setting(args.padding_free)
@@ -311,55 +282,6 @@ class DirectPreference(Task[PreferenceData]):
             return None
         return self.reference.logps(model, batch, self._reference_forward)
 
-    def pair_losses(
-        self,
-        policy: torch.Tensor,
-        reference: torch.Tensor | None,
-        tokens: torch.Tensor,
-        nll: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per pair: the loss, from the (pairs, 2) summed log-probs of the policy and the
-        reference (None for orpo / simpo) and the completions' tokens, and for orpo (and simpo
-        with ``nll_weight``) the chosen side's NLL, (pairs,); and TRL's metrics
-        (:attr:`stats`), (pairs, len(stats))."""
-        if self.reference_free:
-            return self._reference_free_losses(policy, tokens, nll)
-        ratios = policy - reference  # log pi / pi_ref of chosen, rejected
-        if (
-            self.args.loss_type == "ipo"
-        ):  # per token (TRL's normalisation, confirmed by IPO's authors)
-            per_token = ratios / tokens.clamp(min=1)
-            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.args.beta)) ** 2
-        else:
-            scaled = self.args.beta * (ratios[:, 0] - ratios[:, 1])
-            losses = -F.logsigmoid(scaled)
-            if self.args.loss_type == "robust":  # unbiased under a share of flipped labels
-                flip = self.args.label_smoothing
-                losses = (losses * (1 - flip) + F.logsigmoid(-scaled) * flip) / (1 - 2 * flip)
-        return losses, _reward_stats(self.args.beta * ratios, policy)
-
-    def _reference_free_losses(
-        self, policy: torch.Tensor, tokens: torch.Tensor, nll: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ORPO and SimPO (TRL 1.16's, see :data:`REFERENCE_FREE`) on the average log-probs."""
-        average = policy.float() / tokens.clamp(min=1)  # per completion token, (pairs, 2)
-        chosen, rejected = average[:, 0], average[:, 1]
-        extra: list[torch.Tensor] = []
-        if self.args.loss_type == "orpo":
-            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-            ratio = F.logsigmoid(log_odds)
-            losses = nll - self.args.beta * ratio
-            extra = [nll.detach(), ratio.detach(), log_odds.detach()]
-        else:  # simpo
-            margin = self.args.beta * (chosen - rejected) - self.args.simpo_gamma
-            smoothing = self.args.label_smoothing
-            losses = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
-            if self.with_nll:
-                losses = losses + self.args.nll_weight * nll
-                extra = [nll.detach()]
-        stats = _reward_stats(self.args.beta * average, average)
-        return losses, torch.cat([stats, *(value[:, None] for value in extra)], dim=1)
-
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
         losses, stats = self._batch_losses(model, batch)
@@ -371,7 +293,18 @@ class DirectPreference(Task[PreferenceData]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         reference = self._reference_logps(model, batch)
         policy, tokens, nll = self._policy_terms(model, batch, self.with_nll)
-        return self.pair_losses(policy, reference, tokens, nll)
+        args = self.args
+        return preference_loss(
+            policy,
+            reference,
+            tokens,
+            nll,
+            loss_type=args.loss_type,
+            beta=args.beta,
+            label_smoothing=args.label_smoothing,
+            simpo_gamma=args.simpo_gamma,
+            nll_weight=args.nll_weight,
+        )
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
@@ -485,28 +418,6 @@ class PairCollator:
             "chosen_sequence_labels": list(chosen) + [chat.IGNORE_INDEX] * len(rejected),
             "position_ids": list(range(len(chosen))) + list(range(len(rejected))),
         }
-
-
-def _reward_stats(rewards: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
-    """TRL's six metrics per pair, (pairs, 6) (:data:`STATS`), from the (pairs, 2) rewards and
-    log-probs of chosen and rejected."""
-    rewards, logps = rewards.detach(), logps.detach()
-    return torch.stack(
-        [
-            rewards[:, 0],
-            rewards[:, 1],
-            (rewards[:, 0] > rewards[:, 1]).float(),
-            rewards[:, 0] - rewards[:, 1],
-            logps[:, 0],
-            logps[:, 1],
-        ],
-        dim=1,
-    )
-
-
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, without cancellation (each branch where it is accurate)."""
-    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _with_chosen_reply(row: Mapping[str, Any]) -> tuple[list, str]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig, ModelConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
+from recipes.losses.gkd import distillation_loss
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
 from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, Reference
@@ -68,32 +68,6 @@ FSDP_REFUSAL = (
     "task=gkd under FSDP: the teacher cannot be sharded here, and each process samples its own "
     "rows' completions; use DDP (conf/accelerate/multi_musa.yaml)."
 )
-
-
-def generalized_jsd(
-    student_logits: torch.Tensor,
-    teacher: torch.Tensor,
-    beta: float,
-    teacher_is_logps: bool = False,
-) -> torch.Tensor:
-    """Each position's generalized JSD (summed over the vocabulary), as TRL's
-    ``GKDTrainer.generalized_jsd_loss`` computes it elementwise (``F.kl_div`` with log targets;
-    temperature 1); ``teacher``: its logits, or its log-probabilities (precomputed)."""
-    student = F.log_softmax(student_logits.float(), dim=-1)
-    teacher = teacher.float() if teacher_is_logps else F.log_softmax(teacher.float(), dim=-1)
-    if beta == 0:
-        jsd = F.kl_div(student, teacher, reduction="none", log_target=True)
-    elif beta == 1:
-        jsd = F.kl_div(teacher, student, reduction="none", log_target=True)
-    else:
-        # TRL makes beta a device tensor; a Python float gives the same sums without the copy.
-        mixture = torch.logsumexp(
-            torch.stack([student + math.log1p(-beta), teacher + math.log(beta)]), dim=0
-        )
-        jsd = beta * F.kl_div(mixture, teacher, reduction="none", log_target=True) + (
-            1 - beta
-        ) * F.kl_div(mixture, student, reduction="none", log_target=True)
-    return jsd.sum(-1)
 
 
 @dataclasses.dataclass
@@ -349,21 +323,18 @@ class KnowledgeDistillation(Task[GkdData]):
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's summed generalized JSD over its labelled tokens (the logits at position
-        t against the label at t + 1, TRL's shift), and its count of them. With the teacher on
-        the device every position is computed and the unlabelled ones zeroed (no host sync to
-        find the labelled ones); precomputed log-probs come for the labelled positions only."""
+        t against the label at t + 1, TRL's shift), and its count of them
+        (:func:`recipes.losses.gkd.distillation_loss`): against the teacher's logits at every
+        position, or its precomputed log-probs at the labelled ones."""
         assert self.teacher is not None, "task=gkd: the loss runs after before_training"
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         mask = batch["labels"][:, 1:] != IGNORE
         student = model(**inputs, use_cache=False).logits[:, :-1]
         beta = self.args.beta
         if TEACHER_LOGPS in batch:
-            per_token = student.new_zeros(mask.shape, dtype=torch.float32)
-            per_token[mask] = generalized_jsd(student[mask], batch[TEACHER_LOGPS], beta, True)
-        else:
-            teacher = self.teacher.run(model, _forward(inputs))
-            per_token = generalized_jsd(student, teacher, beta) * mask
-        return per_token.sum(1), mask.sum(1)
+            return distillation_loss(student, batch[TEACHER_LOGPS], mask, beta, True)
+        teacher = self.teacher.run(model, _forward(inputs))
+        return distillation_loss(student, teacher, mask, beta)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The step's labelled tokens' summed JSD and their count (the loop divides by the

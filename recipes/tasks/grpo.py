@@ -6,15 +6,10 @@ of ``task.rewards`` (:mod:`recipes.rewards`); rewards are normalised within each
 advantages, and the policy takes TRL's clipped policy-gradient step. The definitions are TRL's
 (``trl/trainer/grpo_trainer.py`` and ``grpo_config.py``, TRL 1.16), and so are the defaults:
 
-* ``loss_type``: ``dapo`` (every completion token of the step weighs the same), ``grpo`` (each
-  completion's token mean, then the mean over completions), ``bnpo`` (the token mean of each
-  micro-batch), ``dr_grpo`` (the token sum over completions x ``max_completion_length``);
-  ``cispo`` and ``vespo`` (normalised as dapo: the capped ratio, or VESPO's Gamma weight of the
-  completion's ratio, detached, times the log-prob), ``sapo`` (as grpo: a soft gate instead of
-  the clip), ``luspo`` (each completion's token sum, its mean over completions);
-* ``importance_sampling_level``: a ratio per token, or per completion (GSPO); ``delta`` caps the
-  unclipped ratio (two-sided clipping), ``off_policy_mask_threshold`` drops the completions of
-  negative advantage too far from the old policy;
+* the loss (:mod:`recipes.losses.grpo`, where each is defined): ``loss_type`` ``dapo``,
+  ``grpo``, ``bnpo``, ``dr_grpo``, ``cispo``, ``sapo``, ``luspo`` or ``vespo``, with a ratio per
+  token or per completion (``importance_sampling_level=sequence``, GSPO), ``delta``'s two-sided
+  clipping and ``off_policy_mask_threshold``'s mask;
 * advantages: reward minus its group's mean, divided by the group's standard deviation (n - 1)
   plus 1e-4 (``scale_rewards=group``), by the whole batch's (``batch``, over every process) or
   not at all (``none``, Dr. GRPO); a completion every reward returned None for gets advantage 0
@@ -23,8 +18,8 @@ advantages, and the policy takes TRL's clipped policy-gradient step. The definit
 * the ratio to the old policy clipped to [1 - ``epsilon``, 1 + ``epsilon_high``] (0.2 each);
   log-probabilities of the completion at the sampling temperature, as TRL computes them;
 * ``beta`` (0: no KL term and no reference): the k3 estimate of KL to the reference, times the
-  ratio to the old policy (``use_bias_correction_kl``, TRL's default); the reference is the model with its
-  LoRA adapter disabled, or a frozen copy of the starting weights, as DPO's;
+  ratio to the old policy (``use_bias_correction_kl``, TRL's default); the reference is the
+  model with its LoRA adapter disabled, or a frozen copy of the starting weights, as DPO's;
 * ``num_iterations``: optimizer steps on each generation batch (the loop's sampler repeats each
   step's prompts that many times); the old policy's log-probabilities are taken when they are
   generated. With 1 (the default) the ratio is 1 and the old log-probs are the detached current
@@ -55,7 +50,6 @@ rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathe
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +71,14 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.faults import TrainingError
 from recipes.log import get_logger
+from recipes.losses.grpo import (
+    TOKEN_SUMS,
+    PolicyLossSettings,
+    advantage_stat_names,
+    group_advantages,
+    policy_loss,
+)
+from recipes.losses.grpo import stat_names as loss_stat_names
 from recipes.tasks import chat
 from recipes.tasks.base import (
     Averaging,
@@ -94,11 +96,6 @@ from recipes.tasks.configs.grpo import GrpoConfig
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
-# Losses normalised by the step's completion tokens (TRL's num_items_in_batch).
-TOKEN_SUMS = ("dapo", "cispo", "vespo")
-CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-# What TRL logs of the losses that do not clip as PPO does.
-LOSS_STATS = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}
 FSDP_REFUSAL = (
     "task=grpo under FSDP: each process samples its own prompts' completions, which a sharded "
     "model cannot do alone; use DDP (conf/accelerate/multi_musa.yaml) with peft=lora for models "
@@ -289,7 +286,7 @@ class GroupRelativePolicy(Task[GrpoData]):
         self.reward_names = names
         self.reward_weights = torch.tensor([w for _, w, _ in built], dtype=torch.float32)
         self.reward_fns = [fn for _, _, fn in built]
-        self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        self.loss_settings = PolicyLossSettings.of(args)  # what recipes.losses.grpo reads
         summed = args.loss_type in (*TOKEN_SUMS, "bnpo", "dr_grpo")
         if args.importance_sampling_level == "sequence" and summed:
             log.warning(  # TRL's warning: GSPO's objective is per completion
@@ -326,8 +323,7 @@ class GroupRelativePolicy(Task[GrpoData]):
             "completions/max_length",
             "completions/clipped_ratio",
             "entropy",
-            *LOSS_STATS.get(self.args.loss_type, CLIP_STATS),
-            *(("kl",) if self.args.beta else ()),
+            *loss_stat_names(self.args.loss_type, self.args.beta),
             "generation/tokens_per_second",
             "generation/seconds",
             *(("tools/call_frequency", "tools/failure_frequency") if self.tools else ()),
@@ -585,38 +581,19 @@ class GroupRelativePolicy(Task[GrpoData]):
         """Advantages from the (completions, functions) rewards, as TRL's sum_then_normalize,
         and the reward statistics TRL logs; ``scale_rewards=batch`` takes the standard
         deviation over every process of ``accelerator``."""
-        group = self.args.num_generations
-        scale = self.args.scale_rewards
-        totals = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
-        unscorable = torch.isnan(per_func).all(dim=1)
-        totals[unscorable] = torch.nan
-        grouped = totals.view(-1, group)
-        means = torch.nanmean(grouped, dim=1).repeat_interleave(group)
-        if scale == "batch":
-            everyone = totals
-            if accelerator is not None and accelerator.num_processes > 1:
-                everyone = accelerator.gather(totals)
-            std = _nanstd(everyone).expand_as(totals)
-        else:
-            std = _nanstd(grouped, dim=1).repeat_interleave(group)
-        advantages = totals - means
-        if scale != "none":
-            advantages = advantages / (std + 1e-4)
-        advantages = torch.nan_to_num(advantages, nan=0.0)
-        names = ["reward", "reward_std", "frac_reward_zero_std"]
-        values = [
-            torch.nanmean(totals),
-            _nanstd(totals),
-            # The std the advantages are scaled by (the group's under none), as TRL's is_std_zero.
-            torch.isclose(std, torch.zeros_like(std)).float().mean(),
-        ]
-        for i, name in enumerate(self.reward_names):
-            column = per_func[:, i]
-            # NaN where the function scored none of them: logged as null, never a made-up 0.
-            names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
-            values += [torch.nanmean(column), _nanstd(column)]
+        gather = None  # scale_rewards=batch: the std over every process
+        if accelerator is not None and accelerator.num_processes > 1:
+            gather = accelerator.gather
+        advantages, values = group_advantages(
+            per_func,
+            self.reward_weights.to(per_func.device),
+            self.args.num_generations,
+            self.args.scale_rewards,
+            gather,
+        )
+        names = advantage_stat_names(self.reward_names)
         # One read of the device for every statistic (each float() would be a host sync).
-        stats = dict(zip(names, torch.stack(values).float().tolist(), strict=True))
+        stats = dict(zip(names, values.tolist(), strict=True))
         return advantages, stats
 
     # ------------------------------------------------------------------------------- loss
@@ -709,98 +686,13 @@ class GroupRelativePolicy(Task[GrpoData]):
         advantages: torch.Tensor,
         completion_mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's loss as a sum and its terms (:class:`SummedLoss`: the loop divides
-        the step's gradient by the terms of the whole step on every process), with TRL's
-        per-token loss and normalisation for ``loss_type`` (as ``_compute_loss``); and the clip
-        and KL statistics (means over the micro-batch's completion tokens, or its completions
-        where the ratio is one per completion)."""
-        args = self.args
-        mask = completion_mask.float()
-        old = logps.detach() if old_logps is None else old_logps
-        adv = advantages.unsqueeze(1)
-        log_ratio = logps - old
-        if args.importance_sampling_level == "sequence":  # GSPO: (rows, 1)
-            log_ratio_seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-            ratio = torch.exp(log_ratio_seq).unsqueeze(-1)
-        else:
-            ratio = torch.exp(log_ratio)
-        per_token, stats = self._surrogate(logps, log_ratio, ratio, adv, mask)
-        if args.off_policy_mask_threshold is not None:
-            per_token = per_token * _off_policy_mask(
-                adv, logps, old, mask, args.off_policy_mask_threshold
-            )
-        if args.beta:
-            kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-            if args.use_bias_correction_kl:
-                kl = kl * ratio
-            per_token = per_token + args.beta * kl
-            stats["kl"] = _masked_mean(kl, mask)
-        masked = per_token * mask  # a ratio per completion spreads over its tokens
-        rows = mask.new_full((), float(len(mask)))  # a fill on the device, no copy from the host
-        if args.loss_type in TOKEN_SUMS:
-            total, count = masked.sum(), mask.sum()
-        elif args.loss_type in ("grpo", "sapo"):
-            total, count = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), rows
-        elif args.loss_type == "bnpo":
-            total, count = masked.sum() / mask.sum().clamp(min=1.0), torch.ones_like(rows)
-        elif args.loss_type == "luspo":  # each completion's token sum: scaled by its length
-            total, count = masked.sum(), rows
-        else:  # dr_grpo
-            total, count = masked.sum() / args.max_completion_length, rows
-        return total, count, {k: v.detach() for k, v in stats.items()}
-
-    def _surrogate(
-        self,
-        logps: torch.Tensor,
-        log_ratio: torch.Tensor,
-        ratio: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``loss_type``'s per-token loss (per completion where ``ratio`` is) before the KL term,
-        and the statistics TRL logs for it."""
-        args = self.args
-        if args.loss_type == "cispo":  # the ratio clipped and detached, times the log-prob
-            capped = torch.clamp(ratio, max=self.epsilon_high).detach()
-            clipped = ((ratio > self.epsilon_high) & (adv > 0)).float()
-            return -capped * adv * logps, {"cispo_clip_ratio": _masked_mean(clipped, mask)}
-        if args.loss_type == "sapo":  # a soft, temperature-controlled gate instead of a clip
-            temperatures = torch.where(
-                adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg
-            )
-            gate = torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures
-            return -gate * adv, {}
-        if args.loss_type == "vespo":
-            phi = self._gamma_weights(log_ratio.detach(), adv, mask)
-            return -phi * adv * logps, {"vespo/phi_seq_mean": phi.mean()}
-        low_bound, high_bound = 1 - args.epsilon, 1 + self.epsilon_high
-        clipped = torch.clamp(ratio, low_bound, high_bound)
-        if args.delta is not None:  # two-sided clipping
-            ratio = torch.clamp(ratio, max=args.delta)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-        low = ((ratio < low_bound) & (adv < 0)).float()
-        high = ((ratio > high_bound) & (adv > 0)).float()
-        return per_token, {
-            "clip_ratio/low_mean": _masked_mean(low, mask),
-            "clip_ratio/high_mean": _masked_mean(high, mask),
-            "clip_ratio/region_mean": _masked_mean(((low + high) > 0).float(), mask),
-        }
-
-    def _gamma_weights(
-        self, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """VESPO's weight of each completion, (rows, 1): phi(w) = e^lambda w^k e^(-lambda w) of
-        its sequence ratio w (the exp of its summed log-ratios), in log space, with k and lambda
-        by the advantage's sign (TRL's ``get_gamma_weights``, no sampler correction)."""
-        args = self.args
-        floor = math.log(1e-8)
-        summed = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
-        log_w = torch.clamp(summed, floor, 20.0)
-        nonneg = adv >= 0
-        k = torch.where(nonneg, args.vespo_k_pos, args.vespo_k_neg)
-        lam = torch.where(nonneg, args.vespo_lambda_pos, args.vespo_lambda_neg).clamp(min=1e-4)
-        log_phi = lam + k * log_w - lam * torch.exp(log_w)
-        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        """:func:`recipes.losses.grpo.policy_loss` under this task's settings: the
+        micro-batch's loss as a sum and its terms (:class:`SummedLoss`: the loop divides the
+        step's gradient by the terms of the whole step on every process), and TRL's clip and
+        KL statistics."""
+        return policy_loss(
+            logps, old_logps, ref_logps, advantages, completion_mask, self.loss_settings
+        )
 
     # -------------------------------------------------------------------------- evaluation
 
@@ -990,35 +882,3 @@ def _flat_sequences(
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu(), strict=True)]
-
-
-def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The standard deviation ignoring NaN, with Bessel's correction (TRL's ``nanstd``)."""
-    if dim is None:
-        values, dim = values.reshape(-1), 0
-    count = (~torch.isnan(values)).sum(dim=dim).float()
-    mean = torch.nanmean(values, dim=dim, keepdim=True)
-    variance = torch.nanmean((values - mean) ** 2, dim=dim) * count / (count - 1)
-    return variance.sqrt()
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean over completion tokens, or over completions for one value per completion."""
-    if values.shape[1] == 1:
-        return values.mean()
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _off_policy_mask(
-    adv: torch.Tensor,
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    mask: torch.Tensor,
-    threshold: float,
-) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask, (rows, 1): 0 for a completion of negative
-    advantage whose mean KL from the old policy (old minus new log-prob) exceeds ``threshold``
-    (TRL's ``get_off_policy_mask``)."""
-    kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)
-    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return ((adv >= 0) | (mean_kl <= threshold)).to(mask.dtype)

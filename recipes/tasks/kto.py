@@ -57,7 +57,7 @@ after it, as llama3's; zephyr's newline after EOS is TRL's only extra token).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
+from recipes.losses.kto import STATS, kl_estimate, kto_loss
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
 from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
@@ -78,16 +79,6 @@ from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-e
 log = get_logger(__name__)
 
 FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
-# Summed over rows, logged divided by the rows (SummedLoss.stats); see the module's docstring.
-STATS = (
-    "kl",
-    "rewards/chosen_sum",
-    "rewards/rejected_sum",
-    "logps/chosen_sum",
-    "logps/rejected_sum",
-    "count/chosen",
-    "count/rejected",
-)
 
 
 # TRL refuses per_device_train_batch_size=1 for the same reason. A last micro-batch of one row
@@ -315,62 +306,11 @@ class KahnemanTversky(Task[PreferenceData]):
         reference: torch.Tensor,
         accelerator: Accelerator | None = None,
     ) -> torch.Tensor:
-        """TRL's KL estimate from the (rows, 2) log-probs: the mean over the micro-batch of the
-        KL completions' log-ratios, averaged over the processes, clamped at 0, detached."""
+        """TRL's KL estimate (:func:`recipes.losses.kto.kl_estimate`) from the (rows, 2)
+        log-probs, averaged over the run's processes; 0 without a KL term."""
         if not self.uses_kl:
             return torch.zeros((), device=policy.device)
-        kl = (policy[:, 1] - reference[:, 1]).mean().detach()
-        if accelerator is not None:
-            if accelerator.num_processes > 1:
-                kl = accelerator.gather(kl.reshape(1)).mean()
-        elif torch.distributed.is_available() and torch.distributed.is_initialized():
-            kl = gather(kl.reshape(1)).mean()  # the run's processes (accelerate's state)
-        return kl.clamp(min=0)
-
-    def row_losses(
-        self,
-        policy: torch.Tensor,
-        reference: torch.Tensor,
-        desirable: torch.Tensor,
-        kl: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the weighted loss, from the summed log-probs of the policy and the reference
-        of its completion, its label and the batch's KL; and its :data:`STATS`, (rows, 7)."""
-        ratios = policy - reference
-        beta = self.args.beta
-        if self.args.loss_type == "kto":  # Eq. (7) of the KTO paper, as TRL
-            losses = torch.where(
-                desirable,
-                1 - torch.sigmoid(beta * (ratios - kl)),
-                1 - torch.sigmoid(beta * (kl - ratios)),
-            )
-        else:  # apo_zero_unpaired: the unpaired variant of Eq. (7) of the APO paper
-            losses = torch.where(
-                desirable,
-                1 - torch.sigmoid(beta * ratios),
-                torch.sigmoid(beta * ratios),
-            )
-        weights = torch.where(
-            desirable,
-            torch.full_like(losses, self.args.desirable_weight),
-            torch.full_like(losses, self.args.undesirable_weight),
-        )
-        rewards = (beta * ratios).detach()
-        chosen, rejected = desirable.float(), (~desirable).float()
-        logps = policy.detach()
-        stats = torch.stack(
-            [
-                kl.expand_as(rewards).float(),
-                rewards * chosen,
-                rewards * rejected,
-                logps * chosen,
-                logps * rejected,
-                chosen,
-                rejected,
-            ],
-            dim=1,
-        )
-        return losses * weights, stats
+        return kl_estimate(policy[:, 1], reference[:, 1], _process_mean(accelerator))
 
     def _row_terms(
         self, model: torch.nn.Module, batch: Mapping, accelerator: Accelerator | None = None
@@ -378,7 +318,17 @@ class KahnemanTversky(Task[PreferenceData]):
         reference = self.reference.logps(model, batch, self._reference_forward)
         policy, _ = self._logps_of(model, batch)
         kl = self.batch_kl(policy, reference, accelerator)
-        return self.row_losses(policy[:, 0], reference[:, 0], batch["label"], kl)
+        args = self.args
+        return kto_loss(
+            policy[:, 0],
+            reference[:, 0],
+            batch["label"],
+            kl,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            desirable_weight=args.desirable_weight,
+            undesirable_weight=args.undesirable_weight,
+        )
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The rows' summed weighted loss and their count; :data:`STATS` summed over them."""
@@ -420,6 +370,20 @@ class KahnemanTversky(Task[PreferenceData]):
     ) -> dict[str, Any]:
         """Greedy answers to held-out prompts (:func:`chat.answer_held_out`)."""
         return self.chat.answer_held_out(model, data, run)
+
+
+def _process_mean(
+    accelerator: Accelerator | None,
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The mean of a 0-d tensor over the run's processes (TRL gathers its KL estimate): over
+    ``accelerator``'s, or where none is given over torch.distributed's; None for one."""
+    if accelerator is not None:
+        if accelerator.num_processes > 1:
+            return lambda value: accelerator.gather(value.reshape(1)).mean()
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return lambda value: gather(value.reshape(1)).mean()  # accelerate's state
+    return None
 
 
 def _row_losses(

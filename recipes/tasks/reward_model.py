@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
@@ -44,6 +43,7 @@ from recipes.config import DataConfig
 from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
+from recipes.losses.reward import STATS, bradley_terry_loss
 from recipes.tasks import chat
 from recipes.tasks.base import (
     Averaging,
@@ -62,8 +62,7 @@ log = get_logger(__name__)
 
 FEATURES_VERSION = 1
 SIDES = ("chosen", "rejected")
-# TRL's training metrics (RewardTrainer.compute_loss), summed per pair beside the loss.
-STATS = ("accuracy", "margin", "mean_reward")
+# STATS: TRL's training metrics (RewardTrainer.compute_loss), summed per pair beside the loss.
 
 
 @dataclass
@@ -174,26 +173,14 @@ class RewardModel(Task[RewardData]):
 
     # ------------------------------------------------------------------------------- loss
 
-    def pair_losses(
-        self, rewards: torch.Tensor, margin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per pair, from the (pairs, 2) rewards of chosen and rejected and the margins: TRL's
-        loss (with the centring term) and its metrics (:data:`STATS`), (pairs, 3)."""
-        chosen, rejected = rewards[:, 0], rewards[:, 1]
-        losses = -F.logsigmoid(chosen - rejected - margin)
-        if self.args.center_rewards_coefficient is not None:
-            losses = losses + self.args.center_rewards_coefficient * (chosen + rejected) ** 2
-        chosen, rejected = chosen.detach(), rejected.detach()
-        stats = torch.stack(
-            [(chosen > rejected).float(), chosen - rejected, (chosen + rejected) / 2], dim=1
-        )
-        return losses, stats
-
     def _batch_losses(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per pair: TRL's loss and metrics (:func:`recipes.losses.bradley_terry_loss`), and
+        the (pairs, 2) rewards of chosen and rejected."""
         rewards = pair_rewards(model, batch)
-        losses, stats = self.pair_losses(rewards, batch["margin"].to(rewards.dtype))
+        margin = batch["margin"].to(rewards.dtype)
+        losses, stats = bradley_terry_loss(rewards, margin, self.args.center_rewards_coefficient)
         return losses, stats, rewards
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
