@@ -1,9 +1,11 @@
 """The one training loop: ``mode=train`` (:func:`recipes.modes.train`) runs a :class:`Trainer`
-over the run's :class:`recipes.modes.Session` (run folder, device, task, model loading).
+over the run's :class:`recipes.session.Session` (run folder, device, task, model loading).
 
 Read it in this order: :meth:`Trainer.setup` (data, model, loaders, optimizer, resume state),
-:meth:`Trainer.fit` (the loop: a train step, a log step, the evaluate / save policy),
-:meth:`Trainer.finish` (last words, final model, results).
+:meth:`Trainer.fit` (the loop: a train step, a log step, the save policy; when to evaluate, the
+best evaluation, early stopping and the best checkpoint are its
+:class:`recipes.validation.Validator`'s), :meth:`Trainer.finish` (last words, final model,
+results).
 
 Everything that depends on the hardware (device placement, mixed precision, distributed data
 parallelism, gradient accumulation, gathering for metrics) goes through ``accelerate``; the task
@@ -46,15 +48,9 @@ from recipes.faults import (
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger
 from recipes.model import retie_gathered
-from recipes.modes import (
-    RunResult,
-    Session,
-    final_model_settings,
-    format_metrics,
-    pad_task_batches,
-)
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
+from recipes.session import RunResult, Session, final_model_settings, format_metrics
 from recipes.tasks.base import (
     Averaging,
     Seeding,
@@ -62,6 +58,7 @@ from recipes.tasks.base import (
     SummedLoss,
     TaskData,
 )
+from recipes.validation import Validator
 
 if TYPE_CHECKING:
     from recipes.benchmark import Benchmarks
@@ -71,8 +68,8 @@ log = get_logger(__name__)
 
 class Trainer:
     """The training run of one recipe (``mode=train``): :meth:`setup` builds what training
-    needs over the run's :class:`recipes.modes.Session`, :meth:`fit` trains and :meth:`finish`
-    saves and reports."""
+    needs over the run's :class:`recipes.session.Session`, :meth:`fit` trains and
+    :meth:`finish` saves and reports; its :class:`recipes.validation.Validator` evaluates."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -84,10 +81,7 @@ class Trainer:
         self.stop = session.stop
         self.output_dir, self.resume_from = session.output_dir, session.resume_from
         self.tokenizer = session.tokenizer
-        self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
-        self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
-        self.final_step: int | None = None  # the step whose weights final/ holds (_restore_best)
         self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
         self.stop_poll = StopPoll(
             self.accelerator, self.stop, self.trainer_cfg.distributed_timeout_s
@@ -117,6 +111,9 @@ class Trainer:
             self.model, self.data, self.run_context, self.trainer_cfg.per_device_eval_batch_size
         )
         self._setup_state()
+        self.validator = Validator(
+            self.session, self.data, self.run_context, self.state, self.metrics
+        )
 
     def _setup_benchmarks(self) -> None:
         """``trainer.benchmarks``, their names checked now: a misspelt task fails before
@@ -140,8 +137,7 @@ class Trainer:
 
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
-        fixed = data.max_length if trainer_cfg.padding == "max_length" else None
-        pad_task_batches(data, trainer_cfg.pad_to_multiple_of, fixed)
+        fixed = self.session.fixed_length(data)  # the task's collators pad to it (build_data)
         self.collator = data.train_collator or self.session.padding(data)
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
@@ -208,11 +204,9 @@ class Trainer:
         )
         if trainer_cfg.compile:
             _compile(self.model)
-        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
+        self.model, self.optimizer, self.train_loader, self.eval_loader = self.session.prepare(
             self.model, optimizer, self.train_loader, self.eval_loader
         )
-        if adapters.is_peft_model(accelerator.unwrap_model(self.model)):
-            adapters.register_checkpoint_hooks(accelerator)  # checkpoints hold what trains
         # Steps are optimizer updates of one global batch, whatever the number of processes: each
         # process takes len(train_loader) batches of its shard per epoch.
         accumulation = trainer_cfg.gradient_accumulation_steps
@@ -254,19 +248,12 @@ class Trainer:
         if self.resume_from is not None:
             self.state = runs.resume(self.accelerator, self.resume_from, self.state, self.scheduler)
             keep_until_step = self.state.step
-            if self.state.step and self.state.last_eval_step == self.state.step:
-                self.final_scores = dict(self.state.last_scores)  # not evaluated again
             if self.resume_from.parent == checkpoint.checkpoints_dir(self.output_dir):
                 self.last_saved_step = self.state.step  # a stop here needs no new checkpoint
         elif self.settings.resume == "auto":
             log.info("resume=auto: no checkpoint in %s yet; starting at step 0", self.output_dir)
             keep_until_step = -1  # what an earlier attempt logged is logged again
         self.metrics = self.session.start_trackers(keep_until_step)
-
-    @property
-    def main_metric(self) -> str:
-        """The logged key that ranks checkpoints (``eval/f1``, say)."""
-        return self.session.main_metric
 
     # ------------------------------------------------------------------------------- fit
 
@@ -278,11 +265,11 @@ class Trainer:
         with self.progress:  # closed on errors too: a stale bar would hide the message
             self._evaluate_before_training()
             self.model.train()
-            while self.state.step < self.total_steps and not self._should_stop_early():
+            while self.state.step < self.total_steps and not self.validator.stops_early():
                 self._train_epoch()
         self._evaluate_after_training()
-        self._restore_best()
-        return self.final_scores
+        self.validator.restore_best()
+        return self.validator.scores
 
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
@@ -319,7 +306,7 @@ class Trainer:
             if not self._train_micro_batch(batch):
                 continue  # the optimizer step waits for more micro-batches
             self._finish_step()
-            if self.state.step >= self.total_steps or self._should_stop_early():
+            if self.state.step >= self.total_steps or self.validator.stops_early():
                 return
         self._end_epoch()
 
@@ -463,13 +450,11 @@ class Trainer:
         with self.stopwatch.paused():
             if self.stop_agreed:  # before any evaluation: the launcher's grace period is short
                 self._save_and_stop()
-            new_best = False
-            if self._should_evaluate():
-                self.final_scores, new_best = self._evaluate(self.state.step)
+            new_best = self.validator.due(self.state.step) and self._evaluate(self.state.step)
             if self._should_save(new_best):
                 every = self.trainer_cfg.save_every_n_steps
                 self._save("best so far" if new_best else f"every {every} steps")
-        if not logged and self._should_stop_early():
+        if not logged and self.validator.stops_early():
             self._log_step()  # the run's last step
 
     def _end_epoch(self) -> None:
@@ -490,10 +475,6 @@ class Trainer:
         step = self.state.step
         return step % self.trainer_cfg.log_every_n_steps == 0 or step == self.total_steps
 
-    def _should_evaluate(self) -> bool:
-        every, step = self.trainer_cfg.eval_every_n_steps, self.state.step
-        return bool(every) and step > 0 and step % every == 0 and self.state.last_eval_step != step
-
     def _should_save(self, new_best: bool) -> bool:
         every = self.trainer_cfg.save_every_n_steps
         return bool(every and self.state.step % every == 0) or (new_best and self.saves_checkpoints)
@@ -504,15 +485,16 @@ class Trainer:
         return self.trainer_cfg.save_every_n_steps > 0 or self.trainer_cfg.save_at_epoch_end
 
     def _evaluate_before_training(self) -> None:
+        step = self.state.step
         with self.stopwatch.paused():
-            if self.trainer_cfg.eval_at_start and self.state.step == 0:
-                self._evaluate(0)  # the untrained model: shown, never the run's result
-            elif self._should_evaluate():  # stopped by a signal before its evaluation: do it now
-                self.final_scores, _ = self._evaluate(self.state.step)
+            if self.validator.due_untrained(step):
+                self._evaluate(0, untrained=True)  # shown, never the run's result
+            elif self.validator.due(step):  # stopped by a signal before its evaluation: do it now
+                self._evaluate(step)
 
     def _evaluate_after_training(self) -> None:
-        if self.trainer_cfg.eval_at_end and self.state.last_eval_step != self.state.step:
-            self.final_scores, new_best = self._evaluate(self.state.step)
+        if self.validator.due_at_end(self.state.step):
+            new_best = self._evaluate(self.state.step)
             if new_best and self.saves_checkpoints:
                 self._save("best so far")
 
@@ -571,105 +553,13 @@ class Trainer:
             metrics["train/peak_memory_gib"] = peak / 1024**3
         return metrics
 
-    def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
-        """Scores of the model at ``step`` (logged), and whether they are the best so far."""
+    def _evaluate(self, step: int, untrained: bool = False) -> bool:
+        """The validator's evaluation of the model at ``step``, which a stop request ends in
+        its middle (:meth:`_stoppable`); returns whether it is the best so far."""
         self._raise_if_nonfinite()
         with self._stoppable():
-            scores = evaluation.evaluate(
-                self.task, self.model, self._polled(self.eval_loader), self.data, self.run_context
-            )
-        # samples seen: the charts' other x axis
-        self.metrics.log({**scores, "train/samples_seen": round(self.state.train_samples)}, step)
-        log.info("eval at step %d: %s", step, format_metrics(scores))
-        self.state.last_eval_step = step
-        if step > 0:  # what results.json reports if the run stops after it (and resumes)
-            self.state.last_scores = scores
-        new_best = self._record_if_best(scores, step)
-        if new_best:
-            self.best_scores = scores
-        return scores, new_best
-
-    def _record_if_best(self, scores: Mapping[str, float], step: int) -> bool:
-        """Whether the evaluation ``scores`` of ``step`` are the best so far (then recorded as
-        the new best): a better main metric; on a tie, a better ``task.tie_metric``; on a tie of
-        both, the later evaluation. Only a better score (not a tie) counts as an improvement for
-        early stopping."""
-        best, task = self.state.best, self.task
-        if step == 0:
-            return False
-        self.state.evals_since_best += 1
-        value = scores.get(self.main_metric)
-        if value is None or not math.isfinite(value):
-            return False
-        tie_value = _finite_or_none(scores.get(f"eval/{task.tie_metric}"))
-        if best is not None:
-            order = rank_against_best(value, tie_value, best, task)
-            if order < 0:
-                return False
-            if order == 0:  # a full tie: the latest evaluation, no improvement
-                best.update(step=step, tie_metric=task.tie_metric, tie_value=tie_value)
-                return True
-        self.state.best = {
-            "metric": task.main_metric,
-            "value": value,
-            "step": step,
-            "tie_metric": task.tie_metric,
-            "tie_value": tie_value,
-        }
-        self.state.evals_since_best = 0
-        return True
-
-    def _should_stop_early(self) -> bool:
-        patience = self.trainer_cfg.early_stopping_patience
-        return patience is not None and self.state.evals_since_best >= patience
-
-    def _restore_best(self) -> None:
-        """With ``trainer.load_best_model_at_end`` (early stopping's default), the best
-        checkpoint's weights replace the last step's, for the task's last words and ``final/``
-        (as ``transformers.Trainer`` does); the scores reported become that checkpoint's.
-        ``final_step`` says which step final/ holds."""
-        patience, best, step = self.trainer_cfg.early_stopping_patience, self.state.best, None
-        self.final_step = self.state.step
-        if patience is not None and self._should_stop_early():
-            log.info(
-                "early stopping at step %d: %s has not improved for %d evaluations",
-                self.state.step,
-                self.main_metric,
-                patience,
-            )
-        if not self.trainer_cfg.best_model_at_end:
-            return
-        if best is None:
-            log.warning(
-                "trainer.load_best_model_at_end: no evaluation scored %s; final/ holds the "
-                "last step, %d",
-                self.main_metric,
-                self.state.step,
-            )
-            return
-        step = best["step"]
-        if step == self.state.step:
-            return
-        path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(step)
-        if not (path / checkpoint.STATE_FILE).is_file():  # resumed from another run's folder
-            log.warning(
-                "trainer.load_best_model_at_end: the best checkpoint (step %d) is not in %s; "
-                "final/ holds the last step, %d",
-                step,
-                path.parent,
-                self.state.step,
-            )
-            return
-        saved = checkpoint.load(self.accelerator, path)  # the weights; the run's state stays
-        self.final_scores = saved.last_scores or self.best_scores or self.final_scores
-        self.final_step = step
-        log.info(
-            "final model from the best checkpoint, %s (%s=%.4g at step %d)",
-            path,
-            self.main_metric,
-            best["value"],
-            step,
-        )
+            scores = self.validator.score(self.model, self._polled(self.eval_loader))
+        return self.validator.record(scores, step, untrained)
 
     def _save(self, reason: str) -> Path:
         """A checkpoint of this step (every process takes part), marked best when it is, and
@@ -682,10 +572,7 @@ class Trainer:
             accelerator, self.output_dir, state, self.model, self.tokenizer, self.optimizer
         )
         if accelerator.is_main_process:
-            if state.best is not None and state.best["step"] == state.step:
-                checkpoint.mark_best(self.output_dir, state)
-            best_step = state.best["step"] if state.best else None
-            checkpoint.rotate(self.output_dir, self.trainer_cfg.keep_last_n_checkpoints, best_step)
+            self.validator.keep_best(self.trainer_cfg.keep_last_n_checkpoints)
         log.info("checkpoint (%s): %s", reason, path)
         return path
 
@@ -787,7 +674,7 @@ class Trainer:
             self.session.result(final),
             best=state.best,
             steps=state.step,
-            final_step=self.final_step,
+            final_step=self.validator.final_step,
             train_seconds=state.train_seconds,
             **benchmarked,
         )
@@ -799,29 +686,18 @@ class Trainer:
             state.train_seconds,
             state.train_seconds / max(state.step, 1),
             format_metrics(final) if final else "no evaluation",
-            self._final_said(),
+            self.validator.final_said(),
         )
         return result
-
-    def _final_said(self) -> str:
-        """Which step's weights final/ holds, for the done line."""
-        if not self.trainer_cfg.save_final_model or self.final_step is None:
-            return ""
-        best = self.state.best
-        if best is not None and best["step"] == self.final_step:
-            why = "the best" if self.trainer_cfg.best_model_at_end else "the last, also the best"
-        else:
-            why = "the last"
-        return f"; final/ holds step {self.final_step} ({why})"
 
     def _recipe(self) -> dict[str, Any]:
         """What ``final/recipe.json`` records: the task settings (read back by mode=predict,
         :func:`recipes.checkpoint.final_recipe`), the decoding, and which step final/ holds."""
-        resolved = self.settings.resolved
+        resolved, final_step = self.settings.resolved, self.validator.final_step
         return {
             "task": resolved.get("task"),
             "generation": resolved.get("generation"),
-            "step": self.final_step if self.final_step is not None else self.state.step,
+            "step": final_step if final_step is not None else self.state.step,
             "steps": self.state.step,
             "load_best_model_at_end": self.trainer_cfg.best_model_at_end,
             "best": self.state.best,
@@ -873,7 +749,7 @@ class _Window:
     loss_and_tokens: torch.Tensor  # summed loss, tokens, loss terms
     micro_batches: int
     samples: int
-    stats: dict[str, torch.Tensor]  # the task's own sums over its loss terms (Task.logged_stats)
+    stats: dict[str, torch.Tensor]  # the task's own sums over its loss terms (LossShape.stats)
 
     @classmethod
     def fresh(
@@ -1021,30 +897,6 @@ def _compile(model: torch.nn.Module) -> None:
     else:  # torch < 2.2
         model.forward = torch.compile(model.forward)
     log.info("trainer.compile: the model is compiled on its first batches (slow first steps)")
-
-
-def rank_against_best(
-    value: float, tie_value: float | None, best: Mapping[str, Any], task: Any
-) -> int:
-    """1 when an evaluation's main metric ``value`` (and ``tie_value``, its
-    ``task.tie_metric``) beats ``best`` (``TrainerState.best``), -1 when it is worse, 0 on a
-    tie of both (a missing tie value ties)."""
-    order = _compare(value, best["value"], task.greater_is_better)
-    if order == 0:
-        order = _compare(tie_value, best.get("tie_value"), task.tie_greater_is_better)
-    return order
-
-
-def _compare(value: float | None, other: float | None, greater_is_better: bool) -> int:
-    """1 when ``value`` is better than ``other``, -1 when worse, 0 when equal (or either is
-    missing: nothing to decide by)."""
-    if value is None or other is None or value == other:
-        return 0
-    return 1 if (value > other) == greater_is_better else -1
-
-
-def _finite_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _plot(output_dir: Path) -> None:
