@@ -15,17 +15,13 @@ parallelism, gradient accumulation, gathering for metrics) goes through ``accele
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
@@ -42,7 +38,6 @@ from recipes.config import ConfigError, instantiate
 from recipes.faults import (
     Interrupted,
     StopNow,
-    StopRequest,
     TrainingError,
 )
 from recipes.flops import FlopCounter, precision_for_peak
@@ -51,6 +46,7 @@ from recipes.model import retie_gathered
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
 from recipes.session import RunResult, Session, final_model_settings, format_metrics
+from recipes.stopping import StopPoll
 from recipes.tasks.base import (
     Averaging,
     Seeding,
@@ -59,9 +55,12 @@ from recipes.tasks.base import (
     TaskData,
 )
 from recipes.validation import Validator
+from recipes.window import Stopwatch, Window
 
 if TYPE_CHECKING:
     from recipes.benchmark import Benchmarks
+    from recipes.config import Settings
+    from recipes.tasks.base import Task
 
 log = get_logger(__name__)
 
@@ -72,17 +71,13 @@ class Trainer:
     :meth:`finish` saves and reports; its :class:`recipes.validation.Validator` evaluates."""
 
     def __init__(self, session: Session) -> None:
-        self.session = session
-        self.settings = session.settings
+        self.session, self.settings, self.task = session, session.settings, session.task
         self.trainer_cfg = session.settings.trainer
-        self.task = session.task
         self.loss_shape = self.task.loss_shape()  # how its loss averages (tasks/base.py)
-        self.accelerator = session.accelerator
-        self.stop = session.stop
+        self.accelerator, self.stop = session.accelerator, session.stop
         self.output_dir, self.resume_from = session.output_dir, session.resume_from
         self.tokenizer = session.tokenizer
         self.last_saved_step = -1
-        self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
         self.stop_poll = StopPoll(
             self.accelerator, self.stop, self.trainer_cfg.distributed_timeout_s
         )
@@ -101,7 +96,9 @@ class Trainer:
                 "which needs the gradients in the parameters; launch with DDP or FSDP, not "
                 "DeepSpeed."
             )
-        self._setup_benchmarks()
+        # trainer.benchmarks, run on final/: their names checked now, a misspelt task fails
+        # before training, not after it.
+        self.benchmarks = _benchmarks(self.settings, self.task, self.output_dir)
         self.data: TaskData = self.session.build_data()
         self.model = self.session.load_model(self.data, trained_for=None)
         self.run_context = self.session.context()
@@ -114,26 +111,6 @@ class Trainer:
         self.validator = Validator(
             self.session, self.data, self.run_context, self.state, self.metrics
         )
-
-    def _setup_benchmarks(self) -> None:
-        """``trainer.benchmarks``, their names checked now: a misspelt task fails before
-        training, not after it."""
-        names = self.trainer_cfg.benchmarks
-        if names:
-            from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
-
-            if not self.task.language_model:
-                kind = self.task.auto_model_class.__name__
-                raise ConfigError(
-                    f"trainer.benchmarks={list(names)}: lm-eval scores language models, and "
-                    f"this task trains a {kind.removeprefix('AutoModelFor')} model; leave "
-                    "trainer.benchmarks empty for it (it is for task=clm, sft, dpo or seq2seq)."
-                )
-
-            folder = self.output_dir / FOLDER
-            self.benchmarks = Benchmarks(
-                names, self.settings.benchmark, folder, "trainer.benchmarks"
-            )
 
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
@@ -274,7 +251,7 @@ class Trainer:
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
         saved = state.window[accelerator.process_index] if state.window else None
-        self.window = _Window.fresh(accelerator.device, self.loss_shape.stats, saved)
+        self.window = Window.fresh(accelerator.device, self.loss_shape.stats, saved)
         self.stopwatch = Stopwatch()
         self.step_loss = torch.zeros((), device=accelerator.device)
         # Summed losses (SummedLoss): their terms this step, and the constant each micro-batch's
@@ -399,13 +376,7 @@ class Trainer:
         factor = (
             self.sum_scale * accelerator.gradient_accumulation_steps * accelerator.num_processes
         ) / terms.clamp(min=1.0)
-        groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
-        for p in self.model.parameters():
-            if p.grad is not None:
-                key = (type(p.grad), p.grad.device, p.grad.dtype)
-                groups.setdefault(key, []).append(p.grad)
-        for (_, where, dtype), grads in groups.items():  # a tensor factor: torch >= 2.1
-            torch._foreach_mul_(grads, factor.to(device=where, dtype=dtype))
+        _scale_gradients(self.model, factor)
         self.step_terms.zero_()
 
     def _optimizer_step(self) -> None:
@@ -519,27 +490,16 @@ class Trainer:
         self.progress.set_postfix(
             loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
         )
-        self.window = _Window.fresh(self.accelerator.device, self.loss_shape.stats)
+        self.window = Window.fresh(self.accelerator.device, self.loss_shape.stats)
         self.stopwatch.restart()
 
     def _window_metrics(self, elapsed: float) -> dict[str, float]:
         """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed
         over all processes."""
-        accelerator, window = self.accelerator, self.window
-        samples = torch.tensor(
-            [window.samples], dtype=torch.float, device=window.loss_and_tokens.device
-        )
-        stats = [value.reshape(1) for value in window.stats.values()]
-        totals = accelerator.reduce(
-            torch.cat([window.loss_and_tokens, samples, *stats]), reduction="sum"
-        )
-        loss, tokens, terms, samples, *stat_sums = totals.tolist()
+        accelerator = self.accelerator
+        means, tokens, samples = self.window.totals(accelerator)
         metrics = {
-            "train/loss": loss / max(terms, 1.0),
-            **{
-                f"train/{name}": value / max(terms, 1.0)
-                for name, value in zip(window.stats, stat_sums, strict=True)
-            },
+            **means,
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/epoch": self.state.step / self.steps_per_epoch,
             "train/samples_per_second": samples / elapsed,
@@ -558,7 +518,7 @@ class Trainer:
         its middle (:meth:`_stoppable`); returns whether it is the best so far."""
         self._raise_if_nonfinite()
         with self._stoppable():
-            scores = self.validator.score(self.model, self._polled(self.eval_loader))
+            scores = self.validator.score(self.model, self.stop_poll.polled(self.eval_loader))
         return self.validator.record(scores, step, untrained)
 
     def _save(self, reason: str) -> Path:
@@ -580,30 +540,18 @@ class Trainer:
     def _stoppable(self) -> Iterator[None]:
         """An evaluation or the task's last words, which a stop request (SIGTERM, Ctrl-C) ends
         in their middle: they can take longer than a launcher's grace period. One process stops
-        at once; several agree on entry and before each evaluation batch (:meth:`_polled`). Then
-        a checkpoint of the last trained step is saved (unless there is one) and the run stops,
-        resumable."""
-        if not self.stop.installed:  # mode=eval / predict: a signal ends them, nothing to save
+        at once; several agree on entry and before each evaluation batch (``StopPoll.polled``).
+        Then a checkpoint of the last trained step is saved (unless there is one) and the run
+        stops, resumable."""
+        if not self.stop.installed:  # not yet: a signal ends the run, there is nothing to save
             yield
             return
         try:
-            self._stop_if_asked()
+            self.stop_poll.raise_if_asked()
             with self.stop.at_once(self.accelerator.num_processes == 1):
                 yield
         except StopNow:
             self._save_and_stop()
-
-    def _stop_if_asked(self) -> None:
-        """Raise :class:`StopNow` on every process if any was asked to stop (one all-reduce)."""
-        if self.stop.installed and self.stop_poll.asked():
-            raise StopNow()
-
-    def _polled(self, loader: DataLoader) -> Iterable[Any]:
-        """``loader``, asking all processes before each batch whether one of them was asked to
-        stop (several processes; one stops at once without asking)."""
-        if not self.stop.installed or self.accelerator.num_processes == 1:
-            return loader
-        return _StopPolled(loader, self.stop_poll)
 
     def _save_and_stop(self) -> None:
         state = self.state
@@ -625,16 +573,8 @@ class Trainer:
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.gather(flags)
         steps = [int(value) for value in flags.tolist() if value > 0]
-        if not steps:
-            return
-        found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
-        last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
-        raise TrainingError(
-            f"step {min(steps)}: the loss or gradient norm is not finite (the run stopped at "
-            f"step {self.state.step}, when it was read; no checkpoint holds those weights and "
-            f"{last}). Lower optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, "
-            "or set trainer.on_nonfinite=skip to drop such updates."
-        )
+        if steps:
+            raise _nonfinite_error(min(steps), self.state.step, self.output_dir)
 
     def _count_skipped(self) -> None:
         """A NaN / Inf loss or gradient at the coming step, ``trainer.on_nonfinite=skip``: its
@@ -657,7 +597,7 @@ class Trainer:
             extra = self.task.after_training(self.model, self.data, self.run_context)
             # Several processes do not poll in the last words: a stop asked for there is acted
             # on here, before final/.
-            self._stop_if_asked()
+            self.stop_poll.raise_if_asked()
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
@@ -667,7 +607,7 @@ class Trainer:
             )
             if accelerator.is_main_process and self.data.template:
                 serving.log_check(final_dir)  # a chat model: what vLLM would load
-        benchmarked = self._benchmark_final() if self.benchmarks else {}
+        benchmarked = self._benchmark_final()
         if benchmarked:
             self.metrics.log(benchmarked["benchmarks"], state.step)
         result = self.session.finish(
@@ -706,131 +646,16 @@ class Trainer:
     def _benchmark_final(self) -> dict[str, Any]:
         """``trainer.benchmarks`` on ``final/`` as saved (a LoRA run's merged model), once the
         training copy and its optimizer state are let go: the benchmark loads its own."""
+        if self.benchmarks is None:
+            return {}
         self.model = self.optimizer = self.scheduler = None
         self.accelerator.free_memory()
         self.accelerator.wait_for_everyone()  # final/ is whole on every process's file system
-        final = final_model_settings(self.settings, self.output_dir)
-        assert self.benchmarks is not None
-        report = self.benchmarks.run(final, self.accelerator)
+        report = self.benchmarks.run(
+            final_model_settings(self.settings, self.output_dir), self.accelerator
+        )
         log.info("benchmarked final/: %s", format_metrics(report.scores))
         return {"benchmarks": report.scores, "lm_eval": report.results}
-
-
-class Stopwatch:
-    """Training time since the last :meth:`restart`; what runs inside :meth:`paused`
-    (evaluation, saving) is left out, so throughput counts training alone."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def restart(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - began
-
-
-@dataclass
-class _Window:
-    """Running sums between two log steps.
-
-    Loss and token count stay on the device (no host sync per step); micro-batch and sample
-    counts are known on the host.
-    """
-
-    loss_and_tokens: torch.Tensor  # summed loss, tokens, loss terms
-    micro_batches: int
-    samples: int
-    stats: dict[str, torch.Tensor]  # the task's own sums over its loss terms (LossShape.stats)
-
-    @classmethod
-    def fresh(
-        cls, where: torch.device, names: tuple[str, ...] = (), saved: list[float] | None = None
-    ) -> _Window:
-        loss, tokens, micro, samples, *rest = saved or [0.0, 0.0, 0, 0, 0.0]
-        terms = rest[0] if rest else micro  # saved before summed losses: one per micro-batch
-        values = list(rest[1:]) or [0.0] * len(names)
-        sums = torch.tensor([loss, tokens, terms], dtype=torch.float, device=where)
-        stats = {
-            name: torch.tensor(value, dtype=torch.float, device=where)
-            for name, value in zip(names, values, strict=True)
-        }
-        return cls(sums, int(micro), int(samples), stats)
-
-    def add_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
-        for name, value in stats.items():
-            self.stats[name] += value.detach().float()
-
-    def add(
-        self,
-        pieces: list[Mapping[str, torch.Tensor]],
-        loss: torch.Tensor,
-        terms: torch.Tensor | float,
-    ) -> None:
-        """One micro-batch (its sub-batches): its loss and how many terms it sums."""
-        tokens = sum(_real_tokens(piece) for piece in pieces)
-        sums = self.loss_and_tokens  # added in place: a Python number travels as a kernel
-        sums[0] += loss.detach().float()  # argument, with no host tensor copied to the device
-        sums[1] += tokens
-        sums[2] += terms
-        self.micro_batches += 1
-        self.samples += sum(_examples(piece) for piece in pieces)
-
-    def as_list(self) -> list[float]:
-        loss, tokens, terms = self.loss_and_tokens.tolist()
-        stats = [float(value) for value in self.stats.values()]
-        return [loss, tokens, self.micro_batches, self.samples, terms, *stats]
-
-
-class _StopPolled:
-    """An evaluation loader that raises :class:`StopNow` on every process before the next batch
-    once any process was asked to stop (one small all-reduce per batch; every process takes the
-    same number of evaluation batches). Anything else is the loader's own."""
-
-    def __init__(self, loader: DataLoader, poll: StopPoll) -> None:
-        self.loader, self.poll = loader, poll
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            if self.poll.asked():
-                raise StopNow()
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-
-class StopPoll:
-    """Whether any process was asked to stop (SIGTERM, Ctrl-C), asked on the host: one small
-    all-reduce of a CPU tensor over gloo (the process group itself where it is gloo, else a gloo
-    group beside NCCL / MCCL), so that polling at every step never waits for the device's
-    queue. Every process must call :meth:`asked` together."""
-
-    def __init__(self, accelerator: Accelerator, stop: StopRequest, timeout_s: int) -> None:
-        self.stop = stop
-        self.several = accelerator.num_processes > 1
-        self.group = None
-        if self.several and dist.get_backend() != dist.Backend.GLOO:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def asked(self) -> bool:
-        asked = self.stop.signum is not None
-        if not self.several:
-            return asked
-        flag = torch.tensor([float(asked)])
-        dist.all_reduce(flag, group=self.group)
-        return bool(flag[0] > 0)
 
 
 def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
@@ -841,16 +666,46 @@ def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
     return bool(flag.item() > 0)
 
 
-def _examples(batch: Mapping[str, torch.Tensor]) -> int:
-    """The examples a batch holds: its rows, or the examples it names (``index``: a preference
-    batch, whose rows may be both sides of each pair, or all of them in one padding-free row)."""
-    index = batch.get("index")
-    return len(index) if index is not None else batch["input_ids"].shape[0]
+def _nonfinite_error(step: int, read_at: int, output_dir: Path) -> TrainingError:
+    """What stops a run whose ``step`` had a NaN / Inf loss or gradient, found at ``read_at``."""
+    found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(output_dir))
+    last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
+    return TrainingError(
+        f"step {step}: the loss or gradient norm is not finite (the run stopped at step "
+        f"{read_at}, when it was read; no checkpoint holds those weights and {last}). Lower "
+        "optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, or set "
+        "trainer.on_nonfinite=skip to drop such updates."
+    )
 
 
-def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
-    mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else batch["input_ids"].numel()
+def _benchmarks(settings: Settings, task: Task, output_dir: Path) -> Benchmarks | None:
+    """The Benchmarks of ``trainer.benchmarks`` (None: none), refused for a task that does not
+    train a language model."""
+    names = settings.trainer.benchmarks
+    if not names:
+        return None
+    from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
+
+    if not task.language_model:
+        kind = task.auto_model_class.__name__
+        raise ConfigError(
+            f"trainer.benchmarks={list(names)}: lm-eval scores language models, and this task "
+            f"trains a {kind.removeprefix('AutoModelFor')} model; leave trainer.benchmarks "
+            "empty for it (it is for task=clm, sft, dpo or seq2seq)."
+        )
+    return Benchmarks(names, settings.benchmark, output_dir / FOLDER, "trainer.benchmarks")
+
+
+def _scale_gradients(model: torch.nn.Module, factor: torch.Tensor) -> None:
+    """Multiply every gradient of ``model`` by ``factor`` (a tensor: reading it on the host
+    would wait for the device), in place, one foreach call per kind of gradient tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
+    for p in model.parameters():
+        if p.grad is not None:
+            key = (type(p.grad), p.grad.device, p.grad.dtype)
+            groups.setdefault(key, []).append(p.grad)
+    for (_, where, dtype), grads in groups.items():  # a tensor factor: torch >= 2.1
+        torch._foreach_mul_(grads, factor.to(device=where, dtype=dtype))
 
 
 def optimizer_factory(optimizer: Mapping[str, Any]) -> Callable[..., torch.optim.Optimizer]:
