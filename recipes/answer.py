@@ -56,7 +56,7 @@ def answer(
     from recipes.config import TrainerConfig
     from recipes.evaluation import eval_mode
     from recipes.model import backend_kwargs
-    from recipes.modes import resolve_mixed_precision
+    from recipes.session import resolve_mixed_precision
 
     saved = _run_config(model_dir)
     task = _task(model_dir, saved.get("task"), n_best, threshold)

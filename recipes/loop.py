@@ -1,9 +1,11 @@
 """The one training loop: ``mode=train`` (:func:`recipes.modes.train`) runs a :class:`Trainer`
-over the run's :class:`recipes.modes.Session` (run folder, device, task, model loading).
+over the run's :class:`recipes.session.Session` (run folder, device, task, model loading).
 
 Read it in this order: :meth:`Trainer.setup` (data, model, loaders, optimizer, resume state),
-:meth:`Trainer.fit` (the loop: a train step, a log step, the evaluate / save policy),
-:meth:`Trainer.finish` (last words, final model, results).
+:meth:`Trainer.fit` (the loop: a train step, a log step, the save policy; when to evaluate, the
+best evaluation, early stopping and the best checkpoint are its
+:class:`recipes.validation.Validator`'s), :meth:`Trainer.finish` (last words, final model,
+results).
 
 Everything that depends on the hardware (device placement, mixed precision, distributed data
 parallelism, gradient accumulation, gathering for metrics) goes through ``accelerate``; the task
@@ -13,17 +15,13 @@ parallelism, gradient accumulation, gathering for metrics) goes through ``accele
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.utils import (
@@ -40,21 +38,15 @@ from recipes.config import ConfigError, instantiate
 from recipes.faults import (
     Interrupted,
     StopNow,
-    StopRequest,
     TrainingError,
 )
 from recipes.flops import FlopCounter, precision_for_peak
 from recipes.log import get_logger
 from recipes.model import retie_gathered
-from recipes.modes import (
-    RunResult,
-    Session,
-    final_model_settings,
-    format_metrics,
-    pad_task_batches,
-)
 from recipes.optim import build_optimizer
 from recipes.seeding import SeededCollator, reseed
+from recipes.session import RunResult, Session, final_model_settings, format_metrics
+from recipes.stopping import StopPoll
 from recipes.tasks.base import (
     Averaging,
     Seeding,
@@ -62,33 +54,30 @@ from recipes.tasks.base import (
     SummedLoss,
     TaskData,
 )
+from recipes.validation import Validator
+from recipes.window import Stopwatch, Window
 
 if TYPE_CHECKING:
     from recipes.benchmark import Benchmarks
+    from recipes.config import Settings
+    from recipes.tasks.base import Task
 
 log = get_logger(__name__)
 
 
 class Trainer:
     """The training run of one recipe (``mode=train``): :meth:`setup` builds what training
-    needs over the run's :class:`recipes.modes.Session`, :meth:`fit` trains and :meth:`finish`
-    saves and reports."""
+    needs over the run's :class:`recipes.session.Session`, :meth:`fit` trains and
+    :meth:`finish` saves and reports; its :class:`recipes.validation.Validator` evaluates."""
 
     def __init__(self, session: Session) -> None:
-        self.session = session
-        self.settings = session.settings
+        self.session, self.settings, self.task = session, session.settings, session.task
         self.trainer_cfg = session.settings.trainer
-        self.task = session.task
         self.loss_shape = self.task.loss_shape()  # how its loss averages (tasks/base.py)
-        self.accelerator = session.accelerator
-        self.stop = session.stop
+        self.accelerator, self.stop = session.accelerator, session.stop
         self.output_dir, self.resume_from = session.output_dir, session.resume_from
         self.tokenizer = session.tokenizer
-        self.final_scores: dict[str, float] = {}  # the last evaluation (not the untrained one)
-        self.best_scores: dict[str, float] = {}  # the best evaluation of this process's run
         self.last_saved_step = -1
-        self.final_step: int | None = None  # the step whose weights final/ holds (_restore_best)
-        self.benchmarks: Benchmarks | None = None  # trainer.benchmarks, run on final/
         self.stop_poll = StopPoll(
             self.accelerator, self.stop, self.trainer_cfg.distributed_timeout_s
         )
@@ -107,7 +96,9 @@ class Trainer:
                 "which needs the gradients in the parameters; launch with DDP or FSDP, not "
                 "DeepSpeed."
             )
-        self._setup_benchmarks()
+        # trainer.benchmarks, run on final/: their names checked now, a misspelt task fails
+        # before training, not after it.
+        self.benchmarks = _benchmarks(self.settings, self.task, self.output_dir)
         self.data: TaskData = self.session.build_data()
         self.model = self.session.load_model(self.data, trained_for=None)
         self.run_context = self.session.context()
@@ -117,31 +108,13 @@ class Trainer:
             self.model, self.data, self.run_context, self.trainer_cfg.per_device_eval_batch_size
         )
         self._setup_state()
-
-    def _setup_benchmarks(self) -> None:
-        """``trainer.benchmarks``, their names checked now: a misspelt task fails before
-        training, not after it."""
-        names = self.trainer_cfg.benchmarks
-        if names:
-            from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
-
-            if not self.task.language_model:
-                kind = self.task.auto_model_class.__name__
-                raise ConfigError(
-                    f"trainer.benchmarks={list(names)}: lm-eval scores language models, and "
-                    f"this task trains a {kind.removeprefix('AutoModelFor')} model; leave "
-                    "trainer.benchmarks empty for it (it is for task=clm, sft, dpo or seq2seq)."
-                )
-
-            folder = self.output_dir / FOLDER
-            self.benchmarks = Benchmarks(
-                names, self.settings.benchmark, folder, "trainer.benchmarks"
-            )
+        self.validator = Validator(
+            self.session, self.data, self.run_context, self.state, self.metrics
+        )
 
     def _setup_data_loaders(self) -> None:
         trainer_cfg, data = self.trainer_cfg, self.data
-        fixed = data.max_length if trainer_cfg.padding == "max_length" else None
-        pad_task_batches(data, trainer_cfg.pad_to_multiple_of, fixed)
+        fixed = self.session.fixed_length(data)  # the task's collators pad to it (build_data)
         self.collator = data.train_collator or self.session.padding(data)
         # Padded to max_length (or packed blocks of one length), lengths would save nothing.
         lengths = None if fixed else data_lib.feature_lengths(data.train)
@@ -208,11 +181,9 @@ class Trainer:
         )
         if trainer_cfg.compile:
             _compile(self.model)
-        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
+        self.model, self.optimizer, self.train_loader, self.eval_loader = self.session.prepare(
             self.model, optimizer, self.train_loader, self.eval_loader
         )
-        if adapters.is_peft_model(accelerator.unwrap_model(self.model)):
-            adapters.register_checkpoint_hooks(accelerator)  # checkpoints hold what trains
         # Steps are optimizer updates of one global batch, whatever the number of processes: each
         # process takes len(train_loader) batches of its shard per epoch.
         accumulation = trainer_cfg.gradient_accumulation_steps
@@ -254,19 +225,12 @@ class Trainer:
         if self.resume_from is not None:
             self.state = runs.resume(self.accelerator, self.resume_from, self.state, self.scheduler)
             keep_until_step = self.state.step
-            if self.state.step and self.state.last_eval_step == self.state.step:
-                self.final_scores = dict(self.state.last_scores)  # not evaluated again
             if self.resume_from.parent == checkpoint.checkpoints_dir(self.output_dir):
                 self.last_saved_step = self.state.step  # a stop here needs no new checkpoint
         elif self.settings.resume == "auto":
             log.info("resume=auto: no checkpoint in %s yet; starting at step 0", self.output_dir)
             keep_until_step = -1  # what an earlier attempt logged is logged again
         self.metrics = self.session.start_trackers(keep_until_step)
-
-    @property
-    def main_metric(self) -> str:
-        """The logged key that ranks checkpoints (``eval/f1``, say)."""
-        return self.session.main_metric
 
     # ------------------------------------------------------------------------------- fit
 
@@ -278,16 +242,16 @@ class Trainer:
         with self.progress:  # closed on errors too: a stale bar would hide the message
             self._evaluate_before_training()
             self.model.train()
-            while self.state.step < self.total_steps and not self._should_stop_early():
+            while self.state.step < self.total_steps and not self.validator.stops_early():
                 self._train_epoch()
         self._evaluate_after_training()
-        self._restore_best()
-        return self.final_scores
+        self.validator.restore_best()
+        return self.validator.scores
 
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
         saved = state.window[accelerator.process_index] if state.window else None
-        self.window = _Window.fresh(accelerator.device, self.loss_shape.stats, saved)
+        self.window = Window.fresh(accelerator.device, self.loss_shape.stats, saved)
         self.stopwatch = Stopwatch()
         self.step_loss = torch.zeros((), device=accelerator.device)
         # Summed losses (SummedLoss): their terms this step, and the constant each micro-batch's
@@ -319,7 +283,7 @@ class Trainer:
             if not self._train_micro_batch(batch):
                 continue  # the optimizer step waits for more micro-batches
             self._finish_step()
-            if self.state.step >= self.total_steps or self._should_stop_early():
+            if self.state.step >= self.total_steps or self.validator.stops_early():
                 return
         self._end_epoch()
 
@@ -412,13 +376,7 @@ class Trainer:
         factor = (
             self.sum_scale * accelerator.gradient_accumulation_steps * accelerator.num_processes
         ) / terms.clamp(min=1.0)
-        groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
-        for p in self.model.parameters():
-            if p.grad is not None:
-                key = (type(p.grad), p.grad.device, p.grad.dtype)
-                groups.setdefault(key, []).append(p.grad)
-        for (_, where, dtype), grads in groups.items():  # a tensor factor: torch >= 2.1
-            torch._foreach_mul_(grads, factor.to(device=where, dtype=dtype))
+        _scale_gradients(self.model, factor)
         self.step_terms.zero_()
 
     def _optimizer_step(self) -> None:
@@ -463,13 +421,11 @@ class Trainer:
         with self.stopwatch.paused():
             if self.stop_agreed:  # before any evaluation: the launcher's grace period is short
                 self._save_and_stop()
-            new_best = False
-            if self._should_evaluate():
-                self.final_scores, new_best = self._evaluate(self.state.step)
+            new_best = self.validator.due(self.state.step) and self._evaluate(self.state.step)
             if self._should_save(new_best):
                 every = self.trainer_cfg.save_every_n_steps
                 self._save("best so far" if new_best else f"every {every} steps")
-        if not logged and self._should_stop_early():
+        if not logged and self.validator.stops_early():
             self._log_step()  # the run's last step
 
     def _end_epoch(self) -> None:
@@ -490,10 +446,6 @@ class Trainer:
         step = self.state.step
         return step % self.trainer_cfg.log_every_n_steps == 0 or step == self.total_steps
 
-    def _should_evaluate(self) -> bool:
-        every, step = self.trainer_cfg.eval_every_n_steps, self.state.step
-        return bool(every) and step > 0 and step % every == 0 and self.state.last_eval_step != step
-
     def _should_save(self, new_best: bool) -> bool:
         every = self.trainer_cfg.save_every_n_steps
         return bool(every and self.state.step % every == 0) or (new_best and self.saves_checkpoints)
@@ -504,15 +456,16 @@ class Trainer:
         return self.trainer_cfg.save_every_n_steps > 0 or self.trainer_cfg.save_at_epoch_end
 
     def _evaluate_before_training(self) -> None:
+        step = self.state.step
         with self.stopwatch.paused():
-            if self.trainer_cfg.eval_at_start and self.state.step == 0:
-                self._evaluate(0)  # the untrained model: shown, never the run's result
-            elif self._should_evaluate():  # stopped by a signal before its evaluation: do it now
-                self.final_scores, _ = self._evaluate(self.state.step)
+            if self.validator.due_untrained(step):
+                self._evaluate(0, untrained=True)  # shown, never the run's result
+            elif self.validator.due(step):  # stopped by a signal before its evaluation: do it now
+                self._evaluate(step)
 
     def _evaluate_after_training(self) -> None:
-        if self.trainer_cfg.eval_at_end and self.state.last_eval_step != self.state.step:
-            self.final_scores, new_best = self._evaluate(self.state.step)
+        if self.validator.due_at_end(self.state.step):
+            new_best = self._evaluate(self.state.step)
             if new_best and self.saves_checkpoints:
                 self._save("best so far")
 
@@ -537,27 +490,16 @@ class Trainer:
         self.progress.set_postfix(
             loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/lr']:.3e}"
         )
-        self.window = _Window.fresh(self.accelerator.device, self.loss_shape.stats)
+        self.window = Window.fresh(self.accelerator.device, self.loss_shape.stats)
         self.stopwatch.restart()
 
     def _window_metrics(self, elapsed: float) -> dict[str, float]:
         """Loss, lr and throughput over the ``elapsed`` seconds since the last log step, summed
         over all processes."""
-        accelerator, window = self.accelerator, self.window
-        samples = torch.tensor(
-            [window.samples], dtype=torch.float, device=window.loss_and_tokens.device
-        )
-        stats = [value.reshape(1) for value in window.stats.values()]
-        totals = accelerator.reduce(
-            torch.cat([window.loss_and_tokens, samples, *stats]), reduction="sum"
-        )
-        loss, tokens, terms, samples, *stat_sums = totals.tolist()
+        accelerator = self.accelerator
+        means, tokens, samples = self.window.totals(accelerator)
         metrics = {
-            "train/loss": loss / max(terms, 1.0),
-            **{
-                f"train/{name}": value / max(terms, 1.0)
-                for name, value in zip(window.stats, stat_sums, strict=True)
-            },
+            **means,
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/epoch": self.state.step / self.steps_per_epoch,
             "train/samples_per_second": samples / elapsed,
@@ -571,105 +513,13 @@ class Trainer:
             metrics["train/peak_memory_gib"] = peak / 1024**3
         return metrics
 
-    def _evaluate(self, step: int) -> tuple[dict[str, float], bool]:
-        """Scores of the model at ``step`` (logged), and whether they are the best so far."""
+    def _evaluate(self, step: int, untrained: bool = False) -> bool:
+        """The validator's evaluation of the model at ``step``, which a stop request ends in
+        its middle (:meth:`_stoppable`); returns whether it is the best so far."""
         self._raise_if_nonfinite()
         with self._stoppable():
-            scores = evaluation.evaluate(
-                self.task, self.model, self._polled(self.eval_loader), self.data, self.run_context
-            )
-        # samples seen: the charts' other x axis
-        self.metrics.log({**scores, "train/samples_seen": round(self.state.train_samples)}, step)
-        log.info("eval at step %d: %s", step, format_metrics(scores))
-        self.state.last_eval_step = step
-        if step > 0:  # what results.json reports if the run stops after it (and resumes)
-            self.state.last_scores = scores
-        new_best = self._record_if_best(scores, step)
-        if new_best:
-            self.best_scores = scores
-        return scores, new_best
-
-    def _record_if_best(self, scores: Mapping[str, float], step: int) -> bool:
-        """Whether the evaluation ``scores`` of ``step`` are the best so far (then recorded as
-        the new best): a better main metric; on a tie, a better ``task.tie_metric``; on a tie of
-        both, the later evaluation. Only a better score (not a tie) counts as an improvement for
-        early stopping."""
-        best, task = self.state.best, self.task
-        if step == 0:
-            return False
-        self.state.evals_since_best += 1
-        value = scores.get(self.main_metric)
-        if value is None or not math.isfinite(value):
-            return False
-        tie_value = _finite_or_none(scores.get(f"eval/{task.tie_metric}"))
-        if best is not None:
-            order = rank_against_best(value, tie_value, best, task)
-            if order < 0:
-                return False
-            if order == 0:  # a full tie: the latest evaluation, no improvement
-                best.update(step=step, tie_metric=task.tie_metric, tie_value=tie_value)
-                return True
-        self.state.best = {
-            "metric": task.main_metric,
-            "value": value,
-            "step": step,
-            "tie_metric": task.tie_metric,
-            "tie_value": tie_value,
-        }
-        self.state.evals_since_best = 0
-        return True
-
-    def _should_stop_early(self) -> bool:
-        patience = self.trainer_cfg.early_stopping_patience
-        return patience is not None and self.state.evals_since_best >= patience
-
-    def _restore_best(self) -> None:
-        """With ``trainer.load_best_model_at_end`` (early stopping's default), the best
-        checkpoint's weights replace the last step's, for the task's last words and ``final/``
-        (as ``transformers.Trainer`` does); the scores reported become that checkpoint's.
-        ``final_step`` says which step final/ holds."""
-        patience, best, step = self.trainer_cfg.early_stopping_patience, self.state.best, None
-        self.final_step = self.state.step
-        if patience is not None and self._should_stop_early():
-            log.info(
-                "early stopping at step %d: %s has not improved for %d evaluations",
-                self.state.step,
-                self.main_metric,
-                patience,
-            )
-        if not self.trainer_cfg.best_model_at_end:
-            return
-        if best is None:
-            log.warning(
-                "trainer.load_best_model_at_end: no evaluation scored %s; final/ holds the "
-                "last step, %d",
-                self.main_metric,
-                self.state.step,
-            )
-            return
-        step = best["step"]
-        if step == self.state.step:
-            return
-        path = checkpoint.checkpoints_dir(self.output_dir) / checkpoint.name_of(step)
-        if not (path / checkpoint.STATE_FILE).is_file():  # resumed from another run's folder
-            log.warning(
-                "trainer.load_best_model_at_end: the best checkpoint (step %d) is not in %s; "
-                "final/ holds the last step, %d",
-                step,
-                path.parent,
-                self.state.step,
-            )
-            return
-        saved = checkpoint.load(self.accelerator, path)  # the weights; the run's state stays
-        self.final_scores = saved.last_scores or self.best_scores or self.final_scores
-        self.final_step = step
-        log.info(
-            "final model from the best checkpoint, %s (%s=%.4g at step %d)",
-            path,
-            self.main_metric,
-            best["value"],
-            step,
-        )
+            scores = self.validator.score(self.model, self.stop_poll.polled(self.eval_loader))
+        return self.validator.record(scores, step, untrained)
 
     def _save(self, reason: str) -> Path:
         """A checkpoint of this step (every process takes part), marked best when it is, and
@@ -682,10 +532,7 @@ class Trainer:
             accelerator, self.output_dir, state, self.model, self.tokenizer, self.optimizer
         )
         if accelerator.is_main_process:
-            if state.best is not None and state.best["step"] == state.step:
-                checkpoint.mark_best(self.output_dir, state)
-            best_step = state.best["step"] if state.best else None
-            checkpoint.rotate(self.output_dir, self.trainer_cfg.keep_last_n_checkpoints, best_step)
+            self.validator.keep_best(self.trainer_cfg.keep_last_n_checkpoints)
         log.info("checkpoint (%s): %s", reason, path)
         return path
 
@@ -693,30 +540,18 @@ class Trainer:
     def _stoppable(self) -> Iterator[None]:
         """An evaluation or the task's last words, which a stop request (SIGTERM, Ctrl-C) ends
         in their middle: they can take longer than a launcher's grace period. One process stops
-        at once; several agree on entry and before each evaluation batch (:meth:`_polled`). Then
-        a checkpoint of the last trained step is saved (unless there is one) and the run stops,
-        resumable."""
-        if not self.stop.installed:  # mode=eval / predict: a signal ends them, nothing to save
+        at once; several agree on entry and before each evaluation batch (``StopPoll.polled``).
+        Then a checkpoint of the last trained step is saved (unless there is one) and the run
+        stops, resumable."""
+        if not self.stop.installed:  # not yet: a signal ends the run, there is nothing to save
             yield
             return
         try:
-            self._stop_if_asked()
+            self.stop_poll.raise_if_asked()
             with self.stop.at_once(self.accelerator.num_processes == 1):
                 yield
         except StopNow:
             self._save_and_stop()
-
-    def _stop_if_asked(self) -> None:
-        """Raise :class:`StopNow` on every process if any was asked to stop (one all-reduce)."""
-        if self.stop.installed and self.stop_poll.asked():
-            raise StopNow()
-
-    def _polled(self, loader: DataLoader) -> Iterable[Any]:
-        """``loader``, asking all processes before each batch whether one of them was asked to
-        stop (several processes; one stops at once without asking)."""
-        if not self.stop.installed or self.accelerator.num_processes == 1:
-            return loader
-        return _StopPolled(loader, self.stop_poll)
 
     def _save_and_stop(self) -> None:
         state = self.state
@@ -738,16 +573,8 @@ class Trainer:
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.gather(flags)
         steps = [int(value) for value in flags.tolist() if value > 0]
-        if not steps:
-            return
-        found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
-        last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
-        raise TrainingError(
-            f"step {min(steps)}: the loss or gradient norm is not finite (the run stopped at "
-            f"step {self.state.step}, when it was read; no checkpoint holds those weights and "
-            f"{last}). Lower optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, "
-            "or set trainer.on_nonfinite=skip to drop such updates."
-        )
+        if steps:
+            raise _nonfinite_error(min(steps), self.state.step, self.output_dir)
 
     def _count_skipped(self) -> None:
         """A NaN / Inf loss or gradient at the coming step, ``trainer.on_nonfinite=skip``: its
@@ -770,7 +597,7 @@ class Trainer:
             extra = self.task.after_training(self.model, self.data, self.run_context)
             # Several processes do not poll in the last words: a stop asked for there is acted
             # on here, before final/.
-            self._stop_if_asked()
+            self.stop_poll.raise_if_asked()
         if extra:
             self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
@@ -780,14 +607,14 @@ class Trainer:
             )
             if accelerator.is_main_process and self.data.template:
                 serving.log_check(final_dir)  # a chat model: what vLLM would load
-        benchmarked = self._benchmark_final() if self.benchmarks else {}
+        benchmarked = self._benchmark_final()
         if benchmarked:
             self.metrics.log(benchmarked["benchmarks"], state.step)
         result = self.session.finish(
             self.session.result(final),
             best=state.best,
             steps=state.step,
-            final_step=self.final_step,
+            final_step=self.validator.final_step,
             train_seconds=state.train_seconds,
             **benchmarked,
         )
@@ -799,29 +626,18 @@ class Trainer:
             state.train_seconds,
             state.train_seconds / max(state.step, 1),
             format_metrics(final) if final else "no evaluation",
-            self._final_said(),
+            self.validator.final_said(),
         )
         return result
-
-    def _final_said(self) -> str:
-        """Which step's weights final/ holds, for the done line."""
-        if not self.trainer_cfg.save_final_model or self.final_step is None:
-            return ""
-        best = self.state.best
-        if best is not None and best["step"] == self.final_step:
-            why = "the best" if self.trainer_cfg.best_model_at_end else "the last, also the best"
-        else:
-            why = "the last"
-        return f"; final/ holds step {self.final_step} ({why})"
 
     def _recipe(self) -> dict[str, Any]:
         """What ``final/recipe.json`` records: the task settings (read back by mode=predict,
         :func:`recipes.checkpoint.final_recipe`), the decoding, and which step final/ holds."""
-        resolved = self.settings.resolved
+        resolved, final_step = self.settings.resolved, self.validator.final_step
         return {
             "task": resolved.get("task"),
             "generation": resolved.get("generation"),
-            "step": self.final_step if self.final_step is not None else self.state.step,
+            "step": final_step if final_step is not None else self.state.step,
             "steps": self.state.step,
             "load_best_model_at_end": self.trainer_cfg.best_model_at_end,
             "best": self.state.best,
@@ -830,131 +646,16 @@ class Trainer:
     def _benchmark_final(self) -> dict[str, Any]:
         """``trainer.benchmarks`` on ``final/`` as saved (a LoRA run's merged model), once the
         training copy and its optimizer state are let go: the benchmark loads its own."""
+        if self.benchmarks is None:
+            return {}
         self.model = self.optimizer = self.scheduler = None
         self.accelerator.free_memory()
         self.accelerator.wait_for_everyone()  # final/ is whole on every process's file system
-        final = final_model_settings(self.settings, self.output_dir)
-        assert self.benchmarks is not None
-        report = self.benchmarks.run(final, self.accelerator)
+        report = self.benchmarks.run(
+            final_model_settings(self.settings, self.output_dir), self.accelerator
+        )
         log.info("benchmarked final/: %s", format_metrics(report.scores))
         return {"benchmarks": report.scores, "lm_eval": report.results}
-
-
-class Stopwatch:
-    """Training time since the last :meth:`restart`; what runs inside :meth:`paused`
-    (evaluation, saving) is left out, so throughput counts training alone."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def restart(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - began
-
-
-@dataclass
-class _Window:
-    """Running sums between two log steps.
-
-    Loss and token count stay on the device (no host sync per step); micro-batch and sample
-    counts are known on the host.
-    """
-
-    loss_and_tokens: torch.Tensor  # summed loss, tokens, loss terms
-    micro_batches: int
-    samples: int
-    stats: dict[str, torch.Tensor]  # the task's own sums over its loss terms (Task.logged_stats)
-
-    @classmethod
-    def fresh(
-        cls, where: torch.device, names: tuple[str, ...] = (), saved: list[float] | None = None
-    ) -> _Window:
-        loss, tokens, micro, samples, *rest = saved or [0.0, 0.0, 0, 0, 0.0]
-        terms = rest[0] if rest else micro  # saved before summed losses: one per micro-batch
-        values = list(rest[1:]) or [0.0] * len(names)
-        sums = torch.tensor([loss, tokens, terms], dtype=torch.float, device=where)
-        stats = {
-            name: torch.tensor(value, dtype=torch.float, device=where)
-            for name, value in zip(names, values, strict=True)
-        }
-        return cls(sums, int(micro), int(samples), stats)
-
-    def add_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
-        for name, value in stats.items():
-            self.stats[name] += value.detach().float()
-
-    def add(
-        self,
-        pieces: list[Mapping[str, torch.Tensor]],
-        loss: torch.Tensor,
-        terms: torch.Tensor | float,
-    ) -> None:
-        """One micro-batch (its sub-batches): its loss and how many terms it sums."""
-        tokens = sum(_real_tokens(piece) for piece in pieces)
-        sums = self.loss_and_tokens  # added in place: a Python number travels as a kernel
-        sums[0] += loss.detach().float()  # argument, with no host tensor copied to the device
-        sums[1] += tokens
-        sums[2] += terms
-        self.micro_batches += 1
-        self.samples += sum(_examples(piece) for piece in pieces)
-
-    def as_list(self) -> list[float]:
-        loss, tokens, terms = self.loss_and_tokens.tolist()
-        stats = [float(value) for value in self.stats.values()]
-        return [loss, tokens, self.micro_batches, self.samples, terms, *stats]
-
-
-class _StopPolled:
-    """An evaluation loader that raises :class:`StopNow` on every process before the next batch
-    once any process was asked to stop (one small all-reduce per batch; every process takes the
-    same number of evaluation batches). Anything else is the loader's own."""
-
-    def __init__(self, loader: DataLoader, poll: StopPoll) -> None:
-        self.loader, self.poll = loader, poll
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            if self.poll.asked():
-                raise StopNow()
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-
-class StopPoll:
-    """Whether any process was asked to stop (SIGTERM, Ctrl-C), asked on the host: one small
-    all-reduce of a CPU tensor over gloo (the process group itself where it is gloo, else a gloo
-    group beside NCCL / MCCL), so that polling at every step never waits for the device's
-    queue. Every process must call :meth:`asked` together."""
-
-    def __init__(self, accelerator: Accelerator, stop: StopRequest, timeout_s: int) -> None:
-        self.stop = stop
-        self.several = accelerator.num_processes > 1
-        self.group = None
-        if self.several and dist.get_backend() != dist.Backend.GLOO:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def asked(self) -> bool:
-        asked = self.stop.signum is not None
-        if not self.several:
-            return asked
-        flag = torch.tensor([float(asked)])
-        dist.all_reduce(flag, group=self.group)
-        return bool(flag[0] > 0)
 
 
 def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
@@ -965,16 +666,46 @@ def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
     return bool(flag.item() > 0)
 
 
-def _examples(batch: Mapping[str, torch.Tensor]) -> int:
-    """The examples a batch holds: its rows, or the examples it names (``index``: a preference
-    batch, whose rows may be both sides of each pair, or all of them in one padding-free row)."""
-    index = batch.get("index")
-    return len(index) if index is not None else batch["input_ids"].shape[0]
+def _nonfinite_error(step: int, read_at: int, output_dir: Path) -> TrainingError:
+    """What stops a run whose ``step`` had a NaN / Inf loss or gradient, found at ``read_at``."""
+    found = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(output_dir))
+    last = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
+    return TrainingError(
+        f"step {step}: the loss or gradient norm is not finite (the run stopped at step "
+        f"{read_at}, when it was read; no checkpoint holds those weights and {last}). Lower "
+        "optimizer.lr, keep trainer.max_grad_norm set, prefer bf16 to fp16, or set "
+        "trainer.on_nonfinite=skip to drop such updates."
+    )
 
 
-def _real_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
-    mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else batch["input_ids"].numel()
+def _benchmarks(settings: Settings, task: Task, output_dir: Path) -> Benchmarks | None:
+    """The Benchmarks of ``trainer.benchmarks`` (None: none), refused for a task that does not
+    train a language model."""
+    names = settings.trainer.benchmarks
+    if not names:
+        return None
+    from recipes.benchmark import FOLDER, Benchmarks  # lm-eval, only where it is used
+
+    if not task.language_model:
+        kind = task.auto_model_class.__name__
+        raise ConfigError(
+            f"trainer.benchmarks={list(names)}: lm-eval scores language models, and this task "
+            f"trains a {kind.removeprefix('AutoModelFor')} model; leave trainer.benchmarks "
+            "empty for it (it is for task=clm, sft, dpo or seq2seq)."
+        )
+    return Benchmarks(names, settings.benchmark, output_dir / FOLDER, "trainer.benchmarks")
+
+
+def _scale_gradients(model: torch.nn.Module, factor: torch.Tensor) -> None:
+    """Multiply every gradient of ``model`` by ``factor`` (a tensor: reading it on the host
+    would wait for the device), in place, one foreach call per kind of gradient tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = {}  # foreach takes one kind of tensor a call
+    for p in model.parameters():
+        if p.grad is not None:
+            key = (type(p.grad), p.grad.device, p.grad.dtype)
+            groups.setdefault(key, []).append(p.grad)
+    for (_, where, dtype), grads in groups.items():  # a tensor factor: torch >= 2.1
+        torch._foreach_mul_(grads, factor.to(device=where, dtype=dtype))
 
 
 def optimizer_factory(optimizer: Mapping[str, Any]) -> Callable[..., torch.optim.Optimizer]:
@@ -1021,30 +752,6 @@ def _compile(model: torch.nn.Module) -> None:
     else:  # torch < 2.2
         model.forward = torch.compile(model.forward)
     log.info("trainer.compile: the model is compiled on its first batches (slow first steps)")
-
-
-def rank_against_best(
-    value: float, tie_value: float | None, best: Mapping[str, Any], task: Any
-) -> int:
-    """1 when an evaluation's main metric ``value`` (and ``tie_value``, its
-    ``task.tie_metric``) beats ``best`` (``TrainerState.best``), -1 when it is worse, 0 on a
-    tie of both (a missing tie value ties)."""
-    order = _compare(value, best["value"], task.greater_is_better)
-    if order == 0:
-        order = _compare(tie_value, best.get("tie_value"), task.tie_greater_is_better)
-    return order
-
-
-def _compare(value: float | None, other: float | None, greater_is_better: bool) -> int:
-    """1 when ``value`` is better than ``other``, -1 when worse, 0 when equal (or either is
-    missing: nothing to decide by)."""
-    if value is None or other is None or value == other:
-        return 0
-    return 1 if (value > other) == greater_is_better else -1
-
-
-def _finite_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _plot(output_dir: Path) -> None:

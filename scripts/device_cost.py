@@ -418,7 +418,8 @@ def _child(argv: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     from recipes.config import register_resolvers, validate
-    from recipes.modes import _reset_accelerate, run
+    from recipes.modes import run
+    from recipes.session import _reset_accelerate
 
     register_resolvers()
     results: dict[str, Any] = {}

@@ -311,9 +311,9 @@ def _ours_child(threads: int, train_overrides: list[str]) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from recipes import loop
+    from recipes import window
 
-    counted = loop._real_tokens
+    counted = window.real_tokens
 
     def real_tokens(batch):
         positions = batch.get("position_ids")
@@ -322,7 +322,7 @@ def _ours_child(threads: int, train_overrides: list[str]) -> None:
         index = torch.arange(1, positions.shape[1] + 1, device=positions.device)
         return (index * (positions > 0)).amax(dim=1).sum()  # each row: its last real token
 
-    loop._real_tokens = real_tokens
+    window.real_tokens = real_tokens
     from scripts import throughput
 
     throughput._ours_child(train_overrides)

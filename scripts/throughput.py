@@ -210,7 +210,7 @@ def _train_records(overrides: list[str], run_dir: Path) -> list[dict]:
 
 def _precisions(args: argparse.Namespace) -> dict[str, str]:
     """The mixed precision each side trains in (``auto`` resolved as train.py resolves it)."""
-    from recipes.modes import resolve_mixed_precision
+    from recipes.session import resolve_mixed_precision
 
     ours = resolve_mixed_precision(args.mixed_precision)
     if args.against:  # ours again, in the precision its overrides give

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_train
 from safetensors.torch import load_file
 
-from recipes.loop import rank_against_best
+from recipes.validation import rank_against_best
 
 QUIET = ("logger=none", "trainer.progress_bar=false")
 # Eight steps, an evaluation of 40 dev rows every two: four candidates for the best.

@@ -404,7 +404,7 @@ from types import SimpleNamespace
 import torch
 from recipes import device
 from recipes.config import ConfigError, TrainerConfig
-from recipes.modes import _check_device_support
+from recipes.session import _check_device_support
 
 device.backend()
 os.environ.update(dict(arg.split("=", 1) for arg in sys.argv[2:]))
@@ -578,7 +578,7 @@ def test_fp16_refused_when_accelerate_made_no_scaler() -> None:
     from types import SimpleNamespace
 
     from recipes.config import ConfigError
-    from recipes.modes import _check_grad_scaler
+    from recipes.session import _check_grad_scaler
 
     # What accelerate 0.33 leaves on MUSA: native AMP on, ``self.scalar`` set instead of
     # ``self.scaler`` (a GPU path that cannot run here, hence the stand-in).

@@ -414,7 +414,7 @@ def test_generation_scores_use_squad_normalisation():
 def test_trainer_pad_to_multiple_of_reaches_the_chat_collator(tokenizer):
     from datasets import Dataset
 
-    from recipes.modes import pad_task_batches
+    from recipes.session import pad_task_batches
     from recipes.tasks.base import TaskData
 
     collate = chat.ChatCollator(tokenizer.pad_token_id)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from recipes.loop import Stopwatch
+from recipes.window import Stopwatch
 
 
 def test_paused_time_is_left_out_even_when_the_block_raises() -> None:

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from transformers import AutoTokenizer, DataCollatorForTokenClassification
 
-from recipes.modes import pad_task_batches
+from recipes.session import pad_task_batches
 from recipes.tasks.base import TaskData
 from recipes.tasks.multiple_choice import MultipleChoiceCollator
 from recipes.tasks.seq2seq import Seq2SeqCollator
