@@ -101,7 +101,7 @@ class Trainer:
         self.benchmarks = _benchmarks(self.settings, self.task, self.output_dir)
         self.data: TaskData = self.session.build_data()
         self.model = self.session.load_model(self.data, trained_for=None)
-        self.run_context = self.session.context()
+        self.run_context = self.session.context(training=True)
         self._setup_data_loaders()
         self._setup_optimizer()
         self.task.before_training(

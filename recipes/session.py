@@ -117,13 +117,14 @@ class Session:
         """The logged key that ranks checkpoints (``eval/f1``, say)."""
         return f"eval/{self.task.main_metric}"
 
-    def context(self) -> RunContext:
+    def context(self, training: bool = False) -> RunContext:
         return RunContext(
             self.accelerator,
             self.tokenizer,
             self.output_dir,
             self.settings.generation,
             self.settings.trainer.log_every_n_steps,
+            self.trainer_cfg.per_device_train_batch_size if training else None,
         )
 
     # ------------------------------------------------------------------------ data and model

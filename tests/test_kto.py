@@ -29,6 +29,7 @@ from recipes.losses import kl_estimate, kto_loss
 from recipes.losses.kto import STATS
 from recipes.model import fit_to_tokenizer, load_tokenizer
 from recipes.tasks import chat
+from recipes.tasks.base import RunContext
 from recipes.tasks.chat import Reference, token_losses
 
 PAIRS = ROOT / "recipes/assets/preferences/squad/dev.jsonl"
@@ -426,10 +427,11 @@ def test_settings_are_checked():
 
 
 def test_a_batch_of_one_row_is_refused(tmp_path):
-    kto, batch, *_ = _ours(tmp_path)
-    one = {k: v[:1] for k, v in batch.items()}
-    with pytest.raises(ConfigError, match="per_device_train_batch_size=1"):
-        kto.loss(torch.nn.Linear(1, 1), one)
+    kto, *_ = _ours(tmp_path)
+    for train, evaluation, key in ((1, 2, "train"), (2, 1, "eval"), (None, 1, "eval")):
+        run = RunContext(None, None, None, None, train_batch_size=train)
+        with pytest.raises(ConfigError, match=f"per_device_{key}_batch_size=1"):
+            kto.before_training(torch.nn.Linear(1, 1), None, run, evaluation)
 
 
 # ---------------------------------------------------------------------------- end to end

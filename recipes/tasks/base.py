@@ -232,6 +232,8 @@ class RunContext:
     output_dir: Path | None
     generation: GenerationConfig
     log_every_n_steps: int = 1
+    # trainer.per_device_train_batch_size in a training run; None where nothing trains.
+    train_batch_size: int | None = None
 
 
 class Task(abc.ABC, Generic[DataT]):

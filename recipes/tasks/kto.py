@@ -103,7 +103,6 @@ class KahnemanTversky(Task[PreferenceData]):
         self.predictor = PromptAnswers(self.chat, args.format)
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = chat.reference.Reference.from_batches()
-        self._batches_seen = False  # a run's first micro-batch of one row: the batch size is 1
 
     @property
     def uses_kl(self) -> bool:
@@ -262,9 +261,11 @@ class KahnemanTversky(Task[PreferenceData]):
         self, model: torch.nn.Module, data: PreferenceData, run: RunContext, batch_size: int
     ) -> None:
         """The reference, as DPO's (:mod:`recipes.tasks.chat.reference`), from the starting
-        weights."""
-        if self.uses_kl and batch_size < 2:
-            raise ConfigError(_ONE_ROW.format(key="trainer.per_device_eval_batch_size"))
+        weights; micro-batches of one row refused where the KL term pairs rows."""
+        sizes = {"eval": batch_size, "train": run.train_batch_size}
+        for split, size in sizes.items():
+            if self.uses_kl and size is not None and size < 2:
+                raise ConfigError(_ONE_ROW.format(key=f"trainer.per_device_{split}_batch_size"))
         if self.args.disable_dropout:
             chat.reference.disable_dropout(run.accelerator.unwrap_model(model))
         self.reference = chat.reference.prepare(
@@ -332,9 +333,6 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The rows' summed weighted loss and their count; :data:`STATS` summed over them."""
-        if self.uses_kl and len(batch["label"]) < 2 and not self._batches_seen:
-            raise ConfigError(_ONE_ROW.format(key="trainer.per_device_train_batch_size"))
-        self._batches_seen = True
         losses, stats = self._row_terms(model, batch)
         count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
         return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
