@@ -80,6 +80,16 @@ class DirectPreference(Task[PreferenceData]):
         super().__init__(args)
         self.chat = ChatFeatures.of(args, "dpo", FEATURES_VERSION, ("pair", "both its replies"))
         self.predictor = PromptAnswers(self.chat, args.format)
+        self.against_reference = chat.AgainstReference(
+            args,
+            "dpo",
+            FEATURES_VERSION,
+            rows="pairs",
+            fsdp_fix=(
+                "set task.precompute_reference=true (the reference's log-probs computed once before "
+                "training), or train LoRA adapters (peft=lora)."
+            ),
+        )
         loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
@@ -110,22 +120,16 @@ class DirectPreference(Task[PreferenceData]):
         held_out = chat.held_out_prompts(
             pairs["eval"], self.args.num_generations, _with_chosen_reply
         )
-        layout = Layout()  # padded or padding-free: the loop decides (flat_batches)
-        return PreferenceData(
-            feature_keys=keys,
-            cache=data_lib.cache_root(cfg),
-            train=features["train"],
-            eval=features["eval"],
-            train_collator=self._collator(tokenizer, layout),
-            eval_collator=self._collator(tokenizer, layout),
-            max_length=self.args.max_seq_length,
-            layout=layout,
-            **chat_template.data_fields(held_out),
-        )
-
-    def _collator(self, tokenizer: PreTrainedTokenizerBase, layout: Layout) -> PairCollator:
         pair_rows = self.padding_free == "true"
-        return PairCollator(tokenizer.pad_token_id, pair_rows, self.sequence_nll, layout)
+        return self.against_reference.data(
+            cfg,
+            features,
+            keys,
+            lambda layout: PairCollator(
+                tokenizer.pad_token_id, pair_rows, self.sequence_nll, layout
+            ),
+            chat_template.data_fields(held_out),
+        )
 
     def _pair_features(
         self,
@@ -196,28 +200,16 @@ class DirectPreference(Task[PreferenceData]):
     ) -> None:
         """Choose the reference (see the module's docstring) from the starting weights; none
         for ``orpo`` / ``simpo``: no copy, no reference pass with the adapter disabled."""
-        accelerator = run.accelerator
-        if self.args.disable_dropout:
-            chat.reference.disable_dropout(accelerator.unwrap_model(model))
-        if self.reference_free:
-            self.reference = None
-            log.info("task.loss_type=%s: no reference model (none is built)", self.args.loss_type)
-            return
-        self.reference = chat.reference.prepare(
+        self.reference = self.against_reference.reference(
             model,
-            accelerator,
             data,
+            run.accelerator,
+            batch_size,
             self._reference_forward,
-            self.args,
-            kind="dpo",
-            version=FEATURES_VERSION,
-            batch_size=batch_size,
-            rows="pairs",
-            fsdp_fix=(
-                "set task.precompute_reference=true (the reference's log-probs computed once before "
-                "training), or train LoRA adapters (peft=lora)."
-            ),
+            live=not self.reference_free,
         )
+        if self.reference is None:
+            log.info("task.loss_type=%s: no reference model (none is built)", self.args.loss_type)
 
     # ------------------------------------------------------------------------------- loss
 

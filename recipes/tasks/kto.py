@@ -101,6 +101,16 @@ class KahnemanTversky(Task[PreferenceData]):
         super().__init__(args)
         self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
         self.predictor = PromptAnswers(self.chat, args.format)
+        self.against_reference = chat.AgainstReference(
+            args,
+            "kto",
+            FEATURES_VERSION,
+            rows="rows",
+            fsdp_fix=(
+                "train LoRA adapters (peft=lora), or with task.loss_type=apo_zero_unpaired set "
+                "task.precompute_reference=true."
+            ),
+        )
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = chat.reference.Reference.from_batches()
 
@@ -130,22 +140,14 @@ class KahnemanTversky(Task[PreferenceData]):
             )
         self._check_weights(features["train"])
         held_out = chat.held_out_prompts(rows["eval"], self.args.num_generations, _desirable_reply)
-        layout = Layout()  # padded or padding-free: the loop decides (flat_batches)
-        return PreferenceData(
-            feature_keys=keys,
-            cache=data_lib.cache_root(cfg),
-            train=features["train"],
-            eval=features["eval"],
-            train_collator=self._collator(tokenizer, layout),
-            eval_collator=self._collator(tokenizer, layout),
-            max_length=self.args.max_seq_length,
-            layout=layout,
-            **chat_template.data_fields(held_out),
-        )
-
-    def _collator(self, tokenizer: PreTrainedTokenizerBase, layout: Layout) -> UnpairedCollator:
-        return UnpairedCollator(
-            tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, layout
+        return self.against_reference.data(
+            cfg,
+            features,
+            keys,
+            lambda layout: UnpairedCollator(
+                tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, layout
+            ),
+            chat_template.data_fields(held_out),
         )
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:
@@ -266,22 +268,8 @@ class KahnemanTversky(Task[PreferenceData]):
         for split, size in sizes.items():
             if self.uses_kl and size is not None and size < 2:
                 raise ConfigError(_ONE_ROW.format(key=f"trainer.per_device_{split}_batch_size"))
-        if self.args.disable_dropout:
-            chat.reference.disable_dropout(run.accelerator.unwrap_model(model))
-        self.reference = chat.reference.prepare(
-            model,
-            run.accelerator,
-            data,
-            self._reference_forward,
-            self.args,
-            kind="kto",
-            version=FEATURES_VERSION,
-            batch_size=batch_size,
-            rows="rows",
-            fsdp_fix=(
-                "train LoRA adapters (peft=lora), or with task.loss_type=apo_zero_unpaired set "
-                "task.precompute_reference=true."
-            ),
+        self.reference = self.against_reference.reference(
+            model, data, run.accelerator, batch_size, self._reference_forward
         )
 
     def _reference_forward(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:

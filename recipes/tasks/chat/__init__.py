@@ -42,7 +42,7 @@ from recipes.tasks.chat.features import (
     generation_scores,
     held_out_prompts,
 )
-from recipes.tasks.chat.reference import PreferenceData, Reference
+from recipes.tasks.chat.reference import AgainstReference, PreferenceData, Reference
 from recipes.tasks.chat.rows import (
     COLUMNS,
     LayoutError,
@@ -81,6 +81,7 @@ __all__ = [
     "COLUMNS",
     "IGNORE_INDEX",
     "VARLEN_ATTENTION",
+    "AgainstReference",
     "ChatCollator",
     "ChatData",
     "ChatFeatures",

@@ -38,9 +38,10 @@ from datasets import Dataset
 
 from recipes import adapters
 from recipes import data as data_lib
-from recipes.config import ConfigError
+from recipes.config import ConfigError, DataConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
+from recipes.tasks.base import Layout
 from recipes.tasks.chat.features import ChatData
 
 log = get_logger(__name__)
@@ -133,6 +134,74 @@ class Reference:
         if self.precomputed:
             raise RuntimeError("the reference was precomputed, and this batch carries none")
         return self.run(model, lambda weights: forward(weights, batch))
+
+
+@dataclass(frozen=True)
+class AgainstReference:
+    """The policy-against-reference part DPO and KTO share (``kind``): their data (features
+    with the keys and cache folder a precomputed reference is stored under, the collators of
+    both splits sharing one layout) and their reference, built from the starting weights
+    before training (:func:`prepare`). ``args``: the task's settings (``disable_dropout``,
+    ``precompute_reference``, ``loss_type``, ``max_seq_length``); ``rows``: what a row is, in
+    the log; ``fsdp_fix``: the way out of the FSDP refusal."""
+
+    args: Any
+    kind: str
+    version: int
+    rows: str
+    fsdp_fix: str
+
+    def data(
+        self,
+        cfg: DataConfig,
+        features: Mapping[str, Dataset],
+        keys: dict[str, str],
+        collator: Callable[[Layout], Callable[[list[dict]], dict]],
+        template_fields: Mapping[str, Any],
+    ) -> PreferenceData:
+        """The task's data; ``collator(layout)`` builds a split's collator, ``template_fields``
+        are the template's (:meth:`recipes.tasks.chat.ChatTemplate.data_fields`)."""
+        layout = Layout()  # padded or padding-free: the loop decides (Task.flat_batches)
+        return PreferenceData(
+            feature_keys=keys,
+            cache=data_lib.cache_root(cfg),
+            train=features["train"],
+            eval=features["eval"],
+            train_collator=collator(layout),
+            eval_collator=collator(layout),
+            max_length=self.args.max_seq_length,
+            layout=layout,
+            **template_fields,
+        )
+
+    def reference(
+        self,
+        model: torch.nn.Module,
+        data: PreferenceData,
+        accelerator: Accelerator,
+        batch_size: int,
+        forward: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor],
+        live: bool = True,
+    ) -> Reference | None:
+        """The reference for training on ``data`` (``forward``: a batch's log-probs, the layout
+        a precomputed table keeps); None where the loss has none (not ``live``). Dropout is
+        turned off first where ``disable_dropout`` says so, reference or not."""
+        if self.args.disable_dropout:
+            disable_dropout(accelerator.unwrap_model(model))
+        if not live:
+            return None
+        return prepare(
+            model,
+            accelerator,
+            data,
+            forward,
+            self.args,
+            kind=self.kind,
+            version=self.version,
+            batch_size=batch_size,
+            rows=self.rows,
+            fsdp_fix=self.fsdp_fix,
+        )
 
 
 def prepare(
