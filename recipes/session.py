@@ -317,7 +317,8 @@ def build_accelerator(settings: Settings) -> Accelerator:
 
 def resolve_mixed_precision(requested: str) -> str:
     """``trainer.mixed_precision`` as accelerate takes it: ``auto`` becomes this machine's choice
-    (:func:`recipes.device.default_mixed_precision`; the CPU's under ``accelerate launch --cpu``)."""
+    (:func:`recipes.device.default_mixed_precision`; the CPU's under
+    ``accelerate launch --cpu``)."""
     if requested != "auto":
         return requested
     # Decided before the Accelerator exists: creating accelerate's state here would fix the

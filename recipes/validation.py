@@ -29,7 +29,8 @@ log = get_logger(__name__)
 class Validator:
     """The evaluations of one run over ``state`` (the training run's, or in ``mode=eval`` the
     checkpoint's): :meth:`score` and :meth:`log` are what ``mode=eval`` runs; training also
-    asks when (:meth:`due`), :meth:`record`\\ s the best and :meth:`restore_best` at the end."""
+    asks when (:meth:`due`), keeps the best (:meth:`record`) and restores it at the end
+    (:meth:`restore_best`)."""
 
     def __init__(
         self,

@@ -1,13 +1,16 @@
-"""``mode=eval`` pads its batches as the evaluations during training do: ``trainer.pad_to_multiple_of``
-reaches the task's own collators in both (token classification's, here). Both runs are in this
-process (Hydra's compose API and the ``run`` that train.py calls), on the bundled tiny BERT."""
+"""``mode=eval`` pads its batches as the evaluations during training do:
+``trainer.pad_to_multiple_of`` reaches the task's own collators in both (token classification's,
+here). Both runs are in this process (Hydra's compose API and the ``run`` that train.py calls),
+on bert_ner's smoke model (the bundled small MiniLM) and a few rows."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import FP32, ROOT
 from hydra import compose, initialize_config_dir
 
@@ -50,6 +53,20 @@ class _Widths:
         return getattr(self.loader, name)
 
 
+@pytest.fixture
+def run_logging() -> Iterator[None]:
+    """The ``recipes`` logger as it was before the runs (a run routes it to its own train.log
+    and stops it propagating, which the other tests' ``caplog`` relies on)."""
+    logger = logging.getLogger("recipes")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in logger.handlers:
+        if handler not in handlers:
+            handler.close()
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
+
+
 def _run(output_dir: Path, *overrides: str) -> None:
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -72,6 +89,7 @@ def _eval_widths(monkeypatch) -> list[int]:
     return widths
 
 
+@pytest.mark.usefixtures("run_logging")
 def test_eval_mode_pads_as_evaluation_during_training(tmp_path, cache_dir, monkeypatch):
     cache = f"data.cache_dir={cache_dir}"
     trained = tmp_path / "run"
