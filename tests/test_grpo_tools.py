@@ -13,6 +13,7 @@ until the budget is spent. Neither side samples: TRL gets the first turns throug
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes import tool_calling
 from recipes.config import ModelConfig
+from recipes.losses.grpo import PolicyLossSettings, policy_loss
 from recipes.model import load_tokenizer
 from recipes.tasks import chat, grpo
 from recipes.tools import calculator
@@ -203,9 +205,10 @@ def test_tool_calling_equals_trl(tmp_path):
     with torch.no_grad():
         logps = task._logps(model.train(), prompt, prompt_mask, completion, loss_mask)
         for loss_type in ("dapo", "grpo", "bnpo", "dr_grpo"):
-            trainer.loss_type = trainer.args.loss_type = task.args.loss_type = loss_type
+            trainer.loss_type = trainer.args.loss_type = loss_type
             theirs_loss = trainer._compute_loss(trainer.model, theirs)
-            total, count, _ = task.policy_loss(logps, None, None, advantages, loss_mask)
+            settings = PolicyLossSettings.of(dataclasses.replace(task.args, loss_type=loss_type))
+            total, count, _ = policy_loss(logps, None, None, advantages, loss_mask, settings)
             assert float(total / count) == pytest.approx(float(theirs_loss), abs=1e-6), loss_type
 
 
