@@ -205,8 +205,6 @@ _WITHOUT_HEAVY = """
 import contextlib, io, json, os, re, runpy, sys, traceback
 from pathlib import Path
 
-import pytest
-
 HEAVY = {heavy!r}
 attempts = []
 
