@@ -88,7 +88,8 @@ def _failed(cfg: DictConfig, err: Exception, exit_code: int) -> None:
     folder and let the other jobs run (the summary lists it, and the sweep exits 1)."""
     from pathlib import Path
 
-    from recipes.tracking import hydra_context, remove_unused_run_folder, write_failure
+    from recipes.hydra_run import remove_unused_run_folder
+    from recipes.tracking import hydra_context, write_failure
 
     sys.stderr.write(f"error: {err}\n")
     if not hydra_context().get("sweep_dir"):

@@ -24,21 +24,17 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from recipes.config import ConfigError, first_line
+from recipes.config import ConfigError, PeftSettings, first_line
 from recipes.log import get_logger
 
 log = get_logger(__name__)
 
-METHODS = ("none", "lora")
 # Heads that transformers initialises afresh for a task: they must train in full (a LoRA update
 # of a random matrix would be a poor head), so they go to peft's ``modules_to_save``.
 HEAD_MODULES = ("qa_outputs", "classifier", "score")
@@ -59,58 +55,6 @@ _TIED_NOTICES = (
     "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter",
     "Input and output embeddings are no longer tied after merging",
 )
-
-
-@dataclass
-class PeftSettings:
-    """``peft.*`` (conf/peft/none.yaml, conf/peft/lora.yaml; the YAML holds every default)."""
-
-    method: str = "none"
-    r: int | None = None
-    alpha: float | None = None
-    dropout: float | None = None
-    target_modules: Any = None  # null (all linear layers), a list of module names, or a regex
-    modules_to_save: list[str] = field(default_factory=list)
-
-
-def settings(node: Any) -> PeftSettings:
-    """The typed, checked ``peft`` config; an absent one means full fine-tuning."""
-    if node is None:
-        return PeftSettings()
-    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(PeftSettings), values)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", "") or ""
-        raise ConfigError(
-            f"peft.{key}: {str(err).splitlines()[0]}. Valid keys of 'peft': "
-            f"{', '.join(PeftSettings.__dataclass_fields__)}"
-        ) from None
-    s: PeftSettings = OmegaConf.to_object(merged)
-    _check(s)
-    return s
-
-
-def _check(s: PeftSettings) -> None:
-    if s.method not in METHODS:
-        raise ConfigError(
-            f"peft.method={s.method!r}: choose none (full fine-tuning, peft=none) or lora "
-            "(low-rank adapters, peft=lora)."
-        )
-    if s.method == "none":
-        return
-    if s.r is None or s.r < 1:
-        raise ConfigError(f"peft.r={s.r}: the adapter rank must be an integer >= 1 (e.g. 16).")
-    if s.alpha is None or s.alpha <= 0:
-        raise ConfigError(f"peft.alpha={s.alpha}: must be > 0 (the update is scaled by alpha/r).")
-    if s.dropout is None or not 0 <= s.dropout < 1:
-        raise ConfigError(f"peft.dropout={s.dropout}: must be in [0, 1).")
-    t = s.target_modules
-    if not (t is None or isinstance(t, str) or (t and all(isinstance(n, str) for n in t))):
-        raise ConfigError(
-            f"peft.target_modules={t!r}: give null (all linear layers), a list of module "
-            "names such as [q_proj, v_proj], or one regular expression."
-        )
 
 
 def task_type(model: torch.nn.Module) -> Any:

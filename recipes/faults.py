@@ -32,15 +32,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+# Defined in recipes.errors, which the checkpoints share without importing this module.
+from recipes.errors import TrainingError as TrainingError
 from recipes.log import get_logger
 
 log = get_logger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on; the message says why and what to change."""
 
 
 class Interrupted(Exception):

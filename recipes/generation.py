@@ -40,7 +40,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -54,6 +54,14 @@ from transformers.generation.logits_process import (
 )
 
 from recipes.config import ConfigError, GenerationConfig
+from recipes.generation_rows import (
+    Prompt,
+    fit_prompts,
+    gather_answers,
+    row_stream,
+    sampling_top_k,
+    stop_ids,
+)
 from recipes.log import get_logger
 
 try:  # transformers' continuous batching with per-request logits processors (5.x)
@@ -70,21 +78,8 @@ log = get_logger(__name__)
 _FALLBACKS_LOGGED: set[str] = set()  # one line per reason and run
 
 
-# transformers' sampling default for top_k when neither the call nor the model's
-# generation_config sets it (GenerationConfig's documented default in 4.x and 5.x).
-DEFAULT_TOP_K = 50
 # The most tokens one continuous-batching forward pass takes (transformers' own default).
 DEFAULT_MAX_BATCH_TOKENS = 8192
-
-
-@dataclass
-class Prompt:
-    """One prompt ready to generate from: its place in the input, its token ids (cut to fit),
-    and how many new tokens it may have."""
-
-    index: int
-    ids: list[int]
-    max_new_tokens: int
 
 
 def complete(
@@ -212,18 +207,6 @@ def _batched_ids(
                 done.extend(zip((row.index for row in batch), new, strict=True))
     unwrapped.train(was_training)
     return gather_answers(done, rows, accelerator)
-
-
-def gather_answers(
-    done: list[tuple[int, list[int]]], rows: list[Prompt], accelerator: Accelerator | None
-) -> list[list[int]]:
-    """Every process's ``(index, answer)`` pairs, on every process, in the prompts' order."""
-    if accelerator is not None and accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        done = gather_object(done)
-    by_index = dict(done)
-    return [by_index[row.index] for row in rows]
 
 
 def _not_continuous(
@@ -401,22 +384,6 @@ def _batches(order: list[Prompt], size: int, max_length: int | None) -> list[lis
     return batches
 
 
-def fit_prompts(
-    prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], max_length: int | None
-) -> list[Prompt]:
-    """Each prompt as a :class:`Prompt`: under ``max_length`` its end (with room for one new
-    token) and an answer limit that fits; ``max_new_tokens``: one limit, or each prompt's."""
-    rows = []
-    for index, ids in enumerate(prompts):
-        limit = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[index]
-        ids = list(ids)
-        if max_length is not None:
-            ids = ids[-(max_length - 1) :]  # room for at least one new token
-            limit = min(limit, max_length - len(ids))
-        rows.append(Prompt(index, ids, limit))
-    return rows
-
-
 @torch.no_grad()
 def _generate_batch(
     model: torch.nn.Module,
@@ -467,12 +434,6 @@ def generate(
         return model.generate(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs
         )
-
-
-def row_stream(seed: int, row: int) -> torch.Generator:
-    """Row ``row``'s own sampling stream: a CPU generator seeded with ``seed + row``, the same
-    whichever batch and process the row falls in."""
-    return torch.Generator().manual_seed(seed + row)
 
 
 def sample_rows(
@@ -595,15 +556,6 @@ def _warpers(model: torch.nn.Module, generation: GenerationConfig) -> list[Logit
     return warpers
 
 
-def sampling_top_k(model: torch.nn.Module, generation: GenerationConfig) -> int:
-    """Sampling's top-k: ``generation.top_k``, else the model's generation_config's, else
-    transformers' default (0: off)."""
-    if generation.top_k is not None:
-        return generation.top_k
-    top_k = getattr(model.generation_config, "top_k", None)
-    return DEFAULT_TOP_K if top_k is None else top_k
-
-
 def _padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -613,17 +565,6 @@ def _padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, 
         ids[r, span] = torch.tensor(row, dtype=torch.long)
         mask[r, span] = 1
     return ids, mask
-
-
-def stop_ids(model: torch.nn.Module) -> list[int]:
-    """The tokens that end a completion: the model's ``generation_config.eos_token_id``."""
-    return _ids(getattr(model.generation_config, "eos_token_id", None))
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -56,7 +56,7 @@ from transformers import PreTrainedTokenizerBase
 
 from recipes.adapters import is_peft_model
 from recipes.config import ConfigError, GenerationConfig
-from recipes.generation import (
+from recipes.generation_rows import (
     Prompt,
     fit_prompts,
     gather_answers,

@@ -114,11 +114,13 @@ def trl_paged(model: Any, tokenizer: Any, conversations: list, ids: list, args: 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipes import generation
+    from recipes import generation, generation_rows
 
     group = args.num_generations
     repeated = [p for p in ids for _ in range(group)]
-    rows = [generation.Prompt(i, p, args.max_completion_length) for i, p in enumerate(repeated)]
+    rows = [
+        generation_rows.Prompt(i, p, args.max_completion_length) for i, p in enumerate(repeated)
+    ]
     paging = generation.paging(rows)
     paging = {k: paging[k] for k in ("num_blocks", "max_batch_tokens")}  # the cache's size
     config = GRPOConfig(

@@ -89,6 +89,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.gpu_check_data import DATA_FOLDER, squad_slice  # noqa: E402
+
 ASSETS = ROOT / "recipes" / "assets"
 RECIPES = (
     "bert_glue",
@@ -133,7 +135,6 @@ PIP_INSTALL = (
 # Exceptions that only say a child process failed (its own traceback came first).
 WRAPPERS = ("CalledProcessError", "ChildFailedError")
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
-DATA_FOLDER = "gpu_check_data"  # inside the --wheels folder: what gpu_check_wheels.py --data stages
 KEPT = (".log", ".json", ".jsonl", ".yaml", ".txt", ".md")  # a row's run files in logs.tar.gz
 POLL_S = 0.25
 EXIT_GRACE_S = 5.0  # after a process's last job: its sweep summary, then it is stopped
@@ -1539,26 +1540,6 @@ def _defaults_logged(log: Path) -> str:
     return ", ".join(f"{k}={found[k]}" for k in keys if k in found)
 
 
-def _squad_slice(source: Path, target: Path, questions: int) -> int:
-    """The first articles of a SQuAD file holding ``questions`` questions (whole paragraphs)."""
-    data = json.loads(source.read_text(encoding="utf-8"))
-    kept, count = [], 0
-    for article in data["data"]:
-        paragraphs = []
-        for paragraph in article["paragraphs"]:
-            if count >= questions:
-                break
-            paragraphs.append(paragraph)
-            count += len(paragraph["qas"])
-        if paragraphs:
-            kept.append({**article, "paragraphs": paragraphs})
-        if count >= questions:
-            break
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps({**data, "data": kept}), encoding="utf-8")
-    return count
-
-
 def squad_files(data: Path | None) -> tuple[Path, Path, str]:
     """(train, dev, where from): the slices gpu_check_wheels.py --data staged, the shared data
     beside the checkout, or the bundled slice."""
@@ -1593,8 +1574,8 @@ def child_squad_f1(data: Path | None, out: Path, dry_run: bool) -> dict:
     train_q, dev_q = (64, 16) if dry_run else (6000, 1000)
     sliced = out / "data"
     counts = (
-        _squad_slice(train, sliced / "train.json", train_q),
-        _squad_slice(dev, sliced / "dev.json", dev_q),
+        squad_slice(train, sliced / "train.json", train_q),
+        squad_slice(dev, sliced / "dev.json", dev_q),
     )
     train, dev = sliced / "train.json", sliced / "dev.json"
     cache = out / "work" / "cache"

@@ -231,14 +231,14 @@ def stage_data(dest: Path) -> list[str]:
     """Slices of the shared SQuAD files for bert_squad/f1 into ``dest/gpu_check_data/squad``
     (the device machine has no ../shared/data; the whole files would not fit what travels)."""
     sys.path.insert(0, str(ROOT))
-    from scripts.gpu_check import DATA_FOLDER, _squad_slice
+    from scripts.gpu_check_data import DATA_FOLDER, squad_slice
 
     if not SHARED_SQUAD.is_dir():
         return [f"no {SHARED_SQUAD}: bert_squad/f1 will train on the bundled SQuAD slice"]
     lines = []
     for name, (source, questions) in SLICES.items():
         target = dest / DATA_FOLDER / "squad" / name
-        count = _squad_slice(SHARED_SQUAD / source, target, questions)
+        count = squad_slice(SHARED_SQUAD / source, target, questions)
         lines.append(f"staged {target} ({count} questions of {source})")
     return lines
 

@@ -115,6 +115,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.train_child import peak_memory_mb, run_train  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -323,9 +325,7 @@ def _ours_child(threads: int, train_overrides: list[str]) -> None:
         return (index * (positions > 0)).amax(dim=1).sum()  # each row: its last real token
 
     window.real_tokens = real_tokens
-    from scripts import throughput
-
-    throughput._ours_child(train_overrides)
+    run_train(train_overrides)
 
 
 # ------------------------------------------------------------------------------ the peer
@@ -450,12 +450,6 @@ class _Clock:
         return self.marks["end"][key] - self.marks["start"][key]
 
 
-def _peak_memory(device: Any) -> float:
-    from scripts import throughput
-
-    return throughput._peak_memory_mb(device)
-
-
 def _trl_sft(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, float]:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -487,7 +481,7 @@ def _trl_sft(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, fl
     tokens = clock.delta("tokens")
     return {
         "s_per_step": seconds / args.steps,
-        "peak_memory_mb": _peak_memory(trainer.args.device),
+        "peak_memory_mb": peak_memory_mb(trainer.args.device),
         "tokens_per_second": tokens / seconds,
         "tokens_per_step": tokens / args.steps,
     }
@@ -607,7 +601,7 @@ def _trl_grpo(args: argparse.Namespace, settings: Any, out: Path) -> dict[str, f
     seconds = clock.delta("time")
     return {
         "s_per_step": seconds / args.steps,
-        "peak_memory_mb": _peak_memory(trainer.args.device),
+        "peak_memory_mb": peak_memory_mb(trainer.args.device),
         "completions_per_step": clock.delta("completions") / args.steps,
         "completion_tokens_per_step": clock.delta("completion_tokens") / args.steps,
         "generation_s_per_step": clock.delta("generation") / args.steps,

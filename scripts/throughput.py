@@ -123,16 +123,7 @@ from task_yaml import make_task  # noqa: E402
 
 from recipes.config import ASSETS  # noqa: E402
 from recipes.model import backend_kwargs  # noqa: E402  (no hub kernels where they cannot run)
-
-
-def _peak_memory_mb(device) -> float:
-    from recipes import device as device_lib
-
-    peak = device_lib.max_memory_allocated(device)
-    if peak is not None:
-        return peak / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
+from scripts.train_child import device_name, peak_memory_mb, run_train  # noqa: E402
 
 # ------------------------------------------------------------------------------------ our side
 
@@ -223,29 +214,6 @@ def _precisions(args: argparse.Namespace) -> dict[str, str]:
 def _window_seconds(record: dict, args: argparse.Namespace) -> float:
     """A log window's length, from its sample count (batch x warmup steps) and its rate."""
     return args.batch_size * args.warmup / record["train/samples_per_second"]
-
-
-def _ours_child(overrides: list[str]) -> None:
-    """Run train.py in this process, then record its peak memory next to its metrics."""
-    import runpy
-
-    import torch
-
-    sys.argv = [str(ROOT / "train.py"), *overrides]
-    try:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    except SystemExit as done:
-        if done.code not in (0, None):
-            raise
-    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")))
-    device = torch.device(_device_name())
-    (run_dir / "benchmark.json").write_text(json.dumps({"peak_memory_mb": _peak_memory_mb(device)}))
-
-
-def _device_name() -> str:
-    from accelerate import PartialState
-
-    return str(PartialState().device)
 
 
 # ------------------------------------------------------------------------------------ the peer
@@ -347,7 +315,7 @@ def _no_trainer_peer(args: argparse.Namespace) -> dict:
         "tokens_per_second": tokens / elapsed,
         "samples_per_second": args.steps * args.batch_size / elapsed,
         "s_per_step": elapsed / args.steps,
-        "peak_memory_mb": _peak_memory_mb(accelerator.device),
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
 
 
@@ -422,7 +390,7 @@ def _trainer_peer(args: argparse.Namespace, out: Path) -> dict:
         "tokens_per_second": tokens / elapsed,
         "samples_per_second": args.steps * args.batch_size / elapsed,
         "s_per_step": elapsed / args.steps,
-        "peak_memory_mb": _peak_memory_mb(trainer.args.device),
+        "peak_memory_mb": peak_memory_mb(trainer.args.device),
     }
 
 
@@ -586,7 +554,7 @@ def _peer_eval_child(args: argparse.Namespace, out: Path) -> None:
         "seconds": seconds,
         "exact_match": scores["exact_match"],
         "f1": scores["f1"],
-        "peak_memory_mb": _peak_memory_mb(accelerator.device),
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
         "tokens": int(lengths.sum()),
         "padded_tokens_file_order": _padded(lengths, args.eval_batch_size),
         "padded_tokens_longest_first": _padded(np.sort(lengths)[::-1], args.eval_batch_size),
@@ -849,7 +817,7 @@ def run_generate(args: argparse.Namespace) -> None:
     ratio = summary["peer"]["seconds"] / summary["ours"]["seconds"]
     print(
         f"generate: {len(prompts)} prompts, {new} new tokens at most, greedy, fp32, "
-        f"{_device_name()}; ours batches of {args.gen_batch_size}, the peer one prompt at a time\n"
+        f"{device_name()}; ours batches of {args.gen_batch_size}, the peer one prompt at a time\n"
         f"  ours {summary['ours']['seconds']:.2f} s ({summary['ours']['tokens_per_second']:.0f} "
         f"tokens/s), one at a time {summary['peer']['seconds']:.2f} s "
         f"({summary['peer']['tokens_per_second']:.0f} tokens/s): {ratio:.2f}x\n"
@@ -1236,7 +1204,7 @@ def _table(summary: dict, ratio: float, key: str, precisions: dict[str, str], pe
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_ours":
-        _ours_child(sys.argv[2:])
+        run_train(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "_token_loss":
         side, dtype, result = sys.argv[2:5]
         _token_loss_child(side, dtype, Path(result), parse(sys.argv[5:]))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from recipes import adapters  # noqa: E402
+from recipes.config import peft_settings  # noqa: E402
 
 NEW_TOKENS = [1990, 1991]  # rows trained in full, as for a chat template's added tokens
 
@@ -38,7 +39,7 @@ def main(out: Path) -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "recipes/assets/tiny-llama")
     base = AutoModelForCausalLM.from_pretrained(ROOT / "recipes/assets/tiny-llama")
-    lora = adapters.settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
+    lora = peft_settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
     base.generation_config.eos_token_id = [NEW_TOKENS[1], base.config.eos_token_id]  # a stop
     model = adapters.apply_lora(base, lora, [], NEW_TOKENS)
     for p in model.parameters():  # B = 0 at init: move the adapters so the merge adds something

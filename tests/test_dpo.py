@@ -138,6 +138,7 @@ def test_lora_reference_is_the_base_model(tmp_path, tokenizer):
     from omegaconf import OmegaConf
 
     from recipes import adapters
+    from recipes.config import peft_settings
 
     rows = [json.loads(line) for line in (PAIRS / "dev.jsonl").read_text().splitlines()[:4]]
     dpo, data = _build(tmp_path, tokenizer, rows)
@@ -146,7 +147,7 @@ def test_lora_reference_is_the_base_model(tmp_path, tokenizer):
     batch = data.train_collator([data.train[i] for i in range(len(data.train))])
     with torch.no_grad():
         expected = dpo._logps_of(base, batch)[0]
-    lora = adapters.settings(OmegaConf.load(ROOT / "conf/peft/lora.yaml"))
+    lora = peft_settings(OmegaConf.load(ROOT / "conf/peft/lora.yaml"))
     model = adapters.apply_lora(AutoModelForCausalLM.from_pretrained(TINY_LLAMA), lora, []).eval()
     with torch.no_grad():
         for name, weight in model.named_parameters():

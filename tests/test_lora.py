@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from recipes import adapters
-from recipes.config import ConfigError
+from recipes.config import ConfigError, PeftSettings, peft_settings
 from recipes.optim import parameter_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,9 @@ VOCAB = 64
 MERGE_ATOL = 1e-5
 
 
-def lora(**overrides: object) -> adapters.PeftSettings:
+def lora(**overrides: object) -> PeftSettings:
     values = {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0, **overrides}
-    return adapters.settings(values)
+    return peft_settings(values)
 
 
 def tiny(kind: str) -> torch.nn.Module:
@@ -169,14 +169,14 @@ def test_unknown_target_module_is_refused() -> None:
 )
 def test_bad_settings_name_the_key(values: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        adapters.settings(values)
+        peft_settings(values)
 
 
 def test_config_group_files() -> None:
-    none = adapters.settings(OmegaConf.load(ROOT / "conf/peft/none.yaml"))
+    none = peft_settings(OmegaConf.load(ROOT / "conf/peft/none.yaml"))
     assert none.method == "none"
-    assert adapters.settings(None).method == "none"
-    s = adapters.settings(OmegaConf.load(ROOT / "conf/peft/lora.yaml"))
+    assert peft_settings(None).method == "none"
+    s = peft_settings(OmegaConf.load(ROOT / "conf/peft/lora.yaml"))
     assert (s.method, s.r, s.alpha, s.target_modules) == ("lora", 16, 32, None)
 
 

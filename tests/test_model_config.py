@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForQuestionAnswering, T5Config
 
 from recipes import adapters
-from recipes.config import ASSETS, ConfigError, ModelConfig
+from recipes.config import ASSETS, ConfigError, ModelConfig, peft_settings
 from recipes.model import config_overrides, load_model, weights_summary
 
 
@@ -90,7 +90,7 @@ def test_a_bf16_checkpoint_trains_on_fp32_master_weights_unless_asked(tmp_path):
 
 def test_lora_keeps_a_bf16_base_frozen_and_trains_fp32_adapters_when_asked(tmp_path):
     cfg = ModelConfig(name_or_path=_bf16_checkpoint(tmp_path), dtype="bfloat16")
-    lora = adapters.settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
+    lora = peft_settings({"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
     model = adapters.apply_lora(load_model(cfg, AutoModelForCausalLM), lora, [])
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}

@@ -33,7 +33,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipes import generation, vllm_engine
+from recipes import generation, generation_rows, vllm_engine
 from recipes.config import ASSETS, ConfigError, GenerationConfig
 
 VLLM_PYTHON = os.environ.get("RECIPES_VLLM_PYTHON")
@@ -289,7 +289,7 @@ def test_pushed_weights_and_sampling_requests(server, folder, tiny, tmp_path) ->
     together = vllm_engine.complete_ids(policy, prompts, tokenizer, sampled, NEW, seed=11)
     assert vllm_engine.complete_ids(policy, prompts, tokenizer, sampled, NEW, seed=12) != together
     alone = vllm_engine.complete_ids(
-        policy, prompts[3:4], tokenizer, sampled, NEW, streams=[generation.row_stream(11, 3)]
+        policy, prompts[3:4], tokenizer, sampled, NEW, streams=[generation_rows.row_stream(11, 3)]
     )
     assert alone == together[3:4]
     if server.requests is None:  # a real vLLM: what it was sent is not recorded
@@ -298,7 +298,7 @@ def test_pushed_weights_and_sampling_requests(server, folder, tiny, tmp_path) ->
     assert len({b["seed"] for b in bodies[: len(prompts)]}) == len(prompts)
     assert bodies[-1] == next(b for b in bodies if b["prompt"] == prompts[3])
     assert {(b["temperature"], b["top_p"], b["top_k"], b["max_tokens"]) for b in bodies} == {
-        (0.7, 0.9, generation.DEFAULT_TOP_K, NEW)
+        (0.7, 0.9, generation_rows.DEFAULT_TOP_K, NEW)
     }
     assert {tuple(b["stop_token_ids"]) for b in bodies} == {(tokenizer.eos_token_id,)}
 

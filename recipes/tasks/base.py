@@ -64,6 +64,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from recipes.config import ConfigError
+from recipes.gathering import gather_rows
 from recipes.log import get_logger
 from recipes.tasks.configs import TaskConfig
 
@@ -301,8 +302,6 @@ class Task(abc.ABC, Generic[DataT]):
         """Scores of ``model`` on ``loader`` (the batches of ``data.eval``), on the main process
         at least; the loop logs them as ``eval/<name>``. By default :meth:`eval_step` per batch,
         gathered, then :meth:`score`; a task that evaluates whole overrides this."""
-        from recipes.evaluation import gather_rows
-
         rows = gather_rows(self.eval_step, model, loader, run.accelerator)
         return self.score(rows, data, run) if rows is not None else {}
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 
 FEATURES = "features"
 

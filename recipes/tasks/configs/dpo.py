@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import feature
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import at_least, feature, within
 from recipes.tasks.configs.sft import CHAT_RANGES, FORMATS, ChatConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature, null_or_at_least
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE
 from recipes.tasks.configs.sft import check_text_rows

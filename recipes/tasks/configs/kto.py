@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import at_least, feature
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE, PAIR_FORMATS
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
 
 _AT_LEAST_1 = "must be at least 1"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
 from recipes.tasks.configs.dpo import PAIR_FORMATS
 from recipes.tasks.configs.sft import TRUNCATION, check_text_rows

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature, null_or_at_least
 
 # Each metric and the score of it that ranks checkpoints.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from recipes.config import ConfigError
+from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
 
 # The row layouts of conversations (recipes.tasks.chat reads them).
