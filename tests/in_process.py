@@ -159,12 +159,13 @@ def _terminal(out: Path, err: Path, files: list) -> Iterator[None]:
     saved_streams = sys.stdout, sys.stderr
     files += [open(path, "a", buffering=1, encoding="utf-8") for path in (out, err)]  # noqa: SIM115
     handlers = _terminal_handlers()
+    handlers_streams = [(handler, handler.stream) for handler, _ in handlers]
     try:
         for fd, file in zip((1, 2), files, strict=True):
             os.dup2(file.fileno(), fd)
         sys.stdout, sys.stderr = files
         for handler, to_stdout in handlers:
-            handler.setStream(files[0] if to_stdout else files[1])
+            handler.stream = files[0] if to_stdout else files[1]  # setStream flushes the old
         yield
     finally:
         for file in files:
@@ -173,8 +174,8 @@ def _terminal(out: Path, err: Path, files: list) -> Iterator[None]:
         for fd, saved in zip((1, 2), saved_fds, strict=True):
             os.dup2(saved, fd)
             os.close(saved)
-        for handler, to_stdout in handlers:
-            handler.setStream(saved_streams[0] if to_stdout else saved_streams[1])
+        for handler, stream in handlers_streams:
+            handler.stream = stream
         for file in files:
             file.close()
 
