@@ -32,6 +32,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Tests build their tasks from conf/task/*.yaml, where the defaults are written (after the
 # settings above: it imports the project).
 from fake_torch_musa import NEWEST
+from in_process import TRAIN, needs_own_process, run_train_here
 from task_yaml import make_task  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,25 +104,37 @@ def _fp32_first(overrides: tuple[str, ...]) -> list[str]:
     return [*overrides[:flags], FP32, *overrides[flags:]]
 
 
+# RECIPES_TEST_PROCESSES=1: every run_train in a process of its own, as before runs went
+# in-process (to compare, or to rule the in-process runner out when a test fails).
+OWN_PROCESSES = os.environ.get("RECIPES_TEST_PROCESSES") == "1"
+
+
 def run_train(
     *overrides: str,
     cwd: Path = ROOT,
     check: bool = True,
     env: dict | None = None,
     timeout: int = 600,
-    script: tuple[str, ...] = (str(ROOT / "train.py"),),
+    script: tuple[str, ...] | None = None,
+    own_process: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python train.py <overrides>`` in a subprocess, as a user runs it (in fp32 unless told).
-    ``script``: what runs instead of train.py (a wrapper and its own arguments)."""
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, *script, *_fp32_first(overrides)],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python train.py <overrides>`` as a user runs it (in fp32 unless told): in this process
+    (tests/in_process.py: Python's start-up is most of a short run's time), or in a process of
+    its own when ``script`` runs instead of train.py (a wrapper and its own arguments: the
+    emulated MUSA card, a fault injector), when ``env`` must be set before the interpreter starts
+    (``OMP_*``, ``PYTHON*``), or when ``own_process`` asks. ``timeout``: its own process only."""
+    args = _fp32_first(overrides)
+    if script is None and not (own_process or OWN_PROCESSES or needs_own_process(env)):
+        proc = run_train_here(args, cwd=cwd, env=env)
+    else:
+        proc = subprocess.run(
+            [sys.executable, *(script or (str(TRAIN),)), *args],
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
@@ -148,8 +161,9 @@ class Sweep:
 def sweep_train(recipes: tuple[str, ...], *overrides: str, output_dir: Path, **kwargs) -> Sweep:
     """``recipes`` as one Hydra sweep, ``train.py -m recipe=a,b,.. <overrides>`` (``kwargs`` as
     :func:`run_train` takes them): each job builds its model, data, Accelerator and seeds as a
-    fresh process does, and Python's start-up (about 6.5 s of a 3-step smoke run's 8.3 s on
-    2 cores) is paid once, not per recipe."""
+    fresh process does, and a failed job fails only its recipe's test (:meth:`Sweep.job`); in
+    a process of its own (the emulated card's ``script``), Python's start-up (about 6.5 s of a
+    3-step smoke run's 8.3 s on 2 cores) is paid once, not per recipe."""
     done = run_train(
         "-m",
         f"recipe={','.join(recipes)}",
@@ -164,7 +178,7 @@ def sweep_train(recipes: tuple[str, ...], *overrides: str, output_dir: Path, **k
 def start_train(
     *overrides: str,
     env: dict | None = None,
-    script: tuple[str, ...] = (str(ROOT / "train.py"),),
+    script: tuple[str, ...] = (str(TRAIN),),
 ) -> subprocess.Popen:
     """``python train.py <overrides>`` started in the background (to be signalled or killed);
     ``script`` as for :func:`run_train`."""

@@ -14,10 +14,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_train_here
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -163,26 +163,17 @@ def test_documented_command_composes(where, args):
     args = _sweep_first_job(args)
     if "--cfg" not in args:
         args = [*args, "--cfg", "job"]
-    proc = subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_train_here(args, cwd=ROOT, env=_env())  # in this process: no Python start-up
     assert proc.returncode == 0, f"{where}: train.py {' '.join(args)}\n{proc.stderr[-3000:]}"
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """A documented command as written, its outputs under tmp_path."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}/multirun"],
+    """A documented command as written, its outputs under tmp_path (run in this process, as
+    conftest.run_train runs train.py)."""
+    return run_train_here(
+        [*args, f"hydra.sweep.dir={tmp_path}/multirun"],
         cwd=tmp_path,
         env={**_env(), "RECIPES_CACHE": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=900,
     )
 
 
