@@ -7,10 +7,11 @@ What the task adds to the shared loop, beside the chat features it holds
   with the chat template and labelled on its completion only (the prompt, its earlier replies
   included, carries no label); TRL's plain-string pairs are a user turn and two replies, or,
   with ``text_rows=raw``, text as TRL tokenizes them (no template, EOS after each side);
-* the losses as TRL (1.x) computes them, from the summed log-probabilities of each completion
-  under the policy and the reference: ``sigmoid`` (DPO, Rafailov et al.), ``ipo`` (on
-  log-probabilities divided by the completion's tokens, as TRL) and ``robust`` (robust DPO,
-  ``label_smoothing`` the share of flipped labels, which is what TRL applies it to);
+* the losses as TRL (1.x) computes them (:mod:`recipes.losses.preference`), from the summed
+  log-probabilities of each completion under the policy and the reference: ``sigmoid`` (DPO,
+  Rafailov et al.), ``ipo`` (on log-probabilities divided by the completion's tokens, as TRL)
+  and ``robust`` (robust DPO, ``label_smoothing`` the share of flipped labels, which is what
+  TRL applies it to);
 * two losses without a reference model, on the policy's average (per-token) log-probabilities
   of each completion, as TRL 1.16 defines them (see :data:`REFERENCE_FREE`): ``orpo`` and
   ``simpo``;

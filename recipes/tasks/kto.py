@@ -25,7 +25,8 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
   gathers it), clamped at 0 and detached. It depends on which rows share a micro-batch: the
   per-device batch size changes it (a batch of one gives a row its own completion, which TRL
   refuses; so does this task), as does accumulation (each micro-batch has its own).
-* The loss per row (``kto``): desirable ``1 - sigmoid(beta * (log-ratio - kl))``, undesirable
+* The loss per row (:mod:`recipes.losses.kto`; ``kto``): desirable
+  ``1 - sigmoid(beta * (log-ratio - kl))``, undesirable
   ``1 - sigmoid(beta * (kl - log-ratio))``, where log-ratio is log pi(y|x) - log pi_ref(y|x)
   summed over the completion; ``apo_zero_unpaired``: ``1 - sigmoid(beta * log-ratio)`` and
   ``sigmoid(beta * log-ratio)``, no KL. Desirable rows weigh ``desirable_weight``, undesirable
