@@ -285,7 +285,6 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self.reward_names = names
         self.reward_weights = torch.tensor([w for _, w, _ in built], dtype=torch.float32)
         self.reward_fns = [fn for _, _, fn in built]
-        self.loss_settings = PolicyLossSettings.of(args)  # what recipes.losses.grpo reads
         summed = args.loss_type in (*TOKEN_SUMS, "bnpo", "dr_grpo")
         if args.importance_sampling_level == "sequence" and summed:
             log.warning(  # TRL's warning: GSPO's objective is per completion
@@ -296,6 +295,11 @@ class GroupRelativePolicy(AnswersPrompts, Task[GrpoData]):
         self.rollouts: Rollouts | None = None
         self.flat = False  # padding-free loss forwards: chosen in check_model
         self.tools = tool_calling.load_tools(args.tools)  # task.tools: multi-turn rollouts
+
+    @property
+    def loss_settings(self) -> PolicyLossSettings:
+        """What :func:`recipes.losses.grpo.policy_loss` reads of the task's settings."""
+        return PolicyLossSettings.of(self.args)
 
     def loss_shape(self) -> LossShape:
         """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo, cispo,
