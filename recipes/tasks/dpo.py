@@ -276,6 +276,18 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
             return None
         return self.reference.logps(model, batch, self._reference_forward)
 
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        """The settings :func:`recipes.losses.preference.preference_loss` reads."""
+        args = self.args
+        return {
+            "loss_type": args.loss_type,
+            "beta": args.beta,
+            "label_smoothing": args.label_smoothing,
+            "simpo_gamma": args.simpo_gamma,
+            "nll_weight": args.nll_weight,
+        }
+
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
         losses, stats = self._batch_losses(model, batch)
@@ -287,18 +299,7 @@ class DirectPreference(AnswersPrompts, Task[PreferenceData]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         reference = self._reference_logps(model, batch)
         policy, tokens, nll = self._policy_terms(model, batch, self.with_nll)
-        args = self.args
-        return preference_loss(
-            policy,
-            reference,
-            tokens,
-            nll,
-            loss_type=args.loss_type,
-            beta=args.beta,
-            label_smoothing=args.label_smoothing,
-            simpo_gamma=args.simpo_gamma,
-            nll_weight=args.nll_weight,
-        )
+        return preference_loss(policy, reference, tokens, nll, **self.loss_settings)
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
