@@ -92,18 +92,7 @@ def _ours(tmp_path, **task):
 def _loss(dpo, policy, tokens, nll) -> PairLosses:
     """:func:`recipes.losses.preference_loss` of the task's gathered log-probs, under its
     settings."""
-    args = dpo.args
-    return preference_loss(
-        policy,
-        None,
-        tokens,
-        nll,
-        loss_type=args.loss_type,
-        beta=args.beta,
-        label_smoothing=args.label_smoothing,
-        simpo_gamma=args.simpo_gamma,
-        nll_weight=args.nll_weight,
-    )
+    return preference_loss(policy, None, tokens, nll, **dpo.loss_settings)
 
 
 def _trl_batch(batch) -> dict[str, torch.Tensor]:

@@ -140,19 +140,9 @@ def _loss(kto, policy, batch, ref: torch.Tensor) -> tuple[torch.Tensor, dict[str
     the task gathers from ``policy`` (each row's completion, and its KL row's without gradient)
     and the reference's ``ref``, the KL estimate from :func:`recipes.losses.kl_estimate`: the
     rows' mean loss, and their summed statistics (what the loop logs, times the rows)."""
-    args = kto.args
     logps = kto._logps_of(policy, batch)[0]
-    kl = kl_estimate(logps[:, 1], ref[:, 1]) if args.loss_type == "kto" else torch.zeros(())
-    losses, stats = kto_loss(
-        logps[:, 0],
-        ref[:, 0],
-        batch["label"],
-        kl,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        desirable_weight=args.desirable_weight,
-        undesirable_weight=args.undesirable_weight,
-    )
+    kl = kl_estimate(logps[:, 1], ref[:, 1]) if kto.uses_kl else torch.zeros(())
+    losses, stats = kto_loss(logps[:, 0], ref[:, 0], batch["label"], kl, **kto.loss_settings)
     return losses.mean(), dict(zip(STATS, stats.sum(0), strict=True))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, make_task
 
 from recipes import losses
 from recipes.losses import grpo as grpo_losses
@@ -147,15 +147,19 @@ def test_simpo_is_a_margin_on_average_log_probs_and_its_nll_term_is_optional():
 
 def test_preference_loss_dispatches_and_refuses_what_a_loss_lacks():
     policy, reference, tokens = torch.tensor([[-1.0, -3.0]]), torch.zeros(1, 2), torch.ones(1, 2)
-    settings = {"beta": 0.1, "label_smoothing": 0.0}
+    settings = {"beta": 0.1, "label_smoothing": 0.1, "simpo_gamma": 0.5, "nll_weight": 0.0}
     for loss_type in ("sigmoid", "ipo", "robust"):
-        got = losses.preference_loss(policy, reference, tokens, loss_type=loss_type, **settings)
-        want = losses.dpo_loss(policy, reference, tokens, loss_type=loss_type, **settings)
+        got = losses.preference_loss(
+            policy, reference, tokens, None, loss_type=loss_type, **settings
+        )
+        want = losses.dpo_loss(
+            policy, reference, tokens, loss_type=loss_type, beta=0.1, label_smoothing=0.1
+        )
         torch.testing.assert_close(got.losses, want.losses, rtol=0, atol=0)
     with pytest.raises(ValueError, match="reference"):
-        losses.preference_loss(policy, None, tokens, loss_type="sigmoid", beta=0.1)
+        losses.preference_loss(policy, None, tokens, None, loss_type="sigmoid", **settings)
     with pytest.raises(ValueError, match="NLL"):
-        losses.preference_loss(policy, None, tokens, loss_type="orpo", beta=0.1)
+        losses.preference_loss(policy, None, tokens, None, loss_type="orpo", **settings)
     with pytest.raises(ValueError, match="loss_type='hinge'"):
         losses.dpo_loss(policy, reference, tokens, beta=0.1, loss_type="hinge")
 
@@ -212,8 +216,28 @@ def test_kl_estimate_is_the_mean_log_ratio_over_processes_clamped_at_zero():
 # ---------------------------------------------------------------------------------- grpo
 
 
+# TRL 1.16's GRPOConfig defaults (recipes.tasks.configs.grpo's too).
+DEFAULTS = {
+    "loss_type": "dapo",
+    "importance_sampling_level": "token",
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "delta": None,
+    "off_policy_mask_threshold": None,
+    "beta": 0.0,
+    "use_bias_correction_kl": True,
+    "max_completion_length": 512,
+    "sapo_temperature_neg": 1.05,
+    "sapo_temperature_pos": 1.0,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+}
+
+
 def _settings(**kwargs) -> grpo_losses.PolicyLossSettings:
-    return grpo_losses.PolicyLossSettings(**kwargs)
+    return grpo_losses.PolicyLossSettings(**(DEFAULTS | kwargs))
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -354,17 +378,12 @@ def test_vespo_weights_a_completion_by_the_gamma_density_of_its_ratio():
 
 
 def test_settings_are_read_from_a_config_and_checked():
-    class Config:
-        pass
-
-    config = Config()
-    for field in grpo_losses.PolicyLossSettings.__dataclass_fields__:
-        setattr(config, field, getattr(grpo_losses.PolicyLossSettings(), field))
-    config.epsilon_high = None
+    config = make_task("grpo", epsilon=0.3).args
     settings = grpo_losses.PolicyLossSettings.of(config)
-    assert settings.high == settings.epsilon == 0.2
+    assert settings == _settings(epsilon=0.3)  # the project's defaults are TRL's
+    assert settings.high == settings.epsilon == 0.3  # epsilon_high unset: epsilon
     with pytest.raises(ValueError, match="loss_type='ppo'"):
-        grpo_losses.PolicyLossSettings(loss_type="ppo")
+        _settings(loss_type="ppo")
 
 
 # ----------------------------------------------------------------------------------- gkd

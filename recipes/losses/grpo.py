@@ -41,23 +41,26 @@ REWARD_STATS = ("reward", "reward_std", "frac_reward_zero_std")
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    """What :func:`policy_loss` reads of the task's settings (TRL's GRPOConfig defaults)."""
+    """What :func:`policy_loss` reads of the task's settings (their meaning and TRL's defaults:
+    :class:`recipes.tasks.configs.grpo.GrpoConfig`); :meth:`of` takes them from it."""
 
-    loss_type: str = "dapo"
-    importance_sampling_level: str = "token"  # or "sequence" (GSPO)
-    epsilon: float = 0.2  # clip range of the ratio, below ...
-    epsilon_high: float | None = None  # ... and above (None: epsilon)
-    delta: float | None = None  # a cap on the unclipped ratio (two-sided clipping)
-    off_policy_mask_threshold: float | None = None
-    beta: float = 0.0  # weight of the KL to the reference (0: none)
-    use_bias_correction_kl: bool = True
-    max_completion_length: int = 512  # dr_grpo's normaliser
-    sapo_temperature_neg: float = 1.05
-    sapo_temperature_pos: float = 1.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    loss_type: str
+    importance_sampling_level: str  # "token", or "sequence" (GSPO)
+    epsilon: float  # clip range of the ratio, below ...
+    epsilon_high: float | None  # ... and above (None: epsilon)
+    delta: float | None  # a cap on the unclipped ratio (two-sided clipping), or None
+    off_policy_mask_threshold: float | None
+    beta: float  # weight of the KL to the reference (0: none)
+    use_bias_correction_kl: bool
+    max_completion_length: int  # dr_grpo's normaliser
+    # sapo's gate temperatures, and vespo's Gamma shape (k) and rate (lambda), by the sign of
+    # the advantage.
+    sapo_temperature_neg: float
+    sapo_temperature_pos: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

@@ -77,16 +77,18 @@ def preference_loss(
     policy_logps: torch.Tensor,
     reference_logps: torch.Tensor | None,
     tokens: torch.Tensor,
-    nll: torch.Tensor | None = None,
+    nll: torch.Tensor | None,
     *,
     loss_type: str,
     beta: float,
-    label_smoothing: float = 0.0,
-    simpo_gamma: float = 0.5,
-    nll_weight: float = 0.0,
+    label_smoothing: float,
+    simpo_gamma: float,
+    nll_weight: float,
 ) -> PairLosses:
-    """``loss_type``'s losses and metrics: :func:`dpo_loss` (``reference_logps`` given),
-    :func:`orpo_loss` or :func:`simpo_loss` (``reference_logps`` None)."""
+    """``loss_type``'s losses and metrics under every setting of a DPO task (those its loss
+    does not read are ignored): :func:`dpo_loss` (``reference_logps`` given), :func:`orpo_loss`
+    or :func:`simpo_loss` (no reference, ``reference_logps`` None; ``nll`` the chosen side's
+    NLL per pair, or None where the loss reads none)."""
     if loss_type == "orpo":
         if nll is None:
             raise ValueError("orpo needs the chosen side's NLL")

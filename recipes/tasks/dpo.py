@@ -7,10 +7,11 @@ What the task adds to the shared loop, beside the chat features it holds
   with the chat template and labelled on its completion only (the prompt, its earlier replies
   included, carries no label); TRL's plain-string pairs are a user turn and two replies, or,
   with ``text_rows=raw``, text as TRL tokenizes them (no template, EOS after each side);
-* the losses as TRL (1.x) computes them, from the summed log-probabilities of each completion
-  under the policy and the reference: ``sigmoid`` (DPO, Rafailov et al.), ``ipo`` (on
-  log-probabilities divided by the completion's tokens, as TRL) and ``robust`` (robust DPO,
-  ``label_smoothing`` the share of flipped labels, which is what TRL applies it to);
+* the losses as TRL (1.x) computes them (:mod:`recipes.losses.preference`), from the summed
+  log-probabilities of each completion under the policy and the reference: ``sigmoid`` (DPO,
+  Rafailov et al.), ``ipo`` (on log-probabilities divided by the completion's tokens, as TRL)
+  and ``robust`` (robust DPO, ``label_smoothing`` the share of flipped labels, which is what
+  TRL applies it to);
 * two losses without a reference model, on the policy's average (per-token) log-probabilities
   of each completion, as TRL 1.16 defines them (see :data:`REFERENCE_FREE`): ``orpo`` and
   ``simpo``;
@@ -274,6 +275,18 @@ class DirectPreference(Task[PreferenceData]):
             return None
         return self.reference.logps(model, batch, self._reference_forward)
 
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        """The settings :func:`recipes.losses.preference.preference_loss` reads."""
+        args = self.args
+        return {
+            "loss_type": args.loss_type,
+            "beta": args.beta,
+            "label_smoothing": args.label_smoothing,
+            "simpo_gamma": args.simpo_gamma,
+            "nll_weight": args.nll_weight,
+        }
+
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
         losses, stats = self._batch_losses(model, batch)
@@ -285,18 +298,7 @@ class DirectPreference(Task[PreferenceData]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         reference = self._reference_logps(model, batch)
         policy, tokens, nll = self._policy_terms(model, batch, self.with_nll)
-        args = self.args
-        return preference_loss(
-            policy,
-            reference,
-            tokens,
-            nll,
-            loss_type=args.loss_type,
-            beta=args.beta,
-            label_smoothing=args.label_smoothing,
-            simpo_gamma=args.simpo_gamma,
-            nll_weight=args.nll_weight,
-        )
+        return preference_loss(policy, reference, tokens, nll, **self.loss_settings)
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

@@ -286,7 +286,6 @@ class GroupRelativePolicy(Task[GrpoData]):
         self.reward_names = names
         self.reward_weights = torch.tensor([w for _, w, _ in built], dtype=torch.float32)
         self.reward_fns = [fn for _, _, fn in built]
-        self.loss_settings = PolicyLossSettings.of(args)  # what recipes.losses.grpo reads
         summed = args.loss_type in (*TOKEN_SUMS, "bnpo", "dr_grpo")
         if args.importance_sampling_level == "sequence" and summed:
             log.warning(  # TRL's warning: GSPO's objective is per completion
@@ -299,6 +298,11 @@ class GroupRelativePolicy(Task[GrpoData]):
         # mode=predict reads prompts in any conversation layout, or TRL's prompt-only rows; each
         # is answered within max_completion_length new tokens (unless generation.max_new_tokens).
         self.predictor = PromptAnswers(self.chat, "auto")
+
+    @property
+    def loss_settings(self) -> PolicyLossSettings:
+        """What :func:`recipes.losses.grpo.policy_loss` reads of the task's settings."""
+        return PolicyLossSettings.of(self.args)
 
     def loss_shape(self) -> LossShape:
         """Summed (:meth:`policy_loss`): per prompt at most every completion token (dapo, cispo,

@@ -25,7 +25,8 @@ rather than from pairs. This task follows TRL 1.16's ``KTOTrainer``
   gathers it), clamped at 0 and detached. It depends on which rows share a micro-batch: the
   per-device batch size changes it (a batch of one gives a row its own completion, which TRL
   refuses; so does this task), as does accumulation (each micro-batch has its own).
-* The loss per row (``kto``): desirable ``1 - sigmoid(beta * (log-ratio - kl))``, undesirable
+* The loss per row (:mod:`recipes.losses.kto`; ``kto``): desirable
+  ``1 - sigmoid(beta * (log-ratio - kl))``, undesirable
   ``1 - sigmoid(beta * (kl - log-ratio))``, where log-ratio is log pi(y|x) - log pi_ref(y|x)
   summed over the completion; ``apo_zero_unpaired``: ``1 - sigmoid(beta * log-ratio)`` and
   ``sigmoid(beta * log-ratio)``, no KL. Desirable rows weigh ``desirable_weight``, undesirable
@@ -301,23 +302,24 @@ class KahnemanTversky(Task[PreferenceData]):
             return torch.zeros((), device=policy.device)
         return kl_estimate(policy[:, 1], reference[:, 1], _process_mean(accelerator))
 
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        """The settings :func:`recipes.losses.kto.kto_loss` reads."""
+        args = self.args
+        return {
+            "beta": args.beta,
+            "loss_type": args.loss_type,
+            "desirable_weight": args.desirable_weight,
+            "undesirable_weight": args.undesirable_weight,
+        }
+
     def _row_terms(
         self, model: torch.nn.Module, batch: Mapping, accelerator: Accelerator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         reference = self.reference.logps(model, batch, self._reference_forward)
         policy, _ = self._logps_of(model, batch)
         kl = self.batch_kl(policy, reference, accelerator)
-        args = self.args
-        return kto_loss(
-            policy[:, 0],
-            reference[:, 0],
-            batch["label"],
-            kl,
-            beta=args.beta,
-            loss_type=args.loss_type,
-            desirable_weight=args.desirable_weight,
-            undesirable_weight=args.undesirable_weight,
-        )
+        return kto_loss(policy[:, 0], reference[:, 0], batch["label"], kl, **self.loss_settings)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The rows' summed weighted loss and their count; :data:`STATS` summed over them."""

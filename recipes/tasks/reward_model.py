@@ -10,8 +10,9 @@ both sides as DPO does):
 * each side is the whole conversation, prompt then completion, rendered with the chat template
   (TRL's conversational rows), or TRL's plain text plus EOS (``text_rows=raw``); a pair with a
   side longer than ``max_seq_length`` is left out (``truncation=drop``, TRL's filter);
-* the loss per pair, TRL's ``compute_loss``: ``-logsigmoid(r_chosen - r_rejected - margin)``
-  (``margin``: the row's optional column, 0 without one), plus
+* the loss per pair (:mod:`recipes.losses.reward`), TRL's ``compute_loss``:
+  ``-logsigmoid(r_chosen - r_rejected - margin)`` (``margin``: the row's optional column, 0
+  without one), plus
   ``center_rewards_coefficient * (r_chosen + r_rejected)^2`` when set; the mean over pairs is
   TRL's loss;
 * TRL's metrics: ``accuracy`` (the share of pairs whose chosen side scores higher: the main
