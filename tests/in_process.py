@@ -168,8 +168,9 @@ def _terminal(out: Path, err: Path, files: list) -> Iterator[None]:
             handler.stream = files[0] if to_stdout else files[1]  # setStream flushes the old
         yield
     finally:
-        for file in files:
-            file.flush()
+        # The test's terminal back first, whatever the run did to its files: a library may
+        # have closed them (then a flush raises), and a test whose sys.stderr stayed a closed
+        # file would break every later test of its worker.
         sys.stdout, sys.stderr = saved_streams
         for fd, saved in zip((1, 2), saved_fds, strict=True):
             os.dup2(saved, fd)
@@ -177,7 +178,8 @@ def _terminal(out: Path, err: Path, files: list) -> Iterator[None]:
         for handler, stream in handlers_streams:
             handler.stream = stream
         for file in files:
-            file.close()
+            if not file.closed:
+                file.close()  # flushes
 
 
 def _terminal_handlers() -> list[tuple[logging.StreamHandler, bool]]:
