@@ -284,6 +284,7 @@ def _watched_run(tmp_path, cache_dir, *overrides: str) -> dict:
     return json.loads(report.read_text())
 
 
+@pytest.mark.slow  # two training runs, each in a process of its own (the watch)
 @pytest.mark.parametrize(
     "overrides",
     [("peft=none", "task.loss_type=orpo"), ("peft=lora", "task.loss_type=simpo")],

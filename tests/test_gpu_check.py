@@ -167,6 +167,7 @@ def test_wheels_are_what_the_device_lacks_pinned_to_this_environment() -> None:
     assert "not fetched: wandb" in done.stdout
 
 
+@pytest.mark.slow  # two rows of the dry run, each in a process of its own
 def test_a_row_past_its_cap_is_stopped_and_the_next_one_runs(tmp_path) -> None:
     out = tmp_path / "out"
     done = _check(
