@@ -85,24 +85,25 @@ def _references(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def answer_match(column: str = "answer") -> RewardFn:
-    def answer_match(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
+def _best_answer_score(score: Callable[[str, str], Any], column: str) -> RewardFn:
+    """A reward: per completion, its best ``score`` against the reference answers in
+    ``column``; None for a row without one."""
+
+    def best(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
         return [
-            max((float(exact_match_score(text_of(c).strip(), r)) for r in refs), default=None)
+            max((float(score(text_of(c).strip(), r)) for r in refs), default=None)
             for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
         ]
 
-    return answer_match
+    return best
+
+
+def answer_match(column: str = "answer") -> RewardFn:
+    return _best_answer_score(exact_match_score, column)
 
 
 def answer_f1(column: str = "answer") -> RewardFn:
-    def answer_f1(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
-        return [
-            max((float(f1_score(text_of(c).strip(), r)) for r in refs), default=None)
-            for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
-        ]
-
-    return answer_f1
+    return _best_answer_score(f1_score, column)
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+"
