@@ -580,6 +580,29 @@ def cached(folder: Path, build: Callable[[], Dataset | DatasetDict]) -> Dataset 
     return datasets.load_from_disk(str(folder))
 
 
+def split_key(role: str, split: Split, tokenizer: Any, **parts: object) -> str:
+    """The cache key of a split's features: its role, its data, the tokenizer, and ``parts``
+    (what else shapes them: the task's feature settings, its features' version)."""
+    return cache_key(
+        role=role, data=split.fingerprint, tokenizer=tokenizer_fingerprint(tokenizer), **parts
+    )
+
+
+def cached_features(
+    cfg: DataConfig,
+    name: str,
+    role: str,
+    split: Split,
+    tokenizer: Any,
+    build: Callable[[], Dataset],
+    **parts: object,
+) -> Dataset:
+    """A task's features of ``split``, built by ``build`` once and cached (:func:`cached`) as
+    ``<name>-<role>-<key>`` under the cache root, the key from :func:`split_key`."""
+    key = split_key(role, split, tokenizer, **parts)
+    return cached(cache_root(cfg) / f"{name}-{role}-{key}", build)
+
+
 def _refuse_empty(data: Dataset | DatasetDict, folder: Path) -> None:
     """Raise DataError if ``data`` (or a split of it) has no rows: a task that drops rows says
     why before this (SFT's "every conversation was dropped"); this is the backstop."""

@@ -85,22 +85,27 @@ def _references(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def _best_scores(
+    score: Callable[[str, str], float], completions: Sequence, references: Sequence
+) -> list[float | None]:
+    """Per completion, its best ``score`` against its row's reference answers (a string or a
+    list of them); None for a row without one."""
+    return [
+        max((float(score(text_of(c).strip(), r)) for r in refs), default=None)
+        for c, refs in zip(completions, map(_references, references), strict=True)
+    ]
+
+
 def answer_match(column: str = "answer") -> RewardFn:
     def answer_match(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
-        return [
-            max((float(exact_match_score(text_of(c).strip(), r)) for r in refs), default=None)
-            for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
-        ]
+        return _best_scores(exact_match_score, completions, _column(row, column))
 
     return answer_match
 
 
 def answer_f1(column: str = "answer") -> RewardFn:
     def answer_f1(prompts: Sequence, completions: Sequence, **row: Any) -> list[float | None]:
-        return [
-            max((float(f1_score(text_of(c).strip(), r)) for r in refs), default=None)
-            for c, refs in zip(completions, map(_references, _column(row, column)), strict=True)
-        ]
+        return _best_scores(f1_score, completions, _column(row, column))
 
     return answer_f1
 

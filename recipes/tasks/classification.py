@@ -158,16 +158,6 @@ class SequenceClassification(Task[ClassificationData]):
         columns: tuple[str, str | None, str],
         label_names: list[str] | None,
     ) -> Dataset:
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            columns=columns,
-            labels=label_names,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.features_key(),
-            version=FEATURES_VERSION,
-        )
-
         def build() -> Dataset:
             with data_lib.map_progress(len(split.examples)):
                 return split.examples.map(
@@ -184,7 +174,18 @@ class SequenceClassification(Task[ClassificationData]):
                     desc=f"{role} features",
                 )
 
-        return data_lib.cached(data_lib.cache_root(cfg) / f"cls-{role}-{key}", build)
+        return data_lib.cached_features(
+            cfg,
+            "cls",
+            role,
+            split,
+            tokenizer,
+            build,
+            columns=columns,
+            labels=label_names,
+            task=self.features_key(),
+            version=FEATURES_VERSION,
+        )
 
     def _features(
         self,

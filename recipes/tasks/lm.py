@@ -97,21 +97,20 @@ class LanguageModeling(Task[TaskData]):
                     f"{', '.join(examples.column_names)}); name the text column with "
                     "data.text_column=..."
                 )
-            key = data_lib.cache_key(
-                role=role,
-                data=split.fingerprint,
+            blocks[role] = data_lib.cached_features(
+                cfg,
+                "lm",
+                role,
+                split,
+                tokenizer,
+                lambda role=role, split=split: self._build_blocks(
+                    cfg, tokenizer, role, split, column, keep_offsets
+                ),
                 column=column,
-                tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
                 task=self.features_key(),
                 offsets=keep_offsets,
                 kind=type(self).__name__,
                 version=FEATURES_VERSION,
-            )
-            blocks[role] = data_lib.cached(
-                data_lib.cache_root(cfg) / f"lm-{role}-{key}",
-                lambda role=role, split=split: self._build_blocks(
-                    cfg, tokenizer, role, split, column, keep_offsets
-                ),
             )
             log.info(
                 "%s: %d texts -> %d blocks of %d tokens",

@@ -209,19 +209,20 @@ class MultipleChoice(Task[ChoiceData]):
         tokenizer: PreTrainedTokenizerBase,
         layout: Layout,
     ) -> Dataset:
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            layout=layout,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.features_key(),
-            version=FEATURES_VERSION,
-        )
-
         def build() -> Dataset:
             return self._map(split, tokenizer, layout, f"{role} data {split.source}", cfg)
 
-        return data_lib.cached(data_lib.cache_root(cfg) / f"mc-{role}-{key}", build)
+        return data_lib.cached_features(
+            cfg,
+            "mc",
+            role,
+            split,
+            tokenizer,
+            build,
+            layout=layout,
+            task=self.features_key(),
+            version=FEATURES_VERSION,
+        )
 
     def _map(
         self,

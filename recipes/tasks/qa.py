@@ -170,13 +170,6 @@ class QuestionAnswering(Task[QAData]):
         featurize: Callable[..., dict],
     ) -> Dataset:
         """The split's features, built by ``featurize`` once and cached on disk."""
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.features_key(),
-            version=FEATURES_VERSION,
-        )
         examples = split.examples
 
         def build() -> Dataset:
@@ -191,7 +184,16 @@ class QuestionAnswering(Task[QAData]):
                     desc=f"{role} features",
                 )
 
-        return data_lib.cached(data_lib.cache_root(cfg) / f"qa-{role}-{key}", build)
+        return data_lib.cached_features(
+            cfg,
+            "qa",
+            role,
+            split,
+            tokenizer,
+            build,
+            task=self.features_key(),
+            version=FEATURES_VERSION,
+        )
 
     def _tokenize(self, examples: Mapping[str, list], tokenizer: PreTrainedTokenizerBase):
         questions = [q.lstrip() for q in examples["question"]]

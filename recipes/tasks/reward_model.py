@@ -29,6 +29,7 @@ full batch's mean.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -235,17 +236,8 @@ class RewardModel(Task[RewardData]):
         else:
             rows = chat.normalise(split.examples, "auto", split.source)
             tokenize = _tokenize_conversations
-        built = rows.map(
-            tokenize,
-            batched=True,
-            remove_columns=rows.column_names,
-            fn_kwargs={
-                "tokenizer": tokenizer,
-                "template": template,
-                "source": split.source,
-                "features": features,
-            },
-        )
+        whole = functools.partial(tokenize, features=features)
+        built = chat.tokenize_rows(rows, whole, tokenizer, template, split.source)
         built = _cut(built, self.args.max_seq_length)
         collator = PairCollator(tokenizer.pad_token_id, pairs)
         return RewardData(

@@ -189,14 +189,6 @@ class SequenceToSequence(Task[Seq2SeqData]):
     ) -> Dataset:
         sources, targets = texts[0], texts[1]
         target_length = self.args.max_target_length if role == "train" else self._eval_target_length
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            columns=(cfg.source_column, cfg.target_column, cfg.source_prefix, self.args.metric),
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            task=self.features_key(),
-            version=FEATURES_VERSION,
-        )
 
         def build() -> Dataset:
             return _tokenized(
@@ -209,7 +201,17 @@ class SequenceToSequence(Task[Seq2SeqData]):
                 cfg.preprocessing_num_workers,
             )
 
-        built = data_lib.cached(data_lib.cache_root(cfg) / f"s2s-{role}-{key}", build)
+        built = data_lib.cached_features(
+            cfg,
+            "s2s",
+            role,
+            split,
+            tokenizer,
+            build,
+            columns=(cfg.source_column, cfg.target_column, cfg.source_prefix, self.args.metric),
+            task=self.features_key(),
+            version=FEATURES_VERSION,
+        )
         cut = int((data_lib.feature_lengths(built) >= self.args.max_source_length).sum())
         if cut:
             log.warning(

@@ -196,17 +196,6 @@ class TokenClassification(Task[NerData]):
         label_names: list[str],
     ) -> tuple[Dataset, dict]:
         all_tokens = self.args.label_all_tokens and role == "train"
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            labels=label_names,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
-            length=self.args.max_seq_length,
-            long=self.args.long_sentences,
-            stride=self.args.stride,
-            all_tokens=all_tokens,
-            version=FEATURES_VERSION,
-        )
         b_to_i = inside_labels(label_names) if all_tokens else None
 
         def build() -> Dataset:
@@ -221,7 +210,20 @@ class TokenClassification(Task[NerData]):
                     desc=f"{role} features",
                 )
 
-        features = data_lib.cached(data_lib.cache_root(cfg) / f"ner-{role}-{key}", build)
+        features = data_lib.cached_features(
+            cfg,
+            "ner",
+            role,
+            split,
+            tokenizer,
+            build,
+            labels=label_names,
+            length=self.args.max_seq_length,
+            long=self.args.long_sentences,
+            stride=self.args.stride,
+            all_tokens=all_tokens,
+            version=FEATURES_VERSION,
+        )
         return self._split_off(features, role, len(words))
 
     def _split_off(self, features: Dataset, role: str, sentences: int) -> tuple[Dataset, dict]:

@@ -41,6 +41,7 @@ from recipes.tasks.chat.features import (
     answer_held_out,
     generation_scores,
     held_out_prompts,
+    tokenize_rows,
 )
 from recipes.tasks.chat.reference import AgainstReference, PreferenceData, Reference
 from recipes.tasks.chat.rows import (
@@ -125,6 +126,7 @@ __all__ = [
     "to_messages",
     "token_losses",
     "tokenize_conversation",
+    "tokenize_rows",
     "tokenize_text",
     "unpaired",
     "use_template",

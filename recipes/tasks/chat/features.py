@@ -8,7 +8,8 @@ here; none inherits them from another task. What they share:
   renders prompts as trained), and the token that ends an assistant turn (:func:`use_template`);
 * rows rendered and tokenized once per split, cached on disk by the data, the tokenizer, the
   template and the task's feature settings, and refused when no row is kept
-  (:meth:`ChatFeatures.tokenized`); a reply rendered after its prompt (:func:`templated_reply`);
+  (:meth:`ChatFeatures.tokenized`, uncached :func:`tokenize_rows`); a reply rendered after its
+  prompt (:func:`templated_reply`);
 * the held-out prompts answered greedily after training, scored against their reference
   (:func:`held_out_prompts`, :func:`answerable`, :func:`answer_held_out`), and mode=predict's
   answers to the prompts of a file (:func:`predict_data`, :func:`predict`);
@@ -50,6 +51,25 @@ log = get_logger(__name__)
 # What ChatFeatures.tokenized maps over a split, batched: (batch, tokenizer, template, source)
 # -> the feature columns of the rows it keeps.
 Tokenize = Callable[[Mapping[str, list], PreTrainedTokenizerBase, "str | None", str], dict]
+
+
+def tokenize_rows(
+    rows: Dataset,
+    tokenize: Tokenize,
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    source: str,
+    **options: Any,
+) -> Dataset:
+    """``rows`` mapped by ``tokenize`` (batched), each batch's rows replaced by the feature
+    columns it returns; ``options``: ``Dataset.map``'s own (``num_proc``, ``desc``)."""
+    return rows.map(
+        tokenize,
+        batched=True,
+        remove_columns=rows.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "source": source},
+        **options,
+    )
 
 
 @dataclass
@@ -316,10 +336,10 @@ class ChatFeatures:
         """``rows`` mapped by ``tokenize`` (batched), cached on disk by the data, the tokenizer,
         the template and the task's settings; and that cache key. A split of which no row is
         kept is refused (:meth:`none_kept`)."""
-        key = data_lib.cache_key(
-            role=role,
-            data=split.fingerprint,
-            tokenizer=data_lib.tokenizer_fingerprint(tokenizer),
+        key = data_lib.split_key(
+            role,
+            split,
+            tokenizer,
             template=template,
             task=dict(self.settings),
             version=self.version,
@@ -327,15 +347,12 @@ class ChatFeatures:
 
         def build() -> Dataset:
             with data_lib.map_progress(len(rows)):
-                built = rows.map(
+                built = tokenize_rows(
+                    rows,
                     tokenize,
-                    batched=True,
-                    remove_columns=rows.column_names,
-                    fn_kwargs={
-                        "tokenizer": tokenizer,
-                        "template": template,
-                        "source": split.source,
-                    },
+                    tokenizer,
+                    template,
+                    split.source,
                     num_proc=cfg.preprocessing_num_workers,
                     desc=f"{role}: render and tokenize ({self.kind})",
                 )

@@ -34,12 +34,12 @@ from datasets import Dataset
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks.chat.rows import (
-    LayoutError,
     Message,
     check_roles,
     has_reply,
     json_list,
     kind_of,
+    layout_of,
     read_rows,
     rows_dataset,
     turns_of,
@@ -52,6 +52,11 @@ FORMATS = PAIR_FORMATS
 # text: the row was TRL's standard (plain-text) pair, prompt, chosen and rejected all strings;
 # margin: the row's own, a number or None (TRL's optional column, read by task=reward_model).
 COLUMNS = ("prompt", "chosen", "rejected", "tools", "text", "margin", "place")
+# The layouts of a pair, as a row that fits none is told.
+LAYOUTS = (
+    "prompt/chosen/rejected (TRL), chosen/rejected conversations sharing a prompt, or "
+    "instruction/completions (UltraFeedback)"
+)
 
 
 def detect_format(row: Mapping[str, Any]) -> str | None:
@@ -67,13 +72,7 @@ def to_pair(
 ) -> tuple[list[Message], list[Message], list[Message]] | None:
     """``row`` as (prompt, chosen, rejected) messages, checked; None for a row that prefers
     nothing (an UltraFeedback row of ties). ValueError names the field that is wrong."""
-    layout = detect_format(row) if fmt == "auto" else fmt
-    if layout is None:
-        raise LayoutError(
-            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
-            "prompt/chosen/rejected (TRL), chosen/rejected conversations sharing a prompt, or "
-            "instruction/completions (UltraFeedback)"
-        )
+    layout = layout_of(row, fmt, detect_format, LAYOUTS)
     if layout == "ultrafeedback":
         pair = _from_ultrafeedback(row)
         if pair is None:

@@ -83,6 +83,22 @@ class LayoutError(ValueError):
 # --------------------------------------------------------------------------------- layouts
 
 
+def layout_of(
+    row: Mapping[str, Any],
+    fmt: str,
+    detect: Callable[[Mapping[str, Any]], str | None],
+    expected: str,
+) -> str:
+    """``fmt``, or for ``auto`` the layout ``detect`` finds in ``row``; a row that fits none is
+    refused (:class:`LayoutError`) naming its fields and the ``expected`` layouts."""
+    layout = detect(row) if fmt == "auto" else fmt
+    if layout is None:
+        raise LayoutError(
+            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected {expected}"
+        )
+    return layout
+
+
 def detect_format(row: Mapping[str, Any], prompt: bool = False) -> str | None:
     """The layout whose fields ``row`` has, or None. A prompt to answer (``prompt``) may lack
     the answer's field, and may be TRL's prompt-only row (``prompt``: text or messages)."""
@@ -114,14 +130,14 @@ def to_conversation(
 ) -> tuple[list[Message], int, bool]:
     """``row``'s checked messages (:func:`to_messages`), how many of them are the prompt of a
     prompt-completion row (0 for a conversation), and whether the row was plain text."""
-    layout = detect_format(row, prompt) if fmt == "auto" else fmt
-    if layout is None:
-        raise LayoutError(
-            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected messages, "
-            "conversations (ShareGPT), instruction/input/output (Alpaca), "
-            "instruction/context/response (Dolly) or prompt/completion"
-            + (" or prompt" if prompt else "")
-        )
+    layout = layout_of(
+        row,
+        fmt,
+        lambda r: detect_format(r, prompt),
+        "messages, conversations (ShareGPT), instruction/input/output (Alpaca), "
+        "instruction/context/response (Dolly) or prompt/completion"
+        + (" or prompt" if prompt else ""),
+    )
     if layout == "normalised":  # a row this module wrote: kept as it is
         messages = _from_messages(row)
         turns, text = int(row.get("prompt_turns") or 0), bool(row.get("text"))

@@ -35,12 +35,12 @@ from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.tasks.chat import preference
 from recipes.tasks.chat.rows import (
-    LayoutError,
     Message,
     check_roles,
     has_reply,
     json_list,
     kind_of,
+    layout_of,
     parse_message,
     read_rows,
     rows_dataset,
@@ -53,6 +53,11 @@ log = get_logger(__name__)
 FORMATS = UNPAIRED_FORMATS
 # text: the row was TRL's standard (plain-text) row, prompt and completion strings.
 COLUMNS = ("prompt", "completion", "label", "tools", "text", "place")
+# The layouts of a row, as a row that fits none is told.
+LAYOUTS = (
+    "prompt/completion/label (TRL's unpaired rows) or a preference pair: prompt/chosen/rejected, "
+    "chosen/rejected conversations sharing a prompt, or instruction/completions (UltraFeedback)"
+)
 
 
 def detect_format(row: Mapping[str, Any]) -> str | None:
@@ -66,14 +71,7 @@ def to_rows(
 ) -> list[tuple[list[Message], list[Message], bool, bool]]:
     """``row`` as checked (prompt, completion, label, text) rows: one for an unpaired row, two
     for a pair (chosen, then rejected), none for a pair of ties. ValueError names the field."""
-    layout = detect_format(row) if fmt == "auto" else fmt
-    if layout is None:
-        raise LayoutError(
-            f"fits no layout (fields: {', '.join(sorted(row)) or 'none'}); expected "
-            "prompt/completion/label (TRL's unpaired rows) or a preference pair: "
-            "prompt/chosen/rejected, chosen/rejected conversations sharing a prompt, or "
-            "instruction/completions (UltraFeedback)"
-        )
+    layout = layout_of(row, fmt, detect_format, LAYOUTS)
     if layout != "unpaired":
         pair = preference.to_pair(row, layout)
         if pair is None:
