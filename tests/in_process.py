@@ -182,14 +182,26 @@ def _terminal(out: Path, err: Path, files: list) -> Iterator[None]:
                 file.close()  # flushes
 
 
-def _terminal_handlers() -> list[tuple[logging.StreamHandler, bool]]:
-    """The log handlers that print to the terminal, each with whether it prints to stdout."""
+def _terminal_handlers() -> list[tuple[logging.Handler, bool]]:
+    """The log handlers that print to the terminal, each with whether it prints to stdout:
+    every live handler (``logging._handlerList``, attached to a logger or not) whose stream is
+    the terminal. A handler made before the run holds the test's streams, pytest's capture files
+    under pytest, and one that closes its stream when closed (absl's, which rouge_score imports)
+    would close pytest's file when the run's logging set-up (Hydra's dictConfig) closes every
+    handler; in a process of its own that stream is the real terminal, which it never closes."""
     stdout = {id(sys.stdout), id(sys.__stdout__)}
-    found = []
-    for logger in _loggers():
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler:
-                found.append((handler, id(handler.stream) in stdout))
+    terminal = stdout | {id(sys.stderr), id(sys.__stderr__)}
+    live = [ref() for ref in logging._handlerList]  # type: ignore[attr-defined]
+    attached = [handler for logger in _loggers() for handler in logger.handlers]
+    found, seen = [], set()
+    for handler in [*live, *attached]:
+        stream = getattr(handler, "stream", None)
+        if handler is None or id(handler) in seen or id(stream) not in terminal:
+            continue
+        if isinstance(getattr(type(handler), "stream", None), property):
+            continue  # reads sys.stderr when it writes (logging.lastResort): follows the swap
+        seen.add(id(handler))
+        found.append((handler, id(stream) in stdout))
     return found
 
 
