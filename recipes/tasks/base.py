@@ -352,7 +352,7 @@ class Task(abc.ABC, Generic[DataT]):
         :meth:`predict` needs to write its answers."""
         if self.predictor is None:
             raise ConfigError(
-                f"mode=predict: task={self.args.NAME} has no predictions to make (mode=eval "
+                f"mode=predict: task={type(self).__name__} has no predictions to make (mode=eval "
                 "scores its model)."
             )
         return self.predictor.build_predict_data(cfg, tokenizer)
