@@ -642,6 +642,11 @@ def show_progress(enabled: bool) -> None:
     _progress = enabled
 
 
+def progress_enabled() -> bool:
+    """What :func:`show_progress` last set (``trainer.progress_bar``)."""
+    return _progress
+
+
 def progress_wanted() -> bool:
     """Bars are on (:func:`show_progress`) and this is the local main process."""
     return _progress and _is_local_main_process()

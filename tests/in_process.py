@@ -121,6 +121,9 @@ def _fresh_process(cwd: Path, env: dict | None, out: Path, err: Path) -> Iterato
     saved_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     saved_torch = _torch_switches()
     saved_logging, saved_bars = _logging_state(), _progress_bars()
+    from recipes import data as data_lib  # trainer.progress_bar is process-wide (show_progress)
+
+    saved_progress = data_lib.progress_enabled()
     _forget_run_state()
     terminal: list = []
     try:
@@ -136,6 +139,7 @@ def _fresh_process(cwd: Path, env: dict | None, out: Path, err: Path) -> Iterato
         _forget_run_state()
         _restore_logging(saved_logging, {id(file) for file in terminal})
         _restore_progress_bars(saved_bars)
+        data_lib.show_progress(saved_progress)
         _restore_torch_switches(saved_torch)
         random.setstate(saved_rng[0])
         np.random.set_state(saved_rng[1])

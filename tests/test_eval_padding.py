@@ -14,6 +14,7 @@ import pytest
 from conftest import FP32, ROOT
 from hydra import compose, initialize_config_dir
 
+from recipes import data as data_lib
 from recipes import evaluation
 from recipes.config import register_resolvers, validate
 from recipes.modes import run
@@ -56,10 +57,13 @@ class _Widths:
 @pytest.fixture
 def run_logging() -> Iterator[None]:
     """The ``recipes`` logger as it was before the runs (a run routes it to its own train.log
-    and stops it propagating, which the other tests' ``caplog`` relies on)."""
+    and stops it propagating, which the other tests' ``caplog`` relies on), and the data's
+    progress bars (the smoke runs turn them off for the process: trainer.progress_bar)."""
     logger = logging.getLogger("recipes")
     handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    progress = data_lib.progress_enabled()
     yield
+    data_lib.show_progress(progress)
     for handler in logger.handlers:
         if handler not in handlers:
             handler.close()
