@@ -31,9 +31,9 @@ from typing import Any
 
 from datasets import Dataset
 
+import recipes.tasks.chat.preference as preference
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.chat import preference
 from recipes.tasks.chat.rows import (
     Message,
     check_roles,
