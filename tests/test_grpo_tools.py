@@ -5,10 +5,11 @@ and (slow) the bundled calculator example trains with tool calls happening.
 
 The traces: the first bundled arithmetic prompts (recipes/assets/arithmetic, not written for this
 test), each with completions that call the calculator right, call an unknown tool, pass an
-argument the tool does not take, call twice in one turn, answer without a tool, and keep calling
-until the budget is spent. Neither side samples: TRL gets the first turns through its
-``rollout_func`` and the later turns from its ``_generate_single_turn``; ours from the
-``generate`` its loop is given (the turn a completion asks for next, cut to what it may have)."""
+argument the tool does not take, call twice in one turn, answer without a tool, keep calling
+until the budget is spent, and write the arguments as a JSON string (a failed call) and call
+again. Neither side samples: TRL gets the first turns through its ``rollout_func`` and the later
+turns from its ``_generate_single_turn``; ours from the ``generate`` its loop is given (the turn
+a completion asks for next, cut to what it may have)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.skipif(
 ARITHMETIC = ROOT / "recipes/assets/arithmetic/dev.jsonl"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
 PROMPTS = 1
-GROUP = 6
+GROUP = 7
 MAX_COMPLETION = 256
 ITERATIONS = 3
 REWARDS = [{"name": "tool_math_answer", "weight": 1.0}]
@@ -45,6 +46,14 @@ REWARDS = [{"name": "tool_math_answer", "weight": 1.0}]
 
 def _call(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def _call_as_string(name: str, **arguments) -> str:
+    """A call whose arguments are a JSON string (``"{\\"expression\\": ...}"``), as models
+    often write them: a failed call, with TRL's message (``argument after ** must be a
+    mapping, not str``)."""
+    encoded = {"name": name, "arguments": json.dumps(arguments)}
+    return f"<tool_call>\n{json.dumps(encoded)}\n</tool_call>"
 
 
 def _traces(question: str, answer: str) -> list[list[str]]:
@@ -58,6 +67,7 @@ def _traces(question: str, answer: str) -> list[list[str]]:
         [right + "\n" + _call("calculator", expression="2 * 3"), f"{answer}"],
         ["I think it is 12."],
         ["Let me compute.\n" + right, right, right, right],  # past the budget
+        [_call_as_string("calculator", expression=expression), right, f"So {answer}."],
     ]
 
 
@@ -187,6 +197,11 @@ def test_tool_calling_equals_trl(tmp_path):
     assert torch.equal(completion_mask, theirs["completion_mask"].long())
     assert torch.equal(tool_mask * completion_mask, theirs["tool_mask"] * completion_mask)
     assert got.messages == seen
+    # Arguments as a JSON string: a failed call with TRL's message, then a second round of calls.
+    as_string = got.messages[GROUP - 1]
+    assert [m["role"] for m in as_string] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert "argument after ** must be a mapping, not str" in as_string[1]["content"]
+    assert "error" not in as_string[3]["content"]
     # Results, failures, and a completion cut at the budget.
     assert 0 < got.failures < got.calls and (tool_mask == 0).any()
     for name, value in got.stats().items():
