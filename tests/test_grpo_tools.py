@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 import time
 
 import pytest
@@ -277,9 +278,18 @@ def broken(x: int) -> str:
     raise RuntimeError(f"broken on {x}")
 
 
+def quits(x: int) -> str:
+    """Exit the process.
+
+    Args:
+        x: anything
+    """
+    sys.exit(0)
+
+
 def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
     """The tiny model goes on after a tool that hangs (past task.tool_timeout), one that raises,
-    an unknown tool, bad arguments and a call that is not JSON; each later turn is drawn from
+    one that calls sys.exit(0) (which would end the run with exit 0), an unknown tool, bad arguments and a call that is not JSON; each later turn is drawn from
     its completion's own stream: the same alone as in a batch."""
     from accelerate import Accelerator
 
@@ -294,7 +304,8 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
         max_completion_length=192,
         num_generations=GROUP,
         rewards=REWARDS,
-        tools=["test_grpo_tools.hang", "test_grpo_tools.broken", "recipes.tools.calculator"],
+        tools=[f"test_grpo_tools.{fn.__name__}" for fn in (hang, broken, quits)]
+        + ["recipes.tools.calculator"],
         max_tool_calling_iterations=1,
         tool_timeout=0.5,
     )
@@ -309,6 +320,7 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
         _call("lookup", key="x"),
         _call("calculator", expression="__import__('os')"),
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',
+        _call("quits", x=1),
     ]
     firsts = [tokenizer(t + end, add_special_tokens=False)["input_ids"] for t in first]
     sampling = GenerationConfig(do_sample=True, top_k=0, batch_size=len(first))
@@ -322,14 +334,15 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
     started = time.perf_counter()
     got = rollout(list(range(len(first))))
     assert time.perf_counter() - started < 20  # the hanging tool's 30 s were not waited for
-    assert (got.calls, got.failures) == (5, 5)
+    assert (got.calls, got.failures) == (6, 6)
     errors = [m[1]["content"] for m in got.messages]
-    assert [m[1]["role"] for m in got.messages] == ["tool"] * 5
+    assert [m[1]["role"] for m in got.messages] == ["tool"] * 6
     assert "hang did not return within 0.5 s (task.tool_timeout)" in errors[0]
     assert "broken on 3" in errors[1]
     assert "Tool lookup not found." in errors[2]
     assert "not arithmetic" in errors[3]
     assert "could not be read" in errors[4]
+    assert "quits exited (SystemExit: 0)" in errors[5]
     for ids, mask, messages in zip(got.completion_ids, got.tool_mask, got.messages, strict=True):
         assert messages[2]["role"] == "assistant"  # the model's next turn
         assert 0 in mask and mask[-1] == 1 and len(mask) == len(ids) <= 192
