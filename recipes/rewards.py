@@ -46,16 +46,15 @@ from __future__ import annotations
 import asyncio
 import difflib
 import functools
-import importlib
 import inspect
 import math
 import re
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from recipes import user_code
 from recipes.config import ConfigError, first_line
 from recipes.metrics.squad import exact_match_score, f1_score, normalize_answer
 
@@ -326,18 +325,13 @@ def build(spec: Mapping[str, Any], max_completion_length: int) -> tuple[str, flo
 
 
 def _imported(path: str, options: Mapping[str, Any]) -> RewardFn:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
+    module_name, attr = user_code.split(path)
     if not module_name or not attr:
         raise ConfigError(
             f"task.rewards: {path!r} is neither a built-in ({', '.join(BUILT_IN)}) nor an import "
             f"path (package.module:function){_did_you_mean(path, BUILT_IN)}"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"task.rewards: cannot import {path!r} ({err}).") from None
+    module = user_code.import_module(module_name, "task.rewards", path)
     fn = getattr(module, attr, None)
     if fn is None:
         names = [n for n in vars(module) if not n.startswith("_")]
@@ -371,17 +365,20 @@ def scores(
         returned = _called(fn, calls, columns)
     except ConfigError:
         raise  # a built-in's own refusal (a column the rows lack) says what to change
-    except Exception as err:  # the user's code: anything it raises is reported the same way
+    except BaseException as err:  # the user's code: anything it raises, sys.exit() included
+        if not _users(err):
+            raise
         which = _first_failing(fn, calls, columns, len(completions))
         at = (
             f"on completion {which} (the prompt of {places[which]})"
             if which is not None
             else f"on the batch of {len(completions)} completions (on none of them alone)"
         )
+        exits = "" if isinstance(err, Exception) else ", which a reward function must not do"
         raise ConfigError(
-            f"task.rewards: {name} raised {type(err).__name__} ({first_line(err)[:200]}) {at}, "
-            f"at {_where(err)}{stopped} Fix the function: it must return a float, or None, per "
-            "completion."
+            f"task.rewards: {name} raised {type(err).__name__} ({first_line(err)[:200]}){exits} "
+            f"{at}, at {user_code.where(err)}{stopped} Fix the function: it must return a float, "
+            "or None, per completion."
         ) from None
     if isinstance(returned, str | bytes | Mapping) or not isinstance(returned, Iterable):
         raise ConfigError(
@@ -464,18 +461,20 @@ def _first_failing(
         alone = {key: [values[i]] for key, values in (*calls.items(), *columns.items())}
         try:
             _called(fn, alone, {})
-        except Exception:
+        except BaseException as err:
+            if not _users(err):
+                raise
             return i
     return None
 
 
-def _where(err: BaseException) -> str:
-    """``my_rewards.py:12`` (file and line): where the innermost frame of ``err`` raised."""
-    frames = traceback.extract_tb(err.__traceback__)
-    if not frames:
-        return "an unknown line"
-    last = frames[-1]
-    return f"{last.filename}:{last.lineno}"
+def _users(err: BaseException) -> bool:
+    """Whether ``err`` is the reward function's failure: an exception, or ``SystemExit`` /
+    ``KeyboardInterrupt`` it raised (they would end the run, with exit 0 for ``sys.exit()``);
+    not what the signal handler raises (a Ctrl-C, :class:`recipes.faults.StopNow`)."""
+    if isinstance(err, KeyboardInterrupt):
+        return not user_code.from_signal(err)
+    return isinstance(err, Exception | SystemExit)
 
 
 def _did_you_mean(word: str, choices: Any) -> str:

@@ -9,9 +9,11 @@ it (``trl/trainer/grpo_trainer.py``: ``_tool_call_loop``, ``_get_tool_suffix_ids
   completion (``tool_mask`` 0: no loss on them) and the model continues from there, up to
   ``task.max_tool_calling_iterations`` rounds, all within ``max_completion_length`` tokens (a
   round whose tool results would not fit is dropped and the completion ends there);
-* a tool that raises, an unknown tool, a call the parser cannot read and a tool that runs past
-  ``task.tool_timeout`` seconds give a tool message ``{'error': ...}`` and count as failures; the
-  run goes on (a timed-out tool's thread is left behind, as Python cannot stop a thread).
+* a tool that raises (or calls ``sys.exit()``), an unknown tool, arguments that are no JSON
+  object (a JSON string, as models write, gets TRL's ``argument after ** must be a mapping``), a
+  call the parser cannot read and a tool that runs past ``task.tool_timeout`` seconds give a tool
+  message ``{'error': ...}`` and count as failures; the run goes on (a timed-out tool's thread
+  is left behind, as Python cannot stop a thread).
 
 The model's tool calls are read with transformers' ``tokenizer.parse_response`` (transformers >=
 5.13) under the tokenizer's ``response_template``, or where it has none the Hermes format
@@ -21,7 +23,6 @@ The model's tool calls are read with transformers' ``tokenizer.parse_response`` 
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -32,6 +33,7 @@ import transformers
 from packaging.version import Version
 from transformers import PreTrainedTokenizerBase
 
+from recipes import user_code
 from recipes.config import ConfigError, first_line
 
 # TRL 1.16's qwen3_template (trl/chat_template_utils.py): an assistant turn's text, then any
@@ -76,13 +78,16 @@ def load_tools(specs: Sequence[str]) -> list[Callable]:
 
     tools = []
     for spec in specs:
-        module_name, sep, attr = str(spec).partition(":")
-        if not sep:
-            module_name, _, attr = str(spec).rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr) if module_name else None
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"task.tools: cannot import {spec!r} ({err}).") from None
+        module_name, attr = user_code.split(str(spec))
+        module = (
+            user_code.import_module(module_name, "task.tools", str(spec)) if module_name else None
+        )
+        fn = getattr(module, attr, None)
+        if module is not None and fn is None:
+            raise ConfigError(
+                f"task.tools: cannot import {spec!r} (module {module_name!r} has no attribute "
+                f"{attr!r})."
+            )
         if not callable(fn):
             raise ConfigError(
                 f"task.tools: {spec!r} is not a function; give an import path such as "
@@ -180,15 +185,14 @@ def run_call(call: Mapping[str, Any], tools: Mapping[str, Callable], timeout: fl
     try:
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        arguments = function.get("arguments") or {}
-        if not isinstance(arguments, Mapping):
-            raise TypeError(f"{name}'s arguments must be a JSON object, not {arguments!r}")
-        return name, str(_call(tools[name], dict(arguments), timeout)), False
+        # As TRL 1.16 calls it (grpo_trainer.py, _tool_call_loop: ``tool(**function["arguments"])``):
+        # arguments that are no mapping (a JSON string) fail with Python's own TypeError.
+        return name, str(_call(tools[name], function.get("arguments", {}), timeout)), False
     except Exception as err:
         return name, str({"error": str(err)}), True
 
 
-def _call(fn: Callable, arguments: dict[str, Any], timeout: float) -> Any:
+def _call(fn: Callable, arguments: Any, timeout: float) -> Any:
     """``fn(**arguments)`` in a daemon thread, given up on after ``timeout`` seconds."""
     out: dict[str, Any] = {}
 
@@ -203,8 +207,13 @@ def _call(fn: Callable, arguments: dict[str, Any], timeout: float) -> Any:
     thread.join(timeout)
     if thread.is_alive():
         raise TimeoutError(f"{fn.__name__} did not return within {timeout:g} s (task.tool_timeout)")
-    if "error" in out:
-        raise out["error"]
+    error = out.get("error")
+    if error is not None and not isinstance(error, Exception):
+        # sys.exit() / KeyboardInterrupt in a tool: that call failed, the run goes on (raised
+        # here they would end it, sys.exit(0) with exit code 0 as if it had finished).
+        raise RuntimeError(f"{fn.__name__} exited ({type(error).__name__}: {error})") from error
+    if error is not None:
+        raise error
     return out["value"]
 
 

@@ -43,10 +43,11 @@ import hashlib
 import json
 import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,19 @@ log = get_logger(__name__)
 
 ADAPTER_PREFIX = "recipes-policy-"  # pushed adapters are named this plus their fingerprint
 _TEMPORARY: list[Path] = []  # this process's sync folder when vllm_sync_dir is null
+_ASKED: set[str] = set()  # servers whose models this process asked for (said once)
+# Seconds the model list may take: vLLM answers it at once (generation.vllm_timeout, 600 s by
+# default, is for a whole completion); a server that accepts connections and does not answer
+# it is not ready or not vLLM, and is said so within this, not after ten minutes of silence.
+MODELS_TIMEOUT = 30.0
+PROGRESS_EVERY = 30.0  # seconds between the lines that say how many completions are back
+# What a request that timed out was waiting for, for its one line.
+_WAITS_FOR = {
+    "/v1/models": "the start-up check: the list of served models, answered at once by a vLLM "
+    "server that is up",
+    "/v1/completions": "completions: each may take up to generation.vllm_timeout",
+    "/collective_rpc": "the server reloading the pushed weights",
+}
 
 
 @dataclass(frozen=True)
@@ -98,34 +112,67 @@ class Server:
             concurrency=generation.vllm_max_concurrent_requests,
         )
 
-    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def call(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> Any:
         """``GET`` (no body) or ``POST`` ``path``; the answer as JSON (text when it is not JSON).
-        A server that does not answer or answers an error raises one line naming the setting
-        and the fix."""
+        A server that does not answer (within ``timeout`` seconds, else
+        ``generation.vllm_timeout``) or answers an error raises one line naming the setting and
+        the fix."""
+        return _parsed(self._send(path, body, timeout)[2])
+
+    def call_json(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """:meth:`call` for an endpoint that answers a JSON object: anything else (a proxy's or
+        another service's HTML page) is refused in one line with its status, content type and
+        first bytes."""
+        status, kind, raw = self._send(path, body, timeout)
+        answer = _parsed(raw)
+        if not isinstance(answer, dict):
+            raise ConfigError(self._not_json(path, status, kind, raw))
+        return answer
+
+    def _send(
+        self, path: str, body: dict[str, Any] | None, timeout: float | None
+    ) -> tuple[int, str, str]:
+        """The answer's status, content type and text."""
         request = urllib.request.Request(
             self.url + path,
             data=None if body is None else json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
             method="GET" if body is None else "POST",
         )
+        waited = self.timeout if timeout is None else timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read().decode()
+            with urllib.request.urlopen(request, timeout=waited) as response:
+                raw = response.read().decode(errors="replace")
+                return response.status, response.headers.get_content_type(), raw
         except urllib.error.HTTPError as err:
             raise ConfigError(
-                self._refusal(path, err.code, _message(err.read().decode()))
+                self._refusal(path, err.code, _message(err.read().decode(errors="replace")))
             ) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError):  # it accepted the connection, then said nothing
+                raise ConfigError(
+                    f"generation.vllm_url={self.url}: {path} got no answer within {waited:g} s "
+                    f"({_WAITS_FOR.get(path, 'its answer')}); see the server's log (is it still "
+                    "loading, stuck, or not vLLM?), or raise generation.vllm_timeout for a slow "
+                    "one"
+                ) from None
             raise ConfigError(
                 f"generation.vllm_url={self.url}: no vLLM server answers ({reason}); start one "
                 "(`vllm serve <model folder>`, docs/launching.md#grpo-with-a-vllm-server) or set "
                 "generation.vllm_url to where it listens"
             ) from None
-        try:
-            return json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            return raw
+
+    def _not_json(self, path: str, status: int, kind: str, raw: str) -> str:
+        return (
+            f"generation.vllm_url={self.url}: {path} answered {status} with {kind}, not the "
+            f"JSON vLLM answers ({raw.strip()[:80]!r}); point generation.vllm_url at the vLLM "
+            "server itself (`vllm serve`), not a proxy's or another service's page"
+        )
 
     def _refusal(self, path: str, status: int, message: str) -> str:
         said = f"generation.vllm_url={self.url}: {path} answered {status} ({message})"
@@ -152,8 +199,18 @@ class Server:
         return f"{said}: check that it serves the policy's base model (model.name_or_path)"
 
     def models(self) -> tuple[str, list[str]]:
-        """The served base model's name and the names of the adapters pushed to it."""
-        cards = (self.call("/v1/models") or {}).get("data") or []
+        """The served base model's name and the names of the adapters pushed to it; asked
+        within :data:`MODELS_TIMEOUT` (a vLLM server lists them at once, even while it
+        generates), the start-up check of a server that is not there or not vLLM."""
+        if self.url not in _ASKED:
+            log.info(
+                "asking the vLLM server at %s for its models (/v1/models, at most %g s)",
+                self.url,
+                min(self.timeout, MODELS_TIMEOUT),
+            )
+            _ASKED.add(self.url)
+        listed = self.call_json("/v1/models", timeout=min(self.timeout, MODELS_TIMEOUT))
+        cards = listed.get("data") or []
         if not cards:
             raise ConfigError(
                 f"generation.vllm_url={self.url}: /v1/models lists no model; serve the "
@@ -263,7 +320,14 @@ def complete_ids(
         body |= {**sampling, "stop_token_ids": stops, "return_token_ids": True}
         if generation.do_sample:
             body["seed"] = seeds[row.index]
-        choice = server.call("/v1/completions", body)["choices"][0]
+        answer = server.call_json("/v1/completions", body)
+        choices = answer.get("choices")
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            raise ConfigError(
+                f"generation.vllm_url={server.url}: /v1/completions answered without choices "
+                f"({json.dumps(answer)[:80]!r}); point generation.vllm_url at a vLLM server"
+            )
+        choice = choices[0]
         if choice.get("token_ids") is None:
             raise ConfigError(
                 f"generation.vllm_url={server.url}: /v1/completions returned no token_ids; "
@@ -277,8 +341,38 @@ def complete_ids(
     done: list[tuple[int, list[int]]] = []
     if mine:
         with ThreadPoolExecutor(max_workers=min(server.concurrency, len(mine))) as pool:
-            done = list(pool.map(send, mine))
+            done = _waited([pool.submit(send, row) for row in mine], "completions", server)
     return gather_answers(done, rows, accelerator)
+
+
+def _waited(futures: list[Future], what: str, server: Server) -> list[Any]:
+    """The results of ``futures`` in order (the first failure raised at once); while they are
+    not all back, every :data:`PROGRESS_EVERY` seconds a line says how many are."""
+    start, pending = time.monotonic(), set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=PROGRESS_EVERY, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()  # raises the request's one line
+        if pending:
+            log.info(
+                "waiting for %s from the vLLM server at %s: %d of %d back after %.0f s "
+                "(generation.vllm_timeout=%g s a request)",
+                what,
+                server.url,
+                len(futures) - len(pending),
+                len(futures),
+                time.monotonic() - start,
+                server.timeout,
+            )
+    return [future.result() for future in futures]
+
+
+def _parsed(raw: str) -> Any:
+    """An answer's JSON, or its text when it is none (an empty answer: None)."""
+    try:
+        return json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return raw
 
 
 def _stop_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -359,9 +453,9 @@ def _push_full(model: torch.nn.Module, server: Server) -> None:
         copy.deepcopy(model).merge_and_unload().save_pretrained(folder)
     else:
         model.save_pretrained(folder)
-    server.call(
-        "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-    )
+    with ThreadPoolExecutor(max_workers=1) as pool:  # a reload can take long: said while it runs
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        _waited([pool.submit(server.call, "/collective_rpc", reload)], "the weight reload", server)
     answer = server.call("/reset_prefix_cache", {})  # cached prefixes hold the old weights'
     for old in server.models()[1]:  # an adapter pushed before would still be asked for
         server.call("/v1/unload_lora_adapter", {"lora_name": old})

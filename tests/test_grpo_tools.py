@@ -5,16 +5,18 @@ and (slow) the bundled calculator example trains with tool calls happening.
 
 The traces: the first bundled arithmetic prompts (recipes/assets/arithmetic, not written for this
 test), each with completions that call the calculator right, call an unknown tool, pass an
-argument the tool does not take, call twice in one turn, answer without a tool, and keep calling
-until the budget is spent. Neither side samples: TRL gets the first turns through its
-``rollout_func`` and the later turns from its ``_generate_single_turn``; ours from the
-``generate`` its loop is given (the turn a completion asks for next, cut to what it may have)."""
+argument the tool does not take, call twice in one turn, answer without a tool, keep calling
+until the budget is spent, and write the arguments as a JSON string (a failed call) and call
+again. Neither side samples: TRL gets the first turns through its ``rollout_func`` and the later
+turns from its ``_generate_single_turn``; ours from the ``generate`` its loop is given (the turn
+a completion asks for next, cut to what it may have)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import sys
 import time
 
 import pytest
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 ARITHMETIC = ROOT / "recipes/assets/arithmetic/dev.jsonl"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
 PROMPTS = 1
-GROUP = 6
+GROUP = 7
 MAX_COMPLETION = 256
 ITERATIONS = 3
 REWARDS = [{"name": "tool_math_answer", "weight": 1.0}]
@@ -45,6 +47,14 @@ REWARDS = [{"name": "tool_math_answer", "weight": 1.0}]
 
 def _call(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def _call_as_string(name: str, **arguments) -> str:
+    """A call whose arguments are a JSON string (``"{\\"expression\\": ...}"``), as models
+    often write them: a failed call, with TRL's message (``argument after ** must be a
+    mapping, not str``)."""
+    encoded = {"name": name, "arguments": json.dumps(arguments)}
+    return f"<tool_call>\n{json.dumps(encoded)}\n</tool_call>"
 
 
 def _traces(question: str, answer: str) -> list[list[str]]:
@@ -58,6 +68,7 @@ def _traces(question: str, answer: str) -> list[list[str]]:
         [right + "\n" + _call("calculator", expression="2 * 3"), f"{answer}"],
         ["I think it is 12."],
         ["Let me compute.\n" + right, right, right, right],  # past the budget
+        [_call_as_string("calculator", expression=expression), right, f"So {answer}."],
     ]
 
 
@@ -187,6 +198,11 @@ def test_tool_calling_equals_trl(tmp_path):
     assert torch.equal(completion_mask, theirs["completion_mask"].long())
     assert torch.equal(tool_mask * completion_mask, theirs["tool_mask"] * completion_mask)
     assert got.messages == seen
+    # Arguments as a JSON string: a failed call with TRL's message, then a second round of calls.
+    as_string = got.messages[GROUP - 1]
+    assert [m["role"] for m in as_string] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert "argument after ** must be a mapping, not str" in as_string[1]["content"]
+    assert "error" not in as_string[3]["content"]
     # Results, failures, and a completion cut at the budget.
     assert 0 < got.failures < got.calls and (tool_mask == 0).any()
     for name, value in got.stats().items():
@@ -262,9 +278,18 @@ def broken(x: int) -> str:
     raise RuntimeError(f"broken on {x}")
 
 
+def quits(x: int) -> str:
+    """Exit the process.
+
+    Args:
+        x: anything
+    """
+    sys.exit(0)
+
+
 def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
     """The tiny model goes on after a tool that hangs (past task.tool_timeout), one that raises,
-    an unknown tool, bad arguments and a call that is not JSON; each later turn is drawn from
+    one that calls sys.exit(0) (which would end the run with exit 0), an unknown tool, bad arguments and a call that is not JSON; each later turn is drawn from
     its completion's own stream: the same alone as in a batch."""
     from accelerate import Accelerator
 
@@ -279,7 +304,8 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
         max_completion_length=192,
         num_generations=GROUP,
         rewards=REWARDS,
-        tools=["test_grpo_tools.hang", "test_grpo_tools.broken", "recipes.tools.calculator"],
+        tools=[f"test_grpo_tools.{fn.__name__}" for fn in (hang, broken, quits)]
+        + ["recipes.tools.calculator"],
         max_tool_calling_iterations=1,
         tool_timeout=0.5,
     )
@@ -294,6 +320,7 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
         _call("lookup", key="x"),
         _call("calculator", expression="__import__('os')"),
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',
+        _call("quits", x=1),
     ]
     firsts = [tokenizer(t + end, add_special_tokens=False)["input_ids"] for t in first]
     sampling = GenerationConfig(do_sample=True, top_k=0, batch_size=len(first))
@@ -307,14 +334,15 @@ def test_tool_errors_and_timeouts_become_tool_messages_in_a_rollout():
     started = time.perf_counter()
     got = rollout(list(range(len(first))))
     assert time.perf_counter() - started < 20  # the hanging tool's 30 s were not waited for
-    assert (got.calls, got.failures) == (5, 5)
+    assert (got.calls, got.failures) == (6, 6)
     errors = [m[1]["content"] for m in got.messages]
-    assert [m[1]["role"] for m in got.messages] == ["tool"] * 5
+    assert [m[1]["role"] for m in got.messages] == ["tool"] * 6
     assert "hang did not return within 0.5 s (task.tool_timeout)" in errors[0]
     assert "broken on 3" in errors[1]
     assert "Tool lookup not found." in errors[2]
     assert "not arithmetic" in errors[3]
     assert "could not be read" in errors[4]
+    assert "quits exited (SystemExit: 0)" in errors[5]
     for ids, mask, messages in zip(got.completion_ids, got.tool_mask, got.messages, strict=True):
         assert messages[2]["role"] == "assistant"  # the model's next turn
         assert 0 in mask and mask[-1] == 1 and len(mask) == len(ids) <= 192

@@ -99,3 +99,33 @@ def test_hsdp_on_2x2_cpu_processes_trains_like_one_process(tmp_path) -> None:
     assert hsdp["placements"] == ["Replicate", "Shard"]
     assert len(hsdp["losses"]) == 3 and hsdp["losses"][-1] < hsdp["losses"][0]
     assert hsdp["losses"] == pytest.approx(one["losses"], abs=1e-5)
+
+
+@accelerate_nd
+def test_a_mesh_bigger_than_the_launch_is_refused_in_one_line() -> None:
+    """hsdp_musa.yaml launched as one process (torchrun's WORLD_SIZE=1): its 2 x 8 mesh is
+    refused naming both fixes, before accelerate's traceback from torch's init_device_mesh."""
+    from recipes import mesh
+    from recipes.config import ConfigError
+
+    one = {**launcher_env("--num_machines", "1", "--num_processes", "1"), "WORLD_SIZE": "1"}
+    with pytest.raises(ConfigError) as err:
+        mesh.check(one)
+    message = str(err.value)
+    assert "mesh is 2 x 8 (dp_replicate x dp_shard) = 16 processes" in message
+    assert "this launch has 1 (WORLD_SIZE)" in message
+    assert "--num_processes 16" in message and "--parallelism_config_dp_shard_size" in message
+    # The launch that fits, and one without a parallelism_config, pass.
+    mesh.check({**launcher_env(), "WORLD_SIZE": "16"})
+    mesh.check({"WORLD_SIZE": "3"})
+
+
+@accelerate_nd
+def test_a_1x1_mesh_says_hsdp_is_off(caplog) -> None:
+    from recipes import mesh
+
+    sizes = ("--parallelism_config_dp_replicate_size", "1", "--parallelism_config_dp_shard_size")
+    one = launcher_env("--num_machines", "1", "--num_processes", "1", *sizes, "1")
+    with caplog.at_level("INFO", logger="recipes.mesh"):
+        mesh.check({**one, "WORLD_SIZE": "1"})
+    assert "mesh is 1 x 1 (dp_replicate x dp_shard): HSDP is off" in caplog.text

@@ -329,3 +329,116 @@ def test_a_server_down_or_refusing_says_which_setting(folder, tiny, tmp_path) ->
     with pytest.raises(ConfigError, match=r"generation\.num_beams=2: .*generation\.engine=batched"):
         vllm_engine.complete_ids(policy, prompts, tokenizer, beams, NEW)
     server.shutdown()
+
+
+class Misbehaving(ThreadingHTTPServer):
+    """Not a vLLM: lists a model (``/v1/models``) as vLLM does unless ``html_models``; answers
+    every other request, after ``delay`` seconds, with ``page`` (HTML) or with vLLM's completion
+    JSON (``completion_ids``); ``hang`` makes it accept connections and never answer."""
+
+    daemon_threads = True
+
+    def __init__(self, *, html_models=False, page=None, delay=0.0, hang=False, ids=(7,)) -> None:
+        self.html_models, self.page, self.delay, self.ids = html_models, page, delay, list(ids)
+        self.release = threading.Event()
+        self.hang = hang
+        super().__init__(("127.0.0.1", 0), _MisbehavingHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+
+class _MisbehavingHandler(BaseHTTPRequestHandler):
+    server: Misbehaving
+
+    def _answer(self) -> None:
+        if self.server.hang:
+            self.server.release.wait(30)  # the test ends it
+            return
+        html = b"<!DOCTYPE html><html><body>Sign in to the proxy</body></html>"
+        if self.path == "/v1/models" and not self.server.html_models:
+            body, kind = json.dumps({"data": [{"id": "tiny"}]}).encode(), "application/json"
+        elif self.path == "/v1/models" or self.server.page:
+            body, kind = html, "text/html"
+        else:
+            time.sleep(self.server.delay)
+            choice = {"token_ids": self.server.ids, "text": ""}
+            body, kind = json.dumps({"choices": [choice]}).encode(), "application/json"
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("where", ["/v1/models", "/v1/completions"])
+def test_a_server_answering_html_is_one_line(folder, tiny, tmp_path, where) -> None:
+    tokenizer, prompts = tiny
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    page = Misbehaving(html_models=where == "/v1/models", page=where == "/v1/completions")
+    try:
+        with pytest.raises(ConfigError) as err:
+            vllm_engine.complete_ids(policy, prompts, tokenizer, _settings(page.url, tmp_path), 3)
+    finally:
+        page.stop()
+    message = str(err.value)
+    assert message.startswith(f"generation.vllm_url={page.url}: {where} answered 200 with ")
+    assert "text/html, not the JSON vLLM answers ('<!DOCTYPE html><html><body>Sign in" in message
+    assert "\n" not in message
+
+
+def test_a_server_that_never_answers_is_said_within_the_model_list_timeout(
+    folder, tiny, tmp_path, monkeypatch, caplog
+) -> None:
+    """The default generation.vllm_timeout (600 s) is a completion's; the start-up check has its
+    own, shorter one (shortened further here) and says what it waited for."""
+    tokenizer, prompts = tiny
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    monkeypatch.setattr(vllm_engine, "MODELS_TIMEOUT", 0.5)
+    silent = Misbehaving(hang=True)
+    start = time.monotonic()
+    try:
+        settings = _settings(silent.url, tmp_path)
+        with (
+            caplog.at_level("INFO", logger="recipes.vllm_engine"),
+            pytest.raises(ConfigError) as err,
+        ):
+            vllm_engine.complete_ids(policy, prompts, tokenizer, settings, 3)
+    finally:
+        silent.stop()
+    assert time.monotonic() - start < 10  # not generation.vllm_timeout's 600 s
+    assert GenerationConfig().vllm_timeout == 600
+    assert str(err.value).startswith(
+        f"generation.vllm_url={silent.url}: /v1/models got no answer within 0.5 s (the start-up "
+        "check: the list of served models"
+    )
+    assert f"asking the vLLM server at {silent.url} for its models" in caplog.text
+
+
+def test_a_long_wait_for_completions_says_how_many_are_back(
+    folder, tiny, tmp_path, monkeypatch, caplog
+) -> None:
+    tokenizer, prompts = tiny
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    monkeypatch.setattr(vllm_engine, "PROGRESS_EVERY", 0.2)
+    slow = Misbehaving(delay=0.7, ids=(7, 8))
+    try:
+        with caplog.at_level("INFO", logger="recipes.vllm_engine"):
+            got = vllm_engine.complete_ids(
+                policy, prompts, tokenizer, _settings(slow.url, tmp_path), 3
+            )
+    finally:
+        slow.stop()
+    assert got == [[7, 8]] * len(prompts)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert waits and all(f"from the vLLM server at {slow.url}: " in w for w in waits)
+    assert f"0 of {len(prompts)} back after 0 s" in waits[0]
