@@ -4,8 +4,9 @@
 cards, copies, a fallback that runs every other operator's CPU kernel on the same memory and
 refuses mixed devices as torch's device wrappers do, a generator per card that random operators
 insist on and CPU ones refuse, non-blocking copies to the host that land only at the next
-synchronisation (poison before it), autocast, an ``mccl`` backend of gloo over the same memory that takes card tensors
-only, and the bad-fork refusal of a child forked after the card was used). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
+synchronisation (poison before it), autocast, an ``mccl`` backend of gloo over the same memory
+that takes card tensors only, and the bad-fork refusal of a child forked after the card was
+used). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
 build and source (``$MUSA_EMULATOR_CACHE``, else ``~/.cache/musa-recipes/emulated-musa``).
 
 :func:`install` puts ``torch.musa`` on top of it as a torch_musa release has it: the functions,
