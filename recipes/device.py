@@ -288,11 +288,61 @@ def hub_kernels_run_here(name: str | None = None) -> bool:
     return (backend() if name is None else name) != MUSA
 
 
-def default_attn_implementation() -> str:
-    """``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1 (``"eager"``: its SDPA had
-    no backward). ``python -m recipes.env`` checks SDPA against eager on the device."""
+@dataclass(frozen=True)
+class FlashAttention:
+    """Whether transformers' ``flash_attention_2`` (flash-attention's variable-length kernels)
+    runs on this device, and a line that says which kernel or why not."""
+
+    usable: bool
+    detail: str
+
+
+# The first transformers whose is_flash_attn_2_available() accepts a MUSA device
+# (huggingface/transformers PR #48612, merged 2026-09-08); 4.57, the last 4.x, asks for CUDA or
+# MLU only (transformers/utils/import_utils.py).
+_TRANSFORMERS_FLASH_ON_MUSA = "PR #48612 (transformers 5.x)"
+
+
+def musa_flash_attention() -> FlashAttention:
+    """``flash_attention_2`` on a MUSA device: flash-attention's API imports (flash-attn built
+    for MUSA, or MATE's, installed as the ``flash_attn`` package transformers looks for) with a
+    variable-length function, and this transformers detects it on MUSA."""
+    if backend() != MUSA:
+        return FlashAttention(False, "not a MUSA device")
+    if importlib.util.find_spec("flash_attn") is None:
+        return FlashAttention(False, "flash_attn is not installed (flash-attn or MATE)")
+    try:
+        module = importlib.import_module("flash_attn")
+    except Exception as exc:  # a build for another device fails to load its extension
+        return FlashAttention(False, f"flash_attn does not import ({type(exc).__name__}: {exc})")
+    if not callable(getattr(module, "flash_attn_varlen_func", None)):
+        return FlashAttention(False, "flash_attn has no flash_attn_varlen_func")
+    import transformers
+    from transformers.utils import is_flash_attn_2_available
+
+    version = getattr(module, "__version__", "?")
+    if not is_flash_attn_2_available():
+        return FlashAttention(
+            False,
+            f"flash_attn {version} imports, but transformers {transformers.__version__} does not "
+            f"detect it on MUSA (it needs {_TRANSFORMERS_FLASH_ON_MUSA}, and flash-attn >= 2.3.3)",
+        )
+    where = Path(module.__file__ or "?").parent
+    return FlashAttention(True, f"flash_attn {version} ({where}), variable-length kernels")
+
+
+def default_attn_implementation(precision: str | None = None) -> str:
+    """``"sdpa"``, except on MUSA: ``"eager"`` with a torch_musa older than v1.2.1 (its SDPA had
+    no backward), ``"flash_attention_2"`` where flash-attention runs there
+    (:func:`musa_flash_attention`) and the run computes in fp16 / bf16 (``precision``, the
+    accelerate mixed precision; flash kernels take no fp32): packing without cross-talk and
+    padding-free DPO / KTO / GRPO through its variable-length kernels, as under flash attention
+    on CUDA. ``python -m recipes.env`` checks SDPA against eager on the device."""
     if backend() == MUSA:
-        return "sdpa" if musa_sdpa_trains(torch_musa_info()["version"]) else "eager"
+        if not musa_sdpa_trains(torch_musa_info()["version"]):
+            return "eager"
+        if precision in ("bf16", "fp16") and musa_flash_attention().usable:
+            return "flash_attention_2"
     return "sdpa"
 
 
