@@ -452,21 +452,56 @@ def checkpointing_autocast_unsupported_reason(
     )
 
 
+DS_ACCELERATOR_ENV = "DS_ACCELERATOR"
+
+
+def deepspeed_musa_accelerator() -> Path | None:
+    """The installed DeepSpeed's MUSA accelerator module (``deepspeed/accelerator/
+    musa_accelerator.py``, class ``MUSA_Accelerator``, as in deepspeedai/DeepSpeed PR #8191 and
+    Moore Threads' builds), or None. Found on disk: importing DeepSpeed builds or loads its ops."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        module = Path(folder) / "accelerator" / "musa_accelerator.py"
+        if module.is_file():
+            return module
+    return None
+
+
 def deepspeed_unsupported_reason(name: str | None = None) -> str | None:
     """Why a DeepSpeed launch cannot train on this backend, or None where it can.
 
     Upstream DeepSpeed has no MUSA accelerator: its port (deepspeedai/DeepSpeed PR #8191, "add
-    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.17.2
-    in its training-suite containers, selected with ``DS_ACCELERATOR=musa``) has no public
-    source, so nothing here could be checked against it; FSDP2 covers what ZeRO-3 would do.
+    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.19.3
+    in the training-suite:v2.1.7-rc4 image, 0.17.2 in earlier containers) ships one and is
+    selected with ``DS_ACCELERATOR=musa``, which those images set. So: on MUSA, a DeepSpeed with
+    that module and ``DS_ACCELERATOR=musa`` runs (conf/accelerate/zero*_musa.yaml); any other is
+    refused, in one line that names what is missing.
     """
     if (backend() if name is None else name) != MUSA:
         return None
-    return (
-        "upstream DeepSpeed has no MUSA accelerator (its port, deepspeedai/DeepSpeed PR #8191, "
-        "was closed unmerged), and MT DeepSpeed, which Moore Threads' training containers run "
-        "with DS_ACCELERATOR=musa, has no public source this project could be tested against"
-    )
+    if importlib.util.find_spec("deepspeed") is None:
+        return (
+            "DeepSpeed is not installed: on MUSA it needs MT DeepSpeed (Moore Threads' build, in "
+            "its training images, run with DS_ACCELERATOR=musa; upstream's port, "
+            "deepspeedai/DeepSpeed PR #8191, was closed unmerged)"
+        )
+    module = deepspeed_musa_accelerator()
+    if module is None:
+        return (
+            "the installed DeepSpeed has no MUSA accelerator (deepspeed/accelerator/"
+            "musa_accelerator.py): upstream DeepSpeed has none (its port, deepspeedai/DeepSpeed "
+            "PR #8191, was closed unmerged); Moore Threads' build, in its training images, has it"
+        )
+    chosen = os.environ.get(DS_ACCELERATOR_ENV)
+    if chosen != MUSA:
+        return (
+            f"the installed DeepSpeed has a MUSA accelerator, but {DS_ACCELERATOR_ENV}="
+            f"{chosen or '(unset)'}: set {DS_ACCELERATOR_ENV}=musa in the launch's environment, "
+            "as Moore Threads' training images do"
+        )
+    return None
 
 
 @dataclass(frozen=True)
