@@ -89,31 +89,15 @@ def flash_attn_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+    **options: object,
 ) -> torch.Tensor:
-    """flash_attn_func on (batch, length, heads, head_dim): each row a sequence."""
+    """flash_attn_func on (batch, length, heads, head_dim): each row a sequence (``options``:
+    flash_attn_varlen_func's)."""
     batch, length = q.shape[:2]
     bounds = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
+    flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
     out = flash_attn_varlen_func(
-        q.reshape(batch * length, *q.shape[2:]),
-        k.reshape(batch * length, *k.shape[2:]),
-        v.reshape(batch * length, *v.shape[2:]),
-        bounds,
-        bounds,
-        length,
-        length,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        *flat, bounds, bounds, length, length, dropout_p, softmax_scale, causal, **options
     )
     return out.view(q.shape)
 
