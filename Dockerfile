@@ -16,6 +16,11 @@
 #   rc3.1.0-v1.3.0-S4000-py310       torch_musa 1.3.0 on torch 2.2 (torch_musa README, commit
 #                                    aa63a73); -S80-py310 / -S3000-py310 for those cards
 #   latest                           whatever the vendor last pushed
+# The vendor's training image (ms-swift's MUSA page: 8 x S5000), by the same argument with its
+# registry path: training-suite:v2.1.7-rc4, torch_musa 2.7.1.post1 on torch 2.7.1 with MT
+# DeepSpeed 0.19.3, flash-attention and torchao 0.9.0, all kept; peft is held below 0.19 there
+# (docs/launching.md, "The vendor's training image"). Its Python is a conda env or a venv: name
+# it with --build-arg VENDOR_PYTHON_ENV=<folder> where it is not /opt/conda/envs/py310.
 # `python -m recipes.env` in the container names the build (RECIPES_BASE_IMAGE).
 ARG BASE_IMAGE=registry.mthreads.com/mcconline/musa-pytorch-release-public:rc5.1.0-v2.9.1-S4000-py310
 FROM ${BASE_IMAGE}
@@ -66,7 +71,8 @@ RUN set -eu; \
     has_torch_musa python && exit 0; \
     python="$(command -v python || echo 'no python')"; \
     envs="$(dirname "${VENDOR_PYTHON_ENV}")"; \
-    for env in "$envs"/*; do \
+    opt="$(dirname "$(dirname "$envs")")"; \
+    for env in "$envs"/* "$opt"/*; do \
         if has_torch_musa "$env/bin/python"; then \
             echo "musa-recipes: this MUSA image's python ($python) has no torch_musa;" \
                 "$env has it: build with --build-arg VENDOR_PYTHON_ENV=$env" >&2; \
@@ -74,8 +80,9 @@ RUN set -eu; \
         fi; \
     done; \
     echo "musa-recipes: this MUSA image has no python with torch and torch_musa" \
-        "(python on PATH: $python; none in $envs/): build on a torch_musa release image, name" \
-        "the env that has them with --build-arg VENDOR_PYTHON_ENV=..., or build the CPU variant" \
+        "(python on PATH: $python; none in $envs/ or $opt/): build on a torch_musa release" \
+        "image, name the env that has them with --build-arg VENDOR_PYTHON_ENV=..., or build the" \
+        "CPU variant" \
         "(--build-arg BASE_IMAGE=python:3.11-slim)" >&2; \
     exit 1
 
@@ -87,9 +94,14 @@ COPY scripts ./scripts
 
 # Install the project without ever letting pip replace the image's torch stack
 # (tests/test_docker.py runs this step, taken from this file, against an installed torch):
-# - every torch* / triton package of the image, and numpy (torch and torch_musa are built
-#   against it), is pinned at its installed version as a pip constraint: a dependency that wants
-#   another torch or numpy fails the build (or picks an older release) instead of replacing it;
+# - every torch* / triton package of the image (torchao among them), numpy (torch and
+#   torch_musa are built against it), and the kernels built against that torch (DeepSpeed,
+#   flash-attention, TransformerEngine: the training image's MUSA builds) are pinned at their
+#   installed versions as pip constraints: a dependency that wants another fails the build (or
+#   picks an older release) instead of replacing it;
+# - peft is held below 0.19 where the image's torchao is older than 0.16 (peft 0.19 and later
+#   refuse such a torchao when LoRA loads; the training image has 0.9.0, and ms-swift pins peft
+#   0.18.1 there);
 # - the project goes in with --no-deps, then its requirements other than torch under the pins,
 #   so pip never weighs torch itself (vendor builds carry versions like 2.2.0a0+git8ac9b20);
 # - the floor is checked on the release number instead (2.2.0a0 passes, 2.0.0 fails the build),
@@ -113,15 +125,21 @@ RUN set -eux; \
         tr ' ' '\n' <<< "${TORCH_SPEC}" > "$tmp/torch.txt"; \
         python -m pip install --index-url "${TORCH_INDEX_URL}" --requirement "$tmp/torch.txt"; \
     fi; \
-    torch_pins() { \
-        python -m pip list --format=freeze \
-        | grep -iE '^(torch[^=]*|triton|pytorch[-_]triton[^=]*|numpy)==' | sort -f; \
-    }; \
+    kept='^(torch[^=]*|triton|pytorch[-_]triton[^=]*|numpy'; \
+    kept="$kept|deepspeed|flash[-_]attn[^=]*|transformer[-_]engine[^=]*)=="; \
+    torch_pins() { python -m pip list --format=freeze | grep -iE "$kept" | sort -f; }; \
     torch_at() { python -c "import importlib.util as u; print(u.find_spec('torch').origin)"; }; \
     torch_pins > "$tmp/keep.txt"; \
     torch_at > "$tmp/torch-at.txt"; \
     python -m pip install --no-deps .; \
     python -m pip install --constraint "$tmp/keep.txt" packaging; \
+    torchao="$(sed -n 's/^torchao==//Ip' "$tmp/keep.txt")"; \
+    touch "$tmp/matching.txt"; \
+    if [ -n "$torchao" ] && python -c "import sys; from packaging.version import Version; \
+        sys.exit(Version(sys.argv[1]).release >= (0, 16))" "$torchao"; then \
+        echo "musa-recipes: torchao $torchao is older than 0.16: peft<0.19" >&2; \
+        echo 'peft<0.19' > "$tmp/matching.txt"; \
+    fi; \
     python -c "import importlib.metadata as m, sys; \
         from packaging.requirements import Requirement; from packaging.version import Version; \
         have = Version(m.version('torch')); \
@@ -134,8 +152,8 @@ RUN set -eux; \
         print(*(r for r in reqs if re.match('[A-Za-z0-9._-]+', r)[0].lower() != 'torch'), \
               sep='\n')" > "$tmp/requirements.txt"; \
     tr ' ' '\n' <<< "${EXTRA_REQUIREMENTS}" >> "$tmp/requirements.txt"; \
-    if ! python -m pip install --constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt" \
-        2>&1 | tee "$tmp/pip.log"; then \
+    if ! python -m pip install --constraint "$tmp/keep.txt" --constraint "$tmp/matching.txt" \
+        --requirement "$tmp/requirements.txt" 2>&1 | tee "$tmp/pip.log"; then \
         if grep -q '(constraint)' "$tmp/pip.log"; then \
             refuse "the install would replace the image's torch stack" \
                 "($(paste -sd ' ' "$tmp/keep.txt")): a requirement wants another (pip's" \

@@ -288,11 +288,61 @@ def hub_kernels_run_here(name: str | None = None) -> bool:
     return (backend() if name is None else name) != MUSA
 
 
-def default_attn_implementation() -> str:
-    """``"sdpa"``, except on MUSA with a torch_musa older than v1.2.1 (``"eager"``: its SDPA had
-    no backward). ``python -m recipes.env`` checks SDPA against eager on the device."""
+@dataclass(frozen=True)
+class FlashAttention:
+    """Whether transformers' ``flash_attention_2`` (flash-attention's variable-length kernels)
+    runs on this device, and a line that says which kernel or why not."""
+
+    usable: bool
+    detail: str
+
+
+# The first transformers whose is_flash_attn_2_available() accepts a MUSA device
+# (huggingface/transformers PR #48612, merged 2026-09-08); 4.57, the last 4.x, asks for CUDA or
+# MLU only (transformers/utils/import_utils.py).
+_TRANSFORMERS_FLASH_ON_MUSA = "PR #48612 (transformers 5.x)"
+
+
+def musa_flash_attention() -> FlashAttention:
+    """``flash_attention_2`` on a MUSA device: flash-attention's API imports (flash-attn built
+    for MUSA, or MATE's, installed as the ``flash_attn`` package transformers looks for) with a
+    variable-length function, and this transformers detects it on MUSA."""
+    if backend() != MUSA:
+        return FlashAttention(False, "not a MUSA device")
+    if importlib.util.find_spec("flash_attn") is None:
+        return FlashAttention(False, "flash_attn is not installed (flash-attn or MATE)")
+    try:
+        module = importlib.import_module("flash_attn")
+    except Exception as exc:  # a build for another device fails to load its extension
+        return FlashAttention(False, f"flash_attn does not import ({type(exc).__name__}: {exc})")
+    if not callable(getattr(module, "flash_attn_varlen_func", None)):
+        return FlashAttention(False, "flash_attn has no flash_attn_varlen_func")
+    import transformers
+    from transformers.utils import is_flash_attn_2_available
+
+    version = getattr(module, "__version__", "?")
+    if not is_flash_attn_2_available():
+        return FlashAttention(
+            False,
+            f"flash_attn {version} imports, but transformers {transformers.__version__} does not "
+            f"detect it on MUSA (it needs {_TRANSFORMERS_FLASH_ON_MUSA}, and flash-attn >= 2.3.3)",
+        )
+    where = Path(module.__file__ or "?").parent
+    return FlashAttention(True, f"flash_attn {version} ({where}), variable-length kernels")
+
+
+def default_attn_implementation(precision: str | None = None) -> str:
+    """``"sdpa"``, except on MUSA: ``"eager"`` with a torch_musa older than v1.2.1 (its SDPA had
+    no backward), ``"flash_attention_2"`` where flash-attention runs there
+    (:func:`musa_flash_attention`) and the run computes in fp16 / bf16 (``precision``, the
+    accelerate mixed precision; flash kernels take no fp32): packing without cross-talk and
+    padding-free DPO / KTO / GRPO through its variable-length kernels, as under flash attention
+    on CUDA. ``python -m recipes.env`` checks SDPA against eager on the device."""
     if backend() == MUSA:
-        return "sdpa" if musa_sdpa_trains(torch_musa_info()["version"]) else "eager"
+        if not musa_sdpa_trains(torch_musa_info()["version"]):
+            return "eager"
+        if precision in ("bf16", "fp16") and musa_flash_attention().usable:
+            return "flash_attention_2"
     return "sdpa"
 
 
@@ -402,21 +452,56 @@ def checkpointing_autocast_unsupported_reason(
     )
 
 
+DS_ACCELERATOR_ENV = "DS_ACCELERATOR"
+
+
+def deepspeed_musa_accelerator() -> Path | None:
+    """The installed DeepSpeed's MUSA accelerator module (``deepspeed/accelerator/
+    musa_accelerator.py``, class ``MUSA_Accelerator``, as in deepspeedai/DeepSpeed PR #8191 and
+    Moore Threads' builds), or None. Found on disk: importing DeepSpeed builds or loads its ops."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        module = Path(folder) / "accelerator" / "musa_accelerator.py"
+        if module.is_file():
+            return module
+    return None
+
+
 def deepspeed_unsupported_reason(name: str | None = None) -> str | None:
     """Why a DeepSpeed launch cannot train on this backend, or None where it can.
 
     Upstream DeepSpeed has no MUSA accelerator: its port (deepspeedai/DeepSpeed PR #8191, "add
-    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.17.2
-    in its training-suite containers, selected with ``DS_ACCELERATOR=musa``) has no public
-    source, so nothing here could be checked against it; FSDP2 covers what ZeRO-3 would do.
+    MUSA accelerator and op_builder") was closed unmerged. Moore Threads' own DeepSpeed (0.19.3
+    in the training-suite:v2.1.7-rc4 image, 0.17.2 in earlier containers) ships one and is
+    selected with ``DS_ACCELERATOR=musa``, which those images set. So: on MUSA, a DeepSpeed with
+    that module and ``DS_ACCELERATOR=musa`` runs (conf/accelerate/zero*_musa.yaml); any other is
+    refused, in one line that names what is missing.
     """
     if (backend() if name is None else name) != MUSA:
         return None
-    return (
-        "upstream DeepSpeed has no MUSA accelerator (its port, deepspeedai/DeepSpeed PR #8191, "
-        "was closed unmerged), and MT DeepSpeed, which Moore Threads' training containers run "
-        "with DS_ACCELERATOR=musa, has no public source this project could be tested against"
-    )
+    if importlib.util.find_spec("deepspeed") is None:
+        return (
+            "DeepSpeed is not installed: on MUSA it needs MT DeepSpeed (Moore Threads' build, in "
+            "its training images, run with DS_ACCELERATOR=musa; upstream's port, "
+            "deepspeedai/DeepSpeed PR #8191, was closed unmerged)"
+        )
+    module = deepspeed_musa_accelerator()
+    if module is None:
+        return (
+            "the installed DeepSpeed has no MUSA accelerator (deepspeed/accelerator/"
+            "musa_accelerator.py): upstream DeepSpeed has none (its port, deepspeedai/DeepSpeed "
+            "PR #8191, was closed unmerged); Moore Threads' build, in its training images, has it"
+        )
+    chosen = os.environ.get(DS_ACCELERATOR_ENV)
+    if chosen != MUSA:
+        return (
+            f"the installed DeepSpeed has a MUSA accelerator, but {DS_ACCELERATOR_ENV}="
+            f"{chosen or '(unset)'}: set {DS_ACCELERATOR_ENV}=musa in the launch's environment, "
+            "as Moore Threads' training images do"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,10 @@ def collect() -> dict[str, Any]:
         "accelerate_sees_musa": backends.accelerate_sees_musa(),
         "precision": precision,
         "default_mixed_precision": precision["default_mixed_precision"],
-        "default_attn_implementation": device.default_attn_implementation(),
+        "default_attn_implementation": device.default_attn_implementation(
+            precision["default_mixed_precision"]
+        ),
+        "flash_attention": device.musa_flash_attention().detail,
         "decisions": _decisions(backend),
         "sdpa_probe": sdpa_probe(_probe_device(backend), _probe_dtypes(backend)),
         "image": os.environ.get(backends.BASE_IMAGE_ENV_VAR),
@@ -857,6 +860,7 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("tf32", _tf32_text(report)),
                 ("default mixed_precision", report["default_mixed_precision"]),
                 ("default attn_implementation", report["default_attn_implementation"]),
+                ("flash attention", report.get("flash_attention", "not checked")),
                 ("SDPA check", _probe_text(report["sdpa_probe"])),
             ],
         ),

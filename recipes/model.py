@@ -114,6 +114,7 @@ def load_model(
     auto_class: Any,
     overrides: dict[str, Any] | None = None,
     trained_for: str | None = None,
+    precision: str | None = None,
     **task_kwargs: Any,
 ) -> torch.nn.Module:
     """The pretrained model with the task's head (new heads are initialised by transformers).
@@ -123,11 +124,15 @@ def load_model(
     ``predict``) that uses the weights as they are, and refuses a checkpoint without the task's
     head (another task's model), whose random head would give scores that look valid. A GGUF file
     (``model.gguf_file``) is dequantised on load and rebuilt as a plain model, so training and
-    the saved folder are those of an ordinary Hugging Face model.
+    the saved folder are those of an ordinary Hugging Face model. ``precision``: the run's
+    mixed precision, which the device's default attention depends on
+    (:func:`recipes.device.default_attn_implementation`).
     """
     attn = cfg.attn_implementation
     if attn == "auto":
-        attn = device.default_attn_implementation()
+        attn = device.default_attn_implementation(precision)
+        if attn == "flash_attention_2":  # chosen for the device: say which kernel runs
+            log.info("attention: flash_attention_2, %s", device.musa_flash_attention().detail)
     kwargs = {
         **_source(cfg),
         **_dtype(cfg.dtype),
@@ -147,10 +152,14 @@ def load_model(
         except ValueError as err:
             if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
                 raise
-            log.warning("%s does not support %s attention; using eager", cfg.name_or_path, attn)
+            # A model without flash support keeps the device's dense default before eager.
+            fallback = "sdpa" if attn == "flash_attention_2" else "eager"
+            log.warning(
+                "%s does not support %s attention; using %s", cfg.name_or_path, attn, fallback
+            )
             with _library_report_left_out():
                 model, info = auto_class.from_pretrained(
-                    cfg.name_or_path, attn_implementation="eager", **kwargs
+                    cfg.name_or_path, attn_implementation=fallback, **kwargs
                 )
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(

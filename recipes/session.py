@@ -156,6 +156,7 @@ class Session:
             task.auto_model_class,
             config_overrides(model_cfg),
             trained_for=trained_for,
+            precision=self.accelerator.mixed_precision,
             **({} if trained_for == "predict" else task.model_kwargs(data)),
         )
         task.check_model(model)

@@ -150,7 +150,8 @@ def test_image_installs_the_project_and_its_requirements_under_the_torch_pins() 
     # Then every requirement the project declares (peft for LoRA among them), but torch,
     # constrained to the torch / numpy the image already has.
     assert "m.requires('musa-recipes')" in install
-    assert '--constraint "$tmp/keep.txt" --requirement "$tmp/requirements.txt"' in install
+    assert '--constraint "$tmp/keep.txt" --constraint "$tmp/matching.txt"' in install
+    assert '--requirement "$tmp/requirements.txt"' in install
     assert "peft" in {r.name for r in pyproject_requirements("dependencies")}
 
 
@@ -377,6 +378,45 @@ def test_install_step_refuses_a_requirement_that_wants_another_torch(
     assert last.startswith("musa-recipes: the install would replace the image's torch stack")
     assert throwaway.pins() == before
     assert not list(throwaway.site.glob("torch*"))
+
+
+@pytest.mark.slow
+def test_install_step_on_the_training_image_keeps_its_stack_and_holds_peft(
+    throwaway: Throwaway,
+) -> None:
+    # The vendor's training-suite:v2.1.7-rc4 as pip sees it: torch 2.7.1 with torch_musa
+    # 2.7.1.post1, MT DeepSpeed 0.19.3, flash-attention and torchao 0.9.0 (ms-swift's MUSA page).
+    stack = {
+        "torch": "2.7.1",
+        "torch_musa": "2.7.1.post1",
+        "torchao": "0.9.0",
+        "deepspeed": "0.19.3",
+        "flash_attn": "2.7.4.post1",
+    }
+    for name, version in stack.items():
+        fake_installed(throwaway.site, name, version)
+    _offer_older_releases(throwaway.links, stack["torch"])
+    # Newer releases within reach: the install must take none of them, and peft below 0.19
+    # (0.19 and later refuse a torchao older than 0.16 when LoRA loads).
+    for name, version in (("deepspeed", "0.20.0"), ("flash_attn", "2.8.3"), ("peft", "0.21.2")):
+        write_wheel(throwaway.links, name, version)
+    write_wheel(throwaway.links, "peft", "0.18.1")
+    done = throwaway.run_install_step(EXTRA_REQUIREMENTS="deepspeed flash_attn")
+    assert done.returncode == 0, _output(done)
+    assert "musa-recipes: torchao 0.9.0 is older than 0.16: peft<0.19" in done.stderr
+    assert (throwaway.site / "peft-0.18.1.dist-info").is_dir(), _output(done)
+    for name, version in stack.items():
+        info = throwaway.site / f"{name}-{version}.dist-info" / "INSTALLER"
+        assert info.read_text() == "vendor\n", name  # still the image's
+    assert not list(throwaway.site.glob("deepspeed-0.20*")) and not list(
+        throwaway.site.glob("flash_attn-2.8*")
+    )
+    # A requirement that wants another DeepSpeed than the image's MUSA build is refused.
+    refused = throwaway.run_install_step(EXTRA_REQUIREMENTS="deepspeed>=0.20")
+    assert refused.returncode != 0, _output(refused)
+    last = refused.stderr.splitlines()[-1]
+    assert last.startswith("musa-recipes: the install would replace the image's torch stack")
+    assert "deepspeed==0.19.3" in last
 
 
 @pytest.mark.slow

@@ -5,7 +5,10 @@ process and cannot be undone).
 - It refuses what a card refuses: a musa tensor mixed with a CPU tensor (a CPU scalar where
   TensorIterator takes one and CPU indices are accepted, as on CUDA; a 0-dim CPU tensor in an
   operator whose wrapper checks devices is not) or with another card's tensor; a CPU generator
-  in a random operator; a CPU tensor in an MCCL collective; card use in a forked child.
+  in a random operator, and the card's generator in a CPU one; a CPU tensor in an MCCL
+  collective; card use in a forked child.
+- A non-blocking copy to page-locked host memory lands at the next synchronisation (poison
+  before it), so a read that would race on a card fails.
 - Views, in-place and ``out=`` results are the musa tensors themselves, on the same memory.
 - Memory is counted per card; RNG is per card and never draws from the CPU's generator.
 - Autocast casts on musa with the dtypes the release and card have; the grad scaler steps.
@@ -17,6 +20,7 @@ process and cannot be undone).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -150,6 +154,52 @@ for name, draw in draws.items():
     card_generator.manual_seed(5)
     out["card_generator"][name] = [str(first.device), torch.equal(first.cpu(), draw(card_generator).cpu())]
 out["card_generator_device"] = str(card_generator.device)
+# A CPU operator refuses the card's generator, as torch's CPU kernels do (the generator carries
+# the musa dispatch key, so the operator reaches the device, which must not run it).
+cpu_probabilities = torch.full((4,), 0.25)
+out["card_generator_on_cpu"] = {
+    "randperm": refused(lambda: torch.randperm(4, generator=card_generator)),
+    "multinomial": refused(
+        lambda: torch.multinomial(cpu_probabilities, 2, generator=card_generator)
+    ),
+    "randn": refused(lambda: torch.randn(4, generator=card_generator)),
+}
+
+# A non-blocking copy to the host lands at the next synchronisation: poison before it (NaN for
+# floats, 0xA5 bytes for integers), the values after a device, stream or event synchronize, or a
+# blocking read. Into pageable memory (copy_ into a plain CPU tensor) it is synchronous.
+def queued(values):
+    return values.to("cpu", non_blocking=True)
+
+source = torch.tensor([1.5, -2.0, 3.25], device="musa")
+integers = torch.tensor([7, 8], device="musa")
+early, early_integers = queued(source), queued(integers)
+copies = {"before": [early.tolist(), early_integers.tolist(), early.is_pinned()]}
+torch.musa.synchronize()
+copies["synchronize"] = [early.tolist(), early_integers.tolist()]
+stream_copy = queued(source)
+torch.musa.current_stream().synchronize()
+copies["stream"] = stream_copy.tolist()
+event = torch.musa.Event()
+event_copy = queued(source)
+event.record()
+event.synchronize()
+copies["event"] = event_copy.tolist()
+earlier = torch.musa.Event()
+earlier.record()
+late_copy = queued(source)
+earlier.synchronize()  # recorded before the copy: it need not have landed
+copies["event_before_copy"] = late_copy.tolist()
+torch.ones(1, device="musa").item()  # a blocking read waits for the card
+copies["blocking_read"] = late_copy.tolist()
+snapshot = queued(source)
+source.add_(1)  # queued after the copy: the copy reads the value before it
+torch.musa.synchronize()
+copies["stream_order"] = snapshot.tolist()
+pageable = torch.empty(3)
+pageable.copy_(source, non_blocking=True)
+copies["pageable"] = pageable.tolist()
+out["non_blocking_copies"] = copies
 
 # A 0-dim CPU tensor: refused by an operator whose wrapper checks devices, a number to
 # TensorIterator's (device_check: NoCheck).
@@ -240,6 +290,10 @@ def test_card_refuses_cpu_generators_cpu_scalars_it_checks_and_bad_forks(s4000) 
     for name, (device, repeats) in s4000["card_generator"].items():
         assert device == "musa:0" and repeats, name  # a seeded card generator is taken
     assert s4000["card_generator_device"] == "musa:0"
+    # As torch's CPU kernels refuse a CUDA generator ("... found 'cuda'"): no CPU draw from the
+    # card's generator, and no card tensor from a CPU operator.
+    for name, error in s4000["card_generator_on_cpu"].items():
+        assert error == "Expected a 'cpu' device type for generator but found 'musa'", name
     target = "but got target is on cpu, different from other tensors on musa:0"
     assert target in s4000["cpu_0dim_target"]
     assert s4000["cpu_0dim_where"] == 100 + 8 + 9 + 10 + 11 - 7  # where takes a CPU scalar
@@ -249,6 +303,21 @@ def test_card_refuses_cpu_generators_cpu_scalars_it_checks_and_bad_forks(s4000) 
     ) in s4000["fork_card_worker"]
     assert s4000["fork_host_worker"] == ["cpu", "cpu"]
     assert s4000["parent_bad_fork"] is False
+
+
+@pytest.mark.slow
+def test_non_blocking_copies_to_the_host_land_at_the_next_synchronisation(s4000) -> None:
+    copies = s4000["non_blocking_copies"]
+    marker = int.from_bytes(b"\xa5" * 8, "little", signed=True)  # 0xA5 in every byte
+    before, integers, pinned = copies["before"]
+    assert all(math.isnan(value) for value in before) and pinned  # a pinned buffer, unfilled
+    assert integers == [marker, marker]
+    assert copies["synchronize"] == [[1.5, -2.0, 3.25], [7, 8]]
+    for point in ("stream", "event", "blocking_read"):
+        assert copies[point] == [1.5, -2.0, 3.25], point
+    assert all(math.isnan(value) for value in copies["event_before_copy"])
+    assert copies["stream_order"] == [1.5, -2.0, 3.25]  # the value when the copy was queued
+    assert copies["pageable"] == [2.5, -1.0, 4.25]
 
 
 @pytest.mark.slow

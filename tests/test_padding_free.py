@@ -10,18 +10,24 @@ variable-length kernel computes (attention within each sequence of the row, foun
 
 from __future__ import annotations
 
-import itertools
+import importlib.util
 import json
 
 import pytest
 import torch
 from conftest import ROOT, make_task
 from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.integrations.sdpa_attention import repeat_kv
 
 from recipes.config import DataConfig, ModelConfig
 from recipes.model import load_tokenizer
 from recipes.tasks import chat
+
+# Loaded from its file: on sys.path, transformers would take it for an installed flash-attn.
+_SPEC = importlib.util.spec_from_file_location(
+    "flash_attn_standin", ROOT / "tests/flash_attn_standin/flash_attn/__init__.py"
+)
+_STANDIN = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_STANDIN)
 
 PAIRS = ROOT / "recipes/assets/preferences/squad"
 TINY_LLAMA = ROOT / "recipes/assets/tiny-llama"
@@ -30,21 +36,19 @@ VARLEN = "varlen_reference"
 
 def _varlen_reference(module, query, key, value, attention_mask, position_ids=None, **kwargs):
     """flash_attn_varlen_func's result on a row of sequences: attention (causal for a decoder)
-    within each, the sequences starting where ``position_ids`` restart at 0; no mask."""
+    within each, the sequences starting where ``position_ids`` restart at 0; no mask. Computed
+    by the flash_attn stand-in's :func:`varlen_attention` (the emulated card's kernel)."""
     assert query.shape[0] == 1, "a padding-free batch is one row"
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
     starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
-    out = torch.empty_like(query)
-    for start, end in itertools.pairwise([*starts, query.shape[2]]):
-        out[:, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=module.is_causal,
-            scale=kwargs.get("scaling"),
-        )
-    return out.transpose(1, 2).contiguous(), None
+    out = _STANDIN.varlen_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        starts,
+        module.is_causal,
+        kwargs.get("scaling"),
+    )
+    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(VARLEN, _varlen_reference)

@@ -3,8 +3,10 @@
 ``csrc/emulator.cpp`` is torch's PrivateUse1 backend (host allocator, a device guard with N
 cards, copies, a fallback that runs every other operator's CPU kernel on the same memory and
 refuses mixed devices as torch's device wrappers do, a generator per card that random operators
-insist on, autocast, an ``mccl`` backend of gloo over the same memory that takes card tensors
-only, and the bad-fork refusal of a child forked after the card was used). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
+insist on and CPU ones refuse, non-blocking copies to the host that land only at the next
+synchronisation (poison before it), autocast, an ``mccl`` backend of gloo over the same memory
+that takes card tensors only, and the bad-fork refusal of a child forked after the card was
+used). It is compiled at first use with ``torch.utils.cpp_extension`` and cached per torch
 build and source (``$MUSA_EMULATOR_CACHE``, else ``~/.cache/musa-recipes/emulated-musa``).
 
 :func:`install` puts ``torch.musa`` on top of it as a torch_musa release has it: the functions,
@@ -328,7 +330,8 @@ def _populate(musa: types.ModuleType, ext: types.ModuleType, card: Card, release
         "current_device": lambda: int(ext.current_device()),
         "set_device": set_device,
         "device": device,
-        "synchronize": lambda device=None: None,
+        # Lands the card's non-blocking copies to the host (csrc: Pending), as a card's does.
+        "synchronize": lambda device=None: ext.synchronize(index(device)),
         "get_device_name": lambda device=None: _properties(ext, card, index(device)).name,
         "get_device_capability": lambda device=None: _capability(properties(device)),
         "get_device_properties": properties,

@@ -13,7 +13,11 @@
 //   this device is for.
 // - RNG: a generator per card (a musa generator, as torch.Generator("musa") makes); random
 //   operators draw from the card's generator, never from the CPU's, and refuse a CPU generator as
-//   a card's kernels do.
+//   a card's kernels do; a CPU operator refuses the card's generator, as the CPU kernels do.
+// - Non-blocking copies to page-locked host memory complete at the next synchronisation point
+//   (stream, event or device synchronize, or a blocking read of the card), as a card's copy
+//   engine fills them; until then the host tensor holds poison (NaN, or 0xA5 in every byte of
+//   an integer), so a read before the synchronisation fails here as it would race on a card.
 // - Forks: a process forked after it asked for the cards or used one cannot use them (the
 //   runtime cannot be re-initialized in a forked child).
 // - Autocast: the CUDA autocast op lists, registered for AutocastPrivateUse1.
@@ -42,6 +46,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <pthread.h>
@@ -273,6 +278,66 @@ void grow_storage(c10::StorageImpl* storage, size_t nbytes) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Non-blocking device-to-host copies: filled at the next synchronisation point
+// ---------------------------------------------------------------------------------------------
+
+// A copy a card's stream has queued: the host tensor, what the stream will write into it (the
+// card's work runs in order, and the emulator runs it at once, so the source as it is now) and
+// the copy's place in the order of queued work.
+struct Pending {
+  at::Tensor host;
+  at::Tensor value;
+  c10::DeviceIndex card;
+  uint64_t order;
+};
+
+std::mutex g_pending_mutex;
+std::vector<Pending> g_pending;
+uint64_t g_order = 0;  // guarded by g_pending_mutex
+
+uint64_t current_order() {
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  return g_order;
+}
+
+// The poison a host tensor holds until its copy lands: NaN where the dtype has one, else 0xA5 in
+// every byte (true for bool). Returns false for a dtype it cannot fill (then copy at once).
+bool poison(const at::Tensor& t) {
+  if (t.is_floating_point() || t.is_complex()) {
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (t.scalar_type() == at::kBool) {
+    t.fill_(true);
+  } else if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    auto marker = at::empty({}, t.options());
+    std::memset(marker.data_ptr(), 0xA5, marker.element_size());
+    t.fill_(marker);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Land the queued copies of `index` (all cards where it is negative) up to `order`.
+void land(c10::DeviceIndex index, uint64_t order = UINT64_MAX) {
+  std::vector<Pending> due;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    auto keep = g_pending.begin();
+    for (auto& copy : g_pending) {
+      if ((index < 0 || copy.card == index) && copy.order <= order) {
+        due.push_back(std::move(copy));
+      } else {
+        *keep++ = std::move(copy);
+      }
+    }
+    g_pending.erase(keep, g_pending.end());
+  }
+  for (auto& copy : due) {
+    copy.host.copy_(copy.value);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Device guard: which card is current, per thread; streams and events of a synchronous device
 // ---------------------------------------------------------------------------------------------
 
@@ -320,24 +385,35 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override {
     return count();
   }
-  // Work runs synchronously on the host: every event has happened when it is recorded.
+  // Work runs on the host as it is queued, except non-blocking copies to the host (Pending):
+  // an event remembers how far the queue was when it was recorded (stored in its handle, plus
+  // one so that a recorded event is never null), and waiting for it or asking whether it has
+  // happened lands the copies queued before it.
   void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag)
       const override {
-    if (*event == nullptr) {
-      *event = reinterpret_cast<void*>(1);
-    }
+    *event = reinterpret_cast<void*>(static_cast<uintptr_t>(current_order()) + 1);
   }
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override {
+  void block(void*, const c10::Stream&) const override {}  // a wait on the card, not the host
+  bool queryEvent(void* event) const override {
+    synchronizeEvent(event);
     return true;
   }
   void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
-  bool queryStream(const c10::Stream&) const override {
+  bool queryStream(const c10::Stream& stream) const override {
+    synchronizeStream(stream);
     return true;
   }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void synchronizeStream(const c10::Stream& stream) const override {
+    land(stream.device_index() < 0 ? t_current : stream.device_index());
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) {  // never recorded: nothing to wait for
+      land(-1, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(event)) - 1);
+    }
+  }
+  void synchronizeDevice(const c10::DeviceIndex index) const override {
+    land(index < 0 ? t_current : index);
+  }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void*, void*, const c10::DeviceIndex) const override {
     return 0.0;
@@ -556,12 +632,25 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage_offset(self, storage, 0, {0}, {});
 }
 
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   use_card();
   TORCH_CHECK(
       self.is_cpu() || self.is_privateuseone(), "cannot copy from ", self.device(), " to musa");
   TORCH_CHECK(
       dst.is_cpu() || dst.is_privateuseone(), "cannot copy from musa to ", dst.device());
+  if (self.is_privateuseone() && dst.is_cpu()) {
+    // Only a copy into page-locked memory is asynchronous on a card (into pageable memory the
+    // runtime copies through a staging buffer and returns when it is done).
+    if (non_blocking && is_pinned_ptr(dst.storage().data())) {
+      at::Tensor value = cpu_view(self).clone();
+      if (poison(dst)) {
+        std::lock_guard<std::mutex> lock(g_pending_mutex);
+        g_pending.push_back({dst, std::move(value), self.device().index(), ++g_order});
+        return dst;
+      }
+    }
+    land(self.device().index());  // a blocking read waits for the card's queued work
+  }
   at::Tensor src = self.is_privateuseone() ? cpu_view(self) : self;
   at::Tensor out = dst.is_privateuseone() ? cpu_view(dst) : dst;
   out.copy_(src);
@@ -642,6 +731,12 @@ void device_check(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
 // their CPU kernel: the card's generator stands in for the CPU's while they run. (Those with a
 // generator argument get the card's generator in it instead.)
 const std::unordered_set<std::string> kDefaultGeneratorOps = {"aten::native_dropout"};
+
+// Operators whose card kernels wait for the card before they return (they read a value or a size
+// back to the host): a blocking read, so queued copies to the host land first.
+const std::unordered_set<std::string> kHostSyncOps = {
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
 
 bool is_generator(const c10::Argument& argument) {
   auto type = argument.type();
@@ -752,10 +847,17 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         static_cast<int>(*index), " and cpu!", where(op, argument));
   }
   const c10::DeviceIndex device = index.value_or(t_current);
+  if (kHostSyncOps.count(schema.name())) {
+    land(device);
+  }
 
   // Random operators draw from the card's generator, or from the musa generator they are given.
   // A CPU generator is refused as a card's kernels refuse it (check_generator, through
-  // get_generator_or_default<MUSAGeneratorImpl> in torch_musa's kernels).
+  // get_generator_or_default<MUSAGeneratorImpl> in torch_musa's kernels). An operator with no
+  // musa tensor or device (torch.randperm(n, generator=g), torch.multinomial(cpu_probs, k,
+  // generator=g)) comes here only because the card's generator carries the musa dispatch key:
+  // it is a CPU operator, whose kernel refuses the card's generator (check_generator through
+  // get_generator_or_default<CPUGeneratorImpl>).
   std::optional<at::Generator> swapped;
   at::Tensor cpu_state;
   bool takes_generator = false;
@@ -771,6 +873,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       TORCH_CHECK(
           given.device().type() == kDev, "Expected a '", kDev,
           "' device type for generator but found '", given.device().type(), "'");
+      TORCH_CHECK(
+          index.has_value(), "Expected a 'cpu' device type for generator but found '",
+          given.device().type(), "'");
       value = c10::IValue(host_generator(given));
     }
   }
@@ -1292,4 +1397,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_checked_ops", &emu::set_checked_ops);
   m.def("register_kernels", &emu::register_kernels);
   m.def("collectives", &emu::collectives);
+  // torch.musa.synchronize(device): the card's queued copies to the host land.
+  m.def("synchronize", [](int64_t i) { emu::land(static_cast<c10::DeviceIndex>(i)); });
 }
