@@ -894,10 +894,13 @@ def derived_visible_devices(environ: dict[str, str] | os._Environ, name: str) ->
     return environ[cuda]
 
 
-def sync_visible_devices(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+def sync_visible_devices(
+    environ: dict[str, str] | os._Environ = os.environ, name: str | None = None
+) -> str | None:
     """Set ``MUSA_VISIBLE_DEVICES`` from ``CUDA_VISIBLE_DEVICES`` (:func:`derived_visible_devices`)
-    before torch_musa starts its runtime, which reads it once; the line that says so, or None."""
-    value = derived_visible_devices(environ, installed_backend())
+    before torch_musa starts its runtime, which reads it once; the line that says so, or None.
+    ``name``: the installed backend (:func:`installed_backend` by default)."""
+    value = derived_visible_devices(environ, installed_backend() if name is None else name)
     if value is None:
         return None
     environ[VISIBLE_DEVICES_ENV[MUSA]] = value
@@ -924,7 +927,7 @@ def allocator_setting(
 
 
 def prepare_environment(
-    training: bool, environ: dict[str, str] | os._Environ = os.environ
+    training: bool, environ: dict[str, str] | os._Environ = os.environ, name: str | None = None
 ) -> list[str]:
     """What a run sets in its environment before its device runtime and allocator start, one
     line each for its log: the visible devices derived on MUSA, and for training the allocator's
@@ -934,10 +937,10 @@ def prepare_environment(
     ``core/_lazy_init``; at import it reads only ``PYTORCH_MUSA_ALLOC_CONF``'s ``cpu:unified``),
     so this runs before the first device query, not before ``import torch``.
     """
-    sync_visible_devices(environ)
+    name = installed_backend() if name is None else name
+    sync_visible_devices(environ, name)
     lines = list(_environment_notes)
     _environment_notes.clear()
-    name = installed_backend()
     found = allocator_setting(name, environ) if training else None
     if found is not None:
         variable, value, by_user = found
@@ -950,3 +953,23 @@ def prepare_environment(
                 f"varying batch shapes; set {variable} to choose another)"
             )
     return lines
+
+
+# --- what scripts ask about the device ---
+
+
+def hidden_devices_env() -> dict[str, str]:
+    """The variables that hide every accelerator from a child process (its runs on the CPU)."""
+    return dict.fromkeys(VISIBLE_DEVICES_ENV.values(), "")
+
+
+def profiler_activity(name: str | None = None) -> Any:
+    """The ``torch.profiler.ProfilerActivity`` of a backend's kernels (:func:`backend` by
+    default): CUDA's, or PrivateUse1's for an out-of-tree device such as MUSA; None on cpu."""
+    name = backend() if name is None else name
+    activity = torch.profiler.ProfilerActivity
+    if name == CPU:
+        return None
+    if name == CUDA or not hasattr(activity, "PrivateUse1"):
+        return activity.CUDA
+    return activity.PrivateUse1

@@ -271,9 +271,16 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
         "+hydra.callbacks.gpu_check_profile.profiled={profile_steps}",
     )
     profile_dry = (*bert_dry, "trainer.max_steps=4")  # 1 warm-up, 1 profiled, 2 timed
-    expandable = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    from recipes import device
+
+    # Training runs default to expandable segments: the baseline turns them off by name.
+    allocator = device.ALLOC_CONF_ENV.get(
+        device.installed_backend(), device.ALLOC_CONF_ENV[device.CUDA]
+    )
+    expandable = ((allocator, device.EXPANDABLE_SEGMENTS),)
+    fixed = ((allocator, "expandable_segments:False"),)
     processes = [
-        Process("profile", "train", 15, profiled, "trainer", profile_dry, models=True),
+        Process("profile", "train", 15, profiled, "trainer", profile_dry, models=True, env=fixed),
         Process(
             "profile_exp", "train", 15, profiled, "trainer", profile_dry, models=True,
             env=expandable,
@@ -343,7 +350,7 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             "profile_exp",
             28,
             sub(4, 8),
-            "sub-batches 4, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            f"sub-batches 4, {expandable[0][0]}={expandable[0][1]}",
         ),
         Row(
             "bert_squad/defaults",
@@ -1713,7 +1720,7 @@ def child_llm_peer(kind: str, out: Path, dry_run: bool) -> dict:
     in one line."""
     from recipes import device
 
-    target = "cpu" if device.backend() == device.CPU else "cuda"
+    target = device.backend()
     report = out / f"{kind}.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "throughput.py"), kind]
     cmd += ["--device", target, "--json", str(report)]
