@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from recipes import device
 from recipes.device import CUDA, MUSA
@@ -69,7 +70,87 @@ _TORCH_MUSA_BUILDS: tuple[tuple[str, tuple[int, int], str, str], ...] = (
     # oldest, as at every tag from v2.1.
     ("v2.9.x", (2, 9), "2.9.0", "2.9.0"),
     ("2.11.x", (2, 11), "2.11.0", "2.11.0"),
+    # Reported, unconfirmed (LATE_MUSA_RELEASES): the torch its name carries.
+    ("2.13.x (reported, unconfirmed)", (2, 13), "2.13.0", "2.13.0"),
 )
+
+
+@dataclass(frozen=True)
+class LateRelease:
+    """A torch_musa release published without a tag or notes: what changed that a run here can
+    see, the vllm-musa line that pins it (to serve what was trained), and where that was read."""
+
+    name: str  # as its pull request or pin names it
+    changes: str
+    vllm_musa: str | None  # the vllm-musa release line pinning it; None where none is known
+    sdk: str | None
+    confirmed: bool
+    source: str
+
+
+# Newest first. torchada (the torch.cuda-on-MUSA layer vllm-musa depends on) overrides
+# aten::log, log_ and multinomial on torch_musa before 2.11.0.post2 and leaves them to
+# torch_musa from it (torchada PR #106; #113 adds float64 log_ in place, which older releases
+# refuse).
+LATE_MUSA_RELEASES: tuple[LateRelease, ...] = (
+    LateRelease(
+        "2.13.0.post1",
+        "reported as the reference stack of the vllm-musa 0.32 line (with MUSA SDK 5.2.0); no "
+        "tag, pull request or notes found",
+        "v0.32",
+        "5.2.0",
+        False,
+        "issue 57 (no public source found)",
+    ),
+    LateRelease(
+        "2.11.0.post2",
+        "its own kernels provide log / log_ (float64 in place too), so torchada stops "
+        "overriding log, log_ and multinomial",
+        "v0.28",
+        "5.2.0",
+        True,
+        "torch_musa PR #155 (2026-09-21); torchada PRs #106 and #113; vllm-musa "
+        "requirements/musa_private.txt (torch_musa==2.11.0.post2+musa5.2.0, torchada 0.1.95 "
+        "per issue 57)",
+    ),
+    LateRelease(
+        "2.9.1.post1",
+        "no notes; still no log / log_ kernels of its own (torchada keeps overriding them)",
+        None,
+        None,
+        True,
+        "torch_musa PR #144; torchada PR #106 (its boundary is 2.11.0.post2)",
+    ),
+)
+
+
+def late_musa_release(version: str | None) -> LateRelease | None:
+    """The :data:`LATE_MUSA_RELEASES` row of a torch_musa version (``"2.11.0.post2+musa5.2.0"``),
+    None for any other."""
+    if not version:
+        return None
+    try:
+        public = Version(version.lstrip("v")).public
+    except InvalidVersion:
+        return None
+    return next((row for row in LATE_MUSA_RELEASES if Version(row.name).public == public), None)
+
+
+def vllm_musa_for_torch_musa(version: str | None) -> str:
+    """Which vllm-musa release serves with a torch_musa version, in one sentence (the doctor's)."""
+    row = late_musa_release(version)
+    if row is not None and row.vllm_musa is not None:
+        sure = "" if row.confirmed else " (reported, unconfirmed)"
+        return (
+            f"vllm-musa {row.vllm_musa}{sure}: it pins torch_musa {row.name} (MUSA SDK {row.sdk})"
+        )
+    pinned = next(r for r in LATE_MUSA_RELEASES if r.confirmed and r.vllm_musa)
+    return (
+        f"no vllm-musa release is known to pin torch_musa {version or '(none installed)'}; "
+        f"vllm-musa {pinned.vllm_musa} pins {pinned.name} (MUSA SDK {pinned.sdk}): serve "
+        "from that image"
+    )
+
 
 # The Dockerfile passes its base image on; the vendor's tags name the GPU family they are built
 # for (``rc3.1.0-v1.3.0-S4000-py310``).

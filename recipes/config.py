@@ -32,6 +32,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from recipes import packages
+
 # Defined in recipes.errors (shared with the task configs and the checkpoints without a circle);
 # most code imports them from here.
 from recipes.errors import ConfigError as ConfigError
@@ -557,6 +559,7 @@ def validate(cfg: DictConfig) -> Settings:
     _check_benchmark(settings, cfg.get("resume"))
     mix_sources(settings.data)
     settings.peft = peft_settings(cfg.get("peft"))
+    _check_peft_packages(settings)
     settings.task = task_config(cfg)
     if isinstance(cfg.get("optimizer"), DictConfig):
         settings.optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
@@ -626,6 +629,16 @@ def _check_peft(s: PeftSettings) -> None:
             f"peft.target_modules={t!r}: give null (all linear layers), a list of module "
             "names such as [q_proj, v_proj], or one regular expression."
         )
+
+
+def _check_peft_packages(settings: Settings) -> None:
+    """LoRA where the installed peft refuses the installed torchao: one line now, not peft's
+    ImportError at the first LoRA layer (:mod:`recipes.packages`)."""
+    if settings.peft.method != "lora" or settings.mode not in (Mode.train, Mode.eval):
+        return
+    conflict = packages.installed_peft_torchao_conflict()
+    if conflict:
+        raise ConfigError(f"peft=lora: {conflict}.")
 
 
 def _mode(value: Any) -> Mode:

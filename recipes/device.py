@@ -126,7 +126,9 @@ def _musa_available() -> bool:
 @functools.cache
 def backend() -> str:
     """``"musa"``, ``"cuda"`` or ``"cpu"``. MUSA is probed first (as in accelerate's device
-    order), so a MUSA host with ``torchada``, where ``torch.cuda`` also answers, stays MUSA."""
+    order), so a MUSA host with ``torchada``, where ``torch.cuda`` also answers, stays MUSA.
+    The first probe starts the runtime: the visible devices are settled before it."""
+    sync_visible_devices()
     if _musa_available():
         return MUSA
     if torch.cuda.is_available():
@@ -385,6 +387,16 @@ def fused_adamw_ok(
     if target_kind not in kinds or params_kind not in kinds:
         return False
     return target_kind in (CUDA, CPU) or _has_fused_adamw_kernel(target_kind)
+
+
+def torch_fused_adamw_default(target: torch.device | str, params_on: torch.device | str) -> bool:
+    """Whether ``optimizer.fused=null`` builds torch's ``AdamW(fused=True)``: where
+    :func:`fused_adamw_ok`, except on MUSA. There torch_musa's ``FusedAdamW`` is the fused
+    choice, and where it refuses (CPU parameters under FSDP up to v2.7.0) the foreach AdamW
+    follows: the vendor's engineers found ``AdamW(fused=True)`` unsupported on MUSA (ms-swift
+    PR #10224 turns it off for ``adamw_torch``). ``optimizer.fused=true`` still asks for it."""
+    kind = torch.device(target).type if isinstance(target, torch.device) else str(target)
+    return kind.partition(":")[0] != MUSA and fused_adamw_ok(target, params_on)
 
 
 def musa_fused_adamw() -> type[torch.optim.Optimizer] | None:
@@ -743,7 +755,7 @@ def default_adamw(name: str | None = None) -> str:
         return "torch.optim.AdamW (foreach)"
     return (
         "torch.optim.AdamW(fused=True)"
-        if fused_adamw_ok(name, name)
+        if torch_fused_adamw_default(name, name)
         else "torch.optim.AdamW (foreach)"
     )
 
@@ -932,3 +944,117 @@ def distributed_backend() -> tuple[str | None, str]:
     if dist.is_gloo_available():
         return GLOO, "gloo (CPU processes)"
     return None, "this torch build has no gloo backend"
+
+
+# --- the process environment a run sets before the device runtime starts ---
+
+# Device-hiding variables each backend's runtime reads when it initialises.
+VISIBLE_DEVICES_ENV = {MUSA: "MUSA_VISIBLE_DEVICES", CUDA: "CUDA_VISIBLE_DEVICES"}
+# The caching allocator's settings per backend, and torch >= 2.9's name for every backend.
+ALLOC_CONF_ENV = {MUSA: "PYTORCH_MUSA_ALLOC_CONF", CUDA: "PYTORCH_CUDA_ALLOC_CONF"}
+GENERIC_ALLOC_CONF_ENV = "PYTORCH_ALLOC_CONF"
+# What training runs get where the user set none: segments that grow in place instead of new
+# blocks per new size, so the varying batch shapes of a run fragment less. The vendor's engineers
+# run it on MUSA (ms-swift PR #10224's MUSA backend and its S5000 page), as does the NVIDIA side of
+# torch's own memory notes for variable shapes.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+_environment_notes: list[str] = []
+
+
+def installed_backend() -> str:
+    """The accelerator this Python is set up for, asked without starting a device runtime: MUSA
+    where torch_musa is installed, CUDA where torch is a CUDA build, else cpu."""
+    if importlib.util.find_spec("torch_musa") is not None:
+        return MUSA
+    return CUDA if getattr(torch.version, CUDA, None) else CPU
+
+
+def derived_visible_devices(environ: dict[str, str] | os._Environ, name: str) -> str | None:
+    """The ``MUSA_VISIBLE_DEVICES`` a MUSA host takes from ``CUDA_VISIBLE_DEVICES`` where only
+    that one is set (as ms-swift's launchers do: scripts written for CUDA keep choosing the
+    cards), None where there is nothing to derive."""
+    musa, cuda = VISIBLE_DEVICES_ENV[MUSA], VISIBLE_DEVICES_ENV[CUDA]
+    if name != MUSA or musa in environ or cuda not in environ:
+        return None
+    return environ[cuda]
+
+
+def sync_visible_devices(
+    environ: dict[str, str] | os._Environ = os.environ, name: str | None = None
+) -> str | None:
+    """Set ``MUSA_VISIBLE_DEVICES`` from ``CUDA_VISIBLE_DEVICES`` (:func:`derived_visible_devices`)
+    before torch_musa starts its runtime, which reads it once; the line that says so, or None.
+    ``name``: the installed backend (:func:`installed_backend` by default)."""
+    value = derived_visible_devices(environ, installed_backend() if name is None else name)
+    if value is None:
+        return None
+    environ[VISIBLE_DEVICES_ENV[MUSA]] = value
+    note = (
+        f"{VISIBLE_DEVICES_ENV[MUSA]}={value} (taken from {VISIBLE_DEVICES_ENV[CUDA]}, the only "
+        "one set: torch_musa reads only its own)"
+    )
+    _environment_notes.append(note)
+    return note
+
+
+def allocator_setting(
+    name: str, environ: dict[str, str] | os._Environ = os.environ
+) -> tuple[str, str | None, bool] | None:
+    """The allocator variable of a backend, its value and whether the user set it (theirs or
+    torch's generic ``PYTORCH_ALLOC_CONF``); None on cpu."""
+    variable = ALLOC_CONF_ENV.get(name)
+    if variable is None:
+        return None
+    for given in (variable, GENERIC_ALLOC_CONF_ENV):
+        if given in environ:
+            return given, environ[given], True
+    return variable, None, False
+
+
+def prepare_environment(
+    training: bool, environ: dict[str, str] | os._Environ = os.environ, name: str | None = None
+) -> list[str]:
+    """What a run sets in its environment before its device runtime and allocator start, one
+    line each for its log: the visible devices derived on MUSA, and for training the allocator's
+    expandable segments unless the user set the allocator.
+
+    torch_musa, as torch.cuda, starts its runtime and caching allocator lazily (its
+    ``core/_lazy_init``; at import it reads only ``PYTORCH_MUSA_ALLOC_CONF``'s ``cpu:unified``),
+    so this runs before the first device query, not before ``import torch``.
+    """
+    name = installed_backend() if name is None else name
+    sync_visible_devices(environ, name)
+    lines = list(_environment_notes)
+    _environment_notes.clear()
+    found = allocator_setting(name, environ) if training else None
+    if found is not None:
+        variable, value, by_user = found
+        if by_user:
+            lines.append(f"{variable}={value} (set by the user)")
+        else:
+            environ[variable] = EXPANDABLE_SEGMENTS
+            lines.append(
+                f"{variable}={EXPANDABLE_SEGMENTS} (the training default: fewer fragments from "
+                f"varying batch shapes; set {variable} to choose another)"
+            )
+    return lines
+
+
+# --- what scripts ask about the device ---
+
+
+def hidden_devices_env() -> dict[str, str]:
+    """The variables that hide every accelerator from a child process (its runs on the CPU)."""
+    return dict.fromkeys(VISIBLE_DEVICES_ENV.values(), "")
+
+
+def profiler_activity(name: str | None = None) -> Any:
+    """The ``torch.profiler.ProfilerActivity`` of a backend's kernels (:func:`backend` by
+    default): CUDA's, or PrivateUse1's for an out-of-tree device such as MUSA; None on cpu."""
+    name = backend() if name is None else name
+    activity = torch.profiler.ProfilerActivity
+    if name == CPU:
+        return None
+    if name == CUDA or not hasattr(activity, "PrivateUse1"):
+        return activity.CUDA
+    return activity.PrivateUse1

@@ -37,7 +37,7 @@ import torch
 import yaml
 from packaging.version import Version
 
-from recipes import backends, device
+from recipes import backends, device, packages
 
 _GIB = 1024**3
 _MIN_TORCH = (2, 2)
@@ -231,6 +231,36 @@ def _decisions(backend: str) -> dict[str, Any]:
     return found
 
 
+def peft_torchao() -> dict[str, Any]:
+    """The installed peft and torchao, and whether peft's LoRA layers accept that torchao
+    (:func:`recipes.packages.installed_peft_torchao_conflict`; a LoRA run refuses to start
+    otherwise)."""
+    problem = packages.installed_peft_torchao_conflict()
+    return {
+        "peft": packages.installed_version("peft"),
+        "torchao": packages.installed_version("torchao"),
+        "agree": problem is None,
+        "problem": problem,
+    }
+
+
+def allocator(backend: str) -> dict[str, Any] | None:
+    """The caching allocator's variable on this backend, its value, whether the user set it,
+    and what a training run sets where not (:func:`recipes.device.prepare_environment`); None on
+    cpu. Also the visible devices a MUSA host derives from ``CUDA_VISIBLE_DEVICES``."""
+    found = device.allocator_setting(backend)
+    if found is None:
+        return None
+    variable, value, by_user = found
+    return {
+        "variable": variable,
+        "value": value,
+        "set_by_user": by_user,
+        "training_runs": value if by_user else device.EXPANDABLE_SEGMENTS,
+        "visible_devices_derived": device.derived_visible_devices(os.environ, backend),
+    }
+
+
 def _probe_device(backend: str) -> str:
     module = device.device_module(backend)
     return backend if module is None else f"{backend}:{module.current_device()}"
@@ -254,6 +284,11 @@ def collect() -> dict[str, Any]:
         if torch_musa_version is None
         else list(backends.torch_for_torch_musa(torch_musa_version))
     )
+    late = backends.late_musa_release(torch_musa_version)
+    musa["release_changes"] = None if late is None else late.changes
+    musa["vllm_musa"] = (
+        None if not musa["installed"] else backends.vllm_musa_for_torch_musa(torch_musa_version)
+    )
     backend = device.backend()
     precision = _precision(backend)
     distributed, distributed_reason = device.distributed_backend()
@@ -274,7 +309,11 @@ def collect() -> dict[str, Any]:
             "accelerate": _dist_version("accelerate"),
             "transformers": _dist_version("transformers"),
             "torchada": _dist_version("torchada"),
+            "peft": _dist_version("peft"),
+            "torchao": _dist_version("torchao"),
         },
+        "peft_torchao": peft_torchao(),
+        "allocator": allocator(backend),
         "torch_musa": musa,
         "accelerate_sees_musa": backends.accelerate_sees_musa(),
         "precision": precision,
@@ -646,8 +685,14 @@ def advice(report: dict[str, Any]) -> list[str]:
         *_advice_attention(report),
         *_advice_image(report),
         *_advice_fsdp2_overlap(report),
+        *_advice_packages(report),
         *_advice_other(report),
     ]
+
+
+def _advice_packages(report: dict[str, Any]) -> list[str]:
+    problem = report.get("peft_torchao", {}).get("problem")
+    return [f"peft=lora runs refuse to start: {problem}."] if problem else []
 
 
 def _advice_fsdp2_overlap(report: dict[str, Any]) -> list[str]:
@@ -793,6 +838,16 @@ def _decision_rows(report: dict[str, Any]) -> list[tuple[str, Any]]:
         ("compile default", f"{_fmt(found['compile'])} ({found['compile_why']})"),
         ("AdamW (fused=null)", found["adamw"]),
     ]
+    memory = report.get("allocator")
+    if memory:
+        how = "set by the user" if memory["set_by_user"] else "training runs set it"
+        rows.append(("allocator", f"{memory['variable']}={memory['training_runs']} ({how})"))
+        if memory["visible_devices_derived"] is not None:
+            derived = memory["visible_devices_derived"]
+            rows.append(("visible devices", f"MUSA_VISIBLE_DEVICES={derived} (from CUDA's)"))
+    agreement = report.get("peft_torchao")
+    if agreement:
+        rows.append(("peft / torchao", _agreement_text(agreement)))
     if "fsdp2_overlap_level" in found:
         override, level = found["tf32_override"], found["fsdp2_overlap_level"]
         problem = found["fsdp2_overlap_problem"]
@@ -800,6 +855,11 @@ def _decision_rows(report: dict[str, Any]) -> list[tuple[str, Any]]:
         rows.append(("tf32 override", f"{device.MUBLAS_TF32_OVERRIDE}={override or ''}"))
         rows.append(("FSDP2 overlap", f"{shown} (refused: {problem})" if problem else shown))
     return rows
+
+
+def _agreement_text(found: dict[str, Any]) -> str:
+    versions = f"peft {_fmt(found['peft'])}, torchao {_fmt(found['torchao'])}"
+    return f"{versions}: {'agree' if found['agree'] else 'LoRA refused (see Advice)'}"
 
 
 def _probe_text(probe: dict[str, Any]) -> str:
@@ -850,6 +910,8 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
                 ("imported", musa["imported"]),
                 ("import error", musa["error"]),
                 ("built for torch", " or ".join(musa["expected_torch"] or []) or None),
+                ("what changed", musa.get("release_changes")),
+                ("serving", musa.get("vllm_musa")),
                 ("accelerate sees MUSA", report["accelerate_sees_musa"]),
             ],
         ),

@@ -80,8 +80,11 @@ def run(settings: Settings) -> RunResult:
 def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list[str]]:
     """``settings`` with the trainer's speed settings that the recipe left null decided for this
     device (:func:`recipes.device.training_defaults`), and one line per setting saying what was
-    chosen and why (a value the recipe or the command line set is kept, and said to be)."""
+    chosen and why (a value the recipe or the command line set is kept, and said to be), after
+    the environment lines of :func:`recipes.device.prepare_environment`."""
     trainer_cfg = settings.trainer
+    # Before the device is first asked: its runtime reads the visible devices and the allocator.
+    settled = device.prepare_environment(training=str(settings.mode) == "train")
     kind = (
         device.CPU if parse_flag_from_env("ACCELERATE_USE_CPU") else device.backend()
     )  # as resolve_mixed_precision decides: `accelerate launch --cpu` runs on the CPU
@@ -94,7 +97,7 @@ def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list
         whole_model=not sharded,
         musa_version=device.torch_musa_info()["version"] if kind == device.MUSA else None,
     )
-    decided, lines = {}, []
+    decided, lines = {}, settled
     for default in defaults:
         value = getattr(trainer_cfg, default.name)
         if value is None:

@@ -45,8 +45,9 @@ def build_optimizer(
     AdamW with ``fused: null`` (the default) gets a fused kernel where ``target`` has one, as
     ``transformers.Trainer`` does: torch's on CUDA (and the CPU from torch 2.4); on MUSA
     torch_musa's ``FusedAdamW`` where its constructor takes the parameters where they are, else
-    torch's own fused AdamW where torch_musa registers its kernel. ``fused: false`` keeps the
-    foreach implementation. Whichever is built, checkpoints load into the others.
+    the foreach AdamW (torch's ``AdamW(fused=True)`` only when ``fused: true`` asks for it).
+    ``fused: false`` keeps the foreach implementation. Whichever is built, checkpoints load into
+    the others.
     """
     keywords = dict(getattr(make_optimizer, "keywords", {}))
     groups = parameter_groups(model, keywords.get("weight_decay", 0.0))
@@ -61,7 +62,7 @@ def build_optimizer(
     if fused:  # asked for explicitly: torch's own error if this torch cannot
         return _portable(make_optimizer(params=groups))
     params_on = next(model.parameters()).device
-    extra = {"fused": True} if device.fused_adamw_ok(target, params_on) else {}
+    extra = {"fused": True} if device.torch_fused_adamw_default(target, params_on) else {}
     return _portable(make_optimizer(params=groups, **extra))
 
 
@@ -75,7 +76,7 @@ def _musa_fused_adamw(groups: list[dict], keywords: dict) -> torch.optim.Optimiz
     hyper = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
     try:  # copies: Optimizer.__init__ writes its defaults (fused=True) into the groups it gets
         return fused_adamw([dict(group) for group in groups], **hyper)
-    except RuntimeError as err:  # its device check; torch's fused AdamW is tried next
+    except RuntimeError as err:  # its device check: the foreach AdamW instead
         log.info("torch_musa's FusedAdamW not used: %s", first_line(err))
         return None
 

@@ -178,11 +178,9 @@ class StepProfiler(Callback):
 
         from recipes import device
 
-        activity = torch.profiler.ProfilerActivity
-        activities = [activity.CPU]
+        activities = [torch.profiler.ProfilerActivity.CPU]
         if job["module"] is not None:  # MUSA's kernels are PrivateUse1 activities
-            cuda = device.backend() == "cuda" or not hasattr(activity, "PrivateUse1")
-            activities.append(activity.CUDA if cuda else activity.PrivateUse1)
+            activities.append(device.profiler_activity())
         self._sync(job)
         if job["module"] is not None:
             job["stats0"] = dict(job["module"].memory_stats())

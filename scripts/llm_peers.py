@@ -41,7 +41,8 @@ SFT (``SFTTrainer``, ``SFTConfig``):
 * ``max_length`` = ours' ``task.max_seq_length`` (TRL default 1024); ``per_device_train_batch_size``
   = ours (packed rows per step); ``gradient_accumulation_steps`` 1 (both).
 * ``bf16=False`` (TRL's default True when fp16 is unset) unless ours trains in bf16: the same
-  precision on both sides (fp32 on the CPU, bf16 autocast on CUDA, ``--mixed-precision``).
+  precision on both sides (fp32 on the CPU, bf16 autocast on an accelerator with bf16,
+  ``--mixed-precision``).
 * ``gradient_checkpointing=False`` (TRL's default True): ours does not checkpoint
   (``trainer.gradient_checkpointing=false``); TRL's default would recompute every forward, a
   cost that is a setting, not an implementation.
@@ -95,7 +96,8 @@ GRPO (``GRPOTrainer``, ``GRPOConfig``):
 
 Timing: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = ``--threads`` (1 by default) and
 ``torch.set_num_threads`` the same in every child; ``--device cpu`` hides accelerators from the
-children (``CUDA_VISIBLE_DEVICES=""``), ``auto`` uses CUDA where there is one.
+children (``recipes.device.hidden_devices_env``), ``auto`` uses the package's device (MUSA, CUDA
+or the CPU, ``recipes.device.backend``).
 """
 
 from __future__ import annotations
@@ -129,7 +131,14 @@ RECIPES = {"sft": "llama_sft", "grpo": "llama_grpo"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``throughput.py sft`` / ``grpo`` (one subparser each)."""
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    from recipes import device
+
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", device.CPU, device.MUSA, device.CUDA],
+        help="auto: recipes.device's choice (MUSA, CUDA or the CPU)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="ours/TRL alternations")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (sft 20, grpo 8)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps (sft 5, grpo 2)")
@@ -138,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mixed-precision",
         default="auto",
         choices=["auto", "no", "bf16"],
-        help="both sides; auto: fp32 on the CPU, bf16 on CUDA",
+        help="both sides; auto: fp32 on the CPU, bf16 on an accelerator with bf16",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per side")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
@@ -149,13 +158,20 @@ def _resolve(args: argparse.Namespace, kind: str) -> argparse.Namespace:
     args.kind = kind
     args.steps = args.steps or (20 if kind == "sft" else 8)
     args.warmup = args.warmup or (5 if kind == "sft" else 2)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if args.device == "cuda" else "no"
+    args.device, args.mixed_precision = choose_device(args.device, args.mixed_precision)
     return args
+
+
+def choose_device(asked: str, mixed_precision: str) -> tuple[str, str]:
+    """The device both sides run on (``auto``: :func:`recipes.device.backend`, MUSA before CUDA
+    before the CPU) and their precision (``auto``: bf16 where that device has it, else fp32)."""
+    from recipes import device
+
+    chosen = device.backend() if asked == "auto" else asked
+    if mixed_precision == "auto":
+        native = chosen != device.CPU and chosen == device.backend() and device.supports_bf16()
+        mixed_precision = "bf16" if native else "no"
+    return chosen, mixed_precision
 
 
 def overrides(args: argparse.Namespace, run_dir: Path, cache: Path) -> list[str]:
@@ -236,8 +252,10 @@ def _child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    from recipes import device
+
+    if args.device == device.CPU:
+        env.update(device.hidden_devices_env())
     return env
 
 

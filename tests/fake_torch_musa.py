@@ -27,9 +27,11 @@ github.com/MooreThreads/torch_musa:
 - ``TORCH_MUSA_FSDP2_OVERLAP_LEVEL`` read (an int below 5, asserted) when torch_musa is imported:
   from v2.7.1 (distributed/_composable/fsdp/custom_overlap_patch.py).
 
-Releases without a readable tag (v2.9.0, v2.9.1, 2.11.0.post1) are written from their release
-notes (github.com/MooreThreads/torch_musa/releases): ``__version__`` from the commit each release
-page names; GEMMs in FP32 by default, in TF32 only with ``torch.backends.musa.matmul.allow_tf32``
+Releases without a readable tag (v2.9.0, v2.9.1, 2.11.0.post1; 2.9.1.post1, 2.11.0.post2 and the
+unconfirmed 2.13.0.post1 from their pull requests and pins, see ``recipes/backends.py``'s
+``LATE_MUSA_RELEASES``) are written from their release notes
+(github.com/MooreThreads/torch_musa/releases): ``__version__`` from the commit each release
+page names (the wheel's version where a pin names it, none where nothing does); GEMMs in FP32 by default, in TF32 only with ``torch.backends.musa.matmul.allow_tf32``
 or ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1`` (v2.9.0's notes). What the notes do not mention is
 kept as at v2.7.1 (FusedAdamW for musa and cpu, the autocast names, the entry point), and
 ``torch.backends.mudnn.allow_tf32`` stays (for muDNN's kernels), off as the GEMMs' switch.
@@ -97,8 +99,20 @@ RELEASES = {
     "2.11.0.post1": _since_v2_7_1(
         "2.11.0.post1", "2.11.0.post1+246d43e", tf32_default=False, gemm_switch=True
     ),
+    # PR #144: no notes and no commit named, so no local version part.
+    "2.9.1.post1": _since_v2_7_1(
+        "2.9.1.post1", "2.9.1.post1", tf32_default=False, gemm_switch=True
+    ),
+    # PR #155; the version of the wheel vllm-musa v0.28 pins (requirements/musa_private.txt).
+    "2.11.0.post2": _since_v2_7_1(
+        "2.11.0.post2", "2.11.0.post2+musa5.2.0", tf32_default=False, gemm_switch=True
+    ),
+    # Reported for the vllm-musa 0.32 line, unconfirmed: no tag, PR or notes found.
+    "2.13.0.post1": _since_v2_7_1(
+        "2.13.0.post1", "2.13.0.post1+musa5.2.0", tf32_default=False, gemm_switch=True
+    ),
 }
-NEWEST = "2.11.0.post1"  # what CI's emulated runs stand in for
+NEWEST = "2.11.0.post2"  # what CI's emulated runs stand in for (the newest confirmed)
 # A file the stand-in writes at exit: whether its GEMMs would run in TF32 then (true / false).
 GEMM_TF32_REPORT = "FAKE_TORCH_MUSA_GEMM_TF32_REPORT"
 

@@ -907,6 +907,71 @@ def test_no_backend_names_outside_device_module() -> None:
     assert not offenders, f"backend names belong in recipes/device.py (or the doctor): {offenders}"
 
 
+def test_scripts_choose_devices_through_the_device_module() -> None:
+    # CUDA and NCCL in code (not prose): a script's device choice goes through recipes.device,
+    # or the comparison it runs cannot run on a MUSA card (scripts/llm_peers.py's --device was
+    # auto|cpu|cuda). The emulator's own scripts may name "musa", the device they emulate.
+    offenders = {}
+    for path in sorted((ROOT / "scripts").rglob("*.py")):
+        hits = [
+            hit
+            for hit in _backend_references(path.read_text(encoding="utf-8"))
+            if "cuda" in hit.lower() or "nccl" in hit.lower()
+        ]
+        if hits:
+            offenders[str(path.relative_to(ROOT))] = hits
+    assert not offenders, f"choose devices through recipes.device: {offenders}"
+
+
+@pytest.mark.parametrize(
+    ("environ", "installed", "derived"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "2,3"}, "musa", "2,3"),
+        ({"CUDA_VISIBLE_DEVICES": "2", "MUSA_VISIBLE_DEVICES": "0"}, "musa", None),  # theirs
+        ({"CUDA_VISIBLE_DEVICES": ""}, "musa", ""),  # hides every card, as it would on CUDA
+        ({}, "musa", None),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, "cuda", None),  # CUDA reads its own
+    ],
+)
+def test_visible_devices_derived_on_musa_only(
+    environ: dict[str, str], installed: str, derived: str | None
+) -> None:
+    assert device.derived_visible_devices(environ, installed) == derived
+    before = environ.get("MUSA_VISIBLE_DEVICES")
+    lines = device.prepare_environment(False, environ, installed)
+    assert environ.get("MUSA_VISIBLE_DEVICES") == (before if derived is None else derived)
+    assert any("taken from CUDA_VISIBLE_DEVICES" in line for line in lines) is (derived is not None)
+
+
+@pytest.mark.parametrize(
+    ("installed", "environ", "training", "expected"),
+    [
+        ("musa", {}, True, ("PYTORCH_MUSA_ALLOC_CONF", "expandable_segments:True", "default")),
+        ("cuda", {}, True, ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "default")),
+        ("musa", {"PYTORCH_MUSA_ALLOC_CONF": "max_split_size_mb:128"}, True,
+         ("PYTORCH_MUSA_ALLOC_CONF", "max_split_size_mb:128", "set by the user")),
+        # torch's generic name counts as the user's choice: nothing added beside it.
+        ("cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, True,
+         ("PYTORCH_ALLOC_CONF", "expandable_segments:False", "set by the user")),
+        ("musa", {}, False, None),  # eval / predict: left alone
+        ("cpu", {}, True, None),
+    ],
+)  # fmt: skip
+def test_allocator_default_for_training_runs(
+    installed: str, environ: dict[str, str], training: bool, expected: tuple | None
+) -> None:
+    given = dict(environ)
+    lines = device.prepare_environment(training, environ, installed)
+    if expected is None:
+        assert lines == [] and environ == given
+        return
+    variable, value, why = expected
+    assert environ[variable] == value
+    assert set(environ) - set(given) <= {variable}  # only the backend's own variable is added
+    [line] = lines
+    assert line.startswith(f"{variable}={value} (") and why in line
+
+
 @pytest.mark.slow
 @on_cpu
 def test_cpu_yaml_header_command_starts_two_gloo_processes(tmp_path: Path) -> None:

@@ -121,6 +121,7 @@ print(json.dumps({
     "optimizer_fused": optimizer.defaults.get("fused"),
     "groups_fused": [g.get("fused") for g in optimizer.param_groups],
     "explicit_fused": type(explicit).__name__,
+    "explicit_flag": explicit.defaults["fused"] if type(explicit).__name__ == "AdamW" else None,
     "doctor": {k: report[k] for k in ("torch_musa", "sdpa_probe", "default_attn_implementation")},
     "advice": report["advice"],
 }))
@@ -155,9 +156,11 @@ CASES = {
     "v2.7.1-no-mccl": Case("MTT S3000", (2, 1), mccl=False),
     "v2.9.0": Case("MTT S4000", (2, 2), mccl=True),
     "v2.9.1": Case("MTT S4000", (2, 2), mccl=True),
-    "2.11.0.post1": Case("MTT S4000", (2, 2), mccl=True),
+    # 2.11.0.post1 decides as 2.11.0.post2 does (a process each is 30 s of CI): the newest.
+    "2.11.0.post2": Case("MTT S4000", (2, 2), mccl=True),
 }
-NEW_GEMM_SWITCH = ("v2.9.0", "v2.9.1", "2.11.0.post1")  # GEMMs read backends.musa.matmul
+# GEMMs read backends.musa.matmul
+NEW_GEMM_SWITCH = ("v2.9.0", "v2.9.1", "2.11.0.post2")
 
 
 @functools.cache
@@ -227,7 +230,7 @@ def test_sdpa_is_the_default_from_v1_2_1(case: str) -> None:
         # v2.9.0's notes: GEMMs in FP32 by default, TF32 from backends.musa.matmul.allow_tf32.
         ("v2.9.0", False),
         ("v2.9.1", False),
-        ("2.11.0.post1", False),
+        ("2.11.0.post2", False),
     ],
 )
 def test_tf32_is_set_both_ways(case: str, default: bool) -> None:
@@ -260,7 +263,7 @@ def test_mublas_override_keeps_tf32_on_and_tf32_false_is_refused(case: str) -> N
 @SLOW
 @pytest.mark.parametrize(
     ("case", "compile_why"),
-    [("v2.7.1", "not measured"), ("v2.9.0", "slower than v2.7.0"), ("2.11.0.post1", "slower")],
+    [("v2.7.1", "not measured"), ("v2.9.0", "slower than v2.7.0"), ("2.11.0.post2", "slower")],
 )
 def test_compile_stays_off_by_default(case: str, compile_why: str) -> None:
     found = decisions(case)["decisions"]
@@ -298,38 +301,41 @@ def test_mfu_of_fp16_runs_on_s80_and_s3000(case: str, peak: float) -> None:
 
 @SLOW
 @pytest.mark.parametrize(
-    ("case", "optimizer", "fused"),
+    ("case", "optimizer", "fused", "kernel"),
     [
-        ("v1.3.0", "torch.optim.adamw.AdamW", None),
-        ("v1.3.2", "torch.optim.adamw.AdamW", None),
-        ("v2.0.0", "torch.optim.adamw.AdamW", None),
-        # FusedAdamW refuses the CPU parameters a sharding launcher leaves it: torch's fused
-        # AdamW, whose MUSA kernel these releases register.
-        ("v2.5.0", "torch.optim.adamw.AdamW", True),
-        ("v2.7.0", "torch.optim.adamw.AdamW", True),
-        ("v2.7.1", "torch_musa.optim.FusedAdamW", True),
-        ("v2.9.0", "torch_musa.optim.FusedAdamW", True),
-        ("v2.9.1", "torch_musa.optim.FusedAdamW", True),
-        ("2.11.0.post1", "torch_musa.optim.FusedAdamW", True),
+        ("v1.3.0", "torch.optim.adamw.AdamW", None, False),
+        ("v1.3.2", "torch.optim.adamw.AdamW", None, False),
+        ("v2.0.0", "torch.optim.adamw.AdamW", None, False),
+        # FusedAdamW refuses the CPU parameters a sharding launcher leaves it: the foreach
+        # AdamW, never AdamW(fused=True) unasked, though these releases register its kernel
+        # (the vendor finds it unsupported: ms-swift PR #10224).
+        ("v2.5.0", "torch.optim.adamw.AdamW", None, True),
+        ("v2.7.0", "torch.optim.adamw.AdamW", None, True),
+        ("v2.7.1", "torch_musa.optim.FusedAdamW", True, True),
+        ("v2.9.0", "torch_musa.optim.FusedAdamW", True, True),
+        ("v2.9.1", "torch_musa.optim.FusedAdamW", True, True),
+        ("2.11.0.post2", "torch_musa.optim.FusedAdamW", True, True),
     ],
 )
-def test_fused_optimizer_choice(case: str, optimizer: str, fused: bool | None) -> None:
+def test_fused_optimizer_choice(
+    case: str, optimizer: str, fused: bool | None, kernel: bool
+) -> None:
     found = decisions(case)
     assert (found["optimizer"], found["optimizer_fused"]) == (optimizer, fused)
     # The doctor names what a run builds for parameters on the card.
     expected = {
         "torch_musa.optim.FusedAdamW": "torch_musa.optim.FusedAdamW",
-        "torch.optim.adamw.AdamW": "torch.optim.AdamW(fused=True)"
-        if found["fused_kernel_ok"]
-        else "torch.optim.AdamW (foreach)",
+        "torch.optim.adamw.AdamW": "torch.optim.AdamW (foreach)",
     }
     if case in ("v2.5.0", "v2.7.0"):  # FusedAdamW takes card parameters there, not CPU ones
         expected[optimizer] = "torch_musa.optim.FusedAdamW"
     assert found["decisions"]["adamw"] == expected[optimizer]
     assert found["groups_fused"] == [fused, fused]  # what steps, group by group
-    # optimizer.fused=true on MUSA also means torch_musa's kernel where there is one.
+    # optimizer.fused=true on MUSA: torch_musa's kernel where it takes the parameters, else
+    # torch's AdamW(fused=True), as asked.
     assert found["explicit_fused"] == optimizer.rpartition(".")[2]
-    assert found["fused_kernel_ok"] is (fused is True)
+    assert found["explicit_flag"] == (None if optimizer.startswith("torch_musa") else True)
+    assert found["fused_kernel_ok"] is kernel
 
 
 @SLOW
@@ -396,6 +402,45 @@ def test_doctor_versions_and_sdpa_check(case: str) -> None:
     # The fp32 check runs in full fp32 (torch_musa 2.7 has TF32 on), and TF32 is back after.
     assert probe["dtypes"]["float32"]["tf32"] is False
     assert found["tf32_after_doctor"] is True  # set on before the doctor ran
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("case", "serving", "changes"),
+    [
+        ("2.11.0.post2", "vllm-musa v0.28: it pins torch_musa 2.11.0.post2", "log / log_"),
+        ("v2.9.1", "no vllm-musa release is known to pin torch_musa 2.9.1+467bb87", None),
+    ],
+)
+def test_doctor_names_the_vllm_musa_release(case: str, serving: str, changes: str | None) -> None:
+    musa = decisions(case)["doctor"]["torch_musa"]
+    assert serving in musa["vllm_musa"]
+    if changes is None:
+        assert musa["release_changes"] is None
+    else:
+        assert changes in musa["release_changes"]
+
+
+@pytest.mark.parametrize(
+    ("version", "serving", "confirmed"),
+    [
+        ("2.11.0.post2+musa5.2.0", "vllm-musa v0.28: it pins torch_musa 2.11.0.post2", True),
+        ("2.13.0.post1+musa5.2.0", "vllm-musa v0.32 (reported, unconfirmed)", False),
+        ("2.9.1.post1", "no vllm-musa release is known to pin torch_musa 2.9.1.post1", True),
+        ("2.7.1+0bc05bf", "no vllm-musa release is known", None),
+    ],
+)
+def test_late_releases_and_their_vllm_musa(
+    version: str, serving: str, confirmed: bool | None
+) -> None:
+    assert serving in backends.vllm_musa_for_torch_musa(version)
+    row = backends.late_musa_release(version)
+    assert (row and row.confirmed) is confirmed or (row is None and confirmed is None)
+    # Only 2.11.0.post2 has log / log_ kernels of its own, which torchada stops overriding.
+    if row is not None:
+        assert ("stops overriding" in row.changes) is (version.startswith("2.11.0.post2"))
+    # Every release with a stand-in maps to the torch it is built for.
+    assert backends.torch_for_torch_musa(version)
 
 
 _REFUSAL = """
