@@ -20,13 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat
-from recipes.tasks.base import (
-    Averaging,
-    LossShape,
-    RunContext,
-    SummedLoss,
-    Task,
-)
+from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
 from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, token_losses
 from recipes.tasks.configs.sft import SftConfig
 
