@@ -8,6 +8,7 @@ correlation, or Pearson / Spearman correlation for a regression target such as S
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,28 @@ class SequenceClassification(Task[ClassificationData]):
         features = {}
         for role, split in splits.items():
             _columns(cfg, glue, split)  # the same columns must exist in both splits
-            features[role] = self._featurize(cfg, role, split, tokenizer, columns, label_names)
+            build = functools.partial(
+                self._map,
+                split.examples,
+                tokenizer,
+                columns,
+                label_names,
+                f"{role} data {split.source}",
+                f"{role} features",
+                cfg.preprocessing_num_workers,
+            )
+            features[role] = data_lib.cached_features(
+                cfg,
+                "cls",
+                role,
+                split,
+                tokenizer,
+                build,
+                columns=columns,
+                labels=label_names,
+                task=self.features_key(),
+                version=FEATURES_VERSION,
+            )
         return ClassificationData(
             train=features["train"],
             eval=features["eval"],
@@ -149,43 +171,32 @@ class SequenceClassification(Task[ClassificationData]):
             label_names=label_names,
         )
 
-    def _featurize(
+    def _map(
         self,
-        cfg: DataConfig,
-        role: str,
-        split: data_lib.Split,
+        examples: Dataset,
         tokenizer: PreTrainedTokenizerBase,
-        columns: tuple[str, str | None, str],
+        columns: tuple[str, str | None, str | None],
         label_names: list[str] | None,
+        source: str,
+        desc: str,
+        num_proc: int | None = None,
     ) -> Dataset:
-        def build() -> Dataset:
-            with data_lib.map_progress(len(split.examples)):
-                return split.examples.map(
-                    self._features,
-                    batched=True,
-                    remove_columns=split.examples.column_names,
-                    fn_kwargs={
-                        "tokenizer": tokenizer,
-                        "columns": columns,
-                        "label_names": label_names,
-                        "source": f"{role} data {split.source}",
-                    },
-                    num_proc=cfg.preprocessing_num_workers,
-                    desc=f"{role} features",
-                )
-
-        return data_lib.cached_features(
-            cfg,
-            "cls",
-            role,
-            split,
-            tokenizer,
-            build,
-            columns=columns,
-            labels=label_names,
-            task=self.features_key(),
-            version=FEATURES_VERSION,
-        )
+        """``examples`` tokenized (:meth:`_features`), their labels as ids where ``columns``
+        names a label column; ``source`` names the data in a refusal."""
+        with data_lib.map_progress(len(examples)):
+            return examples.map(
+                self._features,
+                batched=True,
+                remove_columns=examples.column_names,
+                fn_kwargs={
+                    "tokenizer": tokenizer,
+                    "columns": columns,
+                    "label_names": label_names,
+                    "source": source,
+                },
+                num_proc=num_proc,
+                desc=desc,
+            )
 
     def _features(
         self,
@@ -222,19 +233,10 @@ class SequenceClassification(Task[ClassificationData]):
         split = data_lib.load_predict_file(cfg)
         text, pair, _ = _columns(cfg, glue_task(cfg.name), split, with_label=False)
         examples = split.examples
-        with data_lib.map_progress(len(examples)):
-            features = examples.map(
-                self._features,
-                batched=True,
-                remove_columns=examples.column_names,
-                fn_kwargs={
-                    "tokenizer": tokenizer,
-                    "columns": (text, pair, None),
-                    "label_names": None,
-                    "source": f"predict data {split.source}",
-                },
-                desc="predict features",
-            )
+        source = f"predict data {split.source}"
+        features = self._map(
+            examples, tokenizer, (text, pair, None), None, source, "predict features"
+        )
         return ClassificationData(
             train=features.select([]),
             eval=features,

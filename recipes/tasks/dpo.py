@@ -39,10 +39,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.losses.preference import preference_loss, stat_names
@@ -109,53 +107,24 @@ class DirectPreference(Task[PreferenceData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        chat_template = self.chat.use_template(tokenizer)
-        fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: chat.preference.read_pairs(path, fmt))
-        features, pairs, keys = {}, {}, {}
-        for role, split in splits.items():
-            pairs[role] = chat.preference.normalise(split.examples, fmt, split.source)
-            keys[role], features[role] = self._pair_features(
-                cfg, tokenizer, chat_template.template, role, split, pairs[role]
-            )
+        pairs = self.chat.read_splits(
+            cfg, tokenizer, chat.preference.read_pairs, chat.preference.normalise, self._tokenize
+        )
+        for role, built in pairs.features.items():
+            self.chat.report_pairs(role, pairs.rows[role], built)
         held_out = chat.held_out_prompts(
-            pairs["eval"], self.args.num_generations, _with_chosen_reply
+            pairs.rows["eval"], self.args.num_generations, _with_chosen_reply
         )
         pair_rows = self.padding_free == "true"
         return self.against_reference.data(
             cfg,
-            features,
-            keys,
+            pairs.features,
+            pairs.keys,
             lambda layout: PairCollator(
                 tokenizer.pad_token_id, pair_rows, self.sequence_nll, layout
             ),
-            chat_template.data_fields(held_out),
+            pairs.template.data_fields(held_out),
         )
-
-    def _pair_features(
-        self,
-        cfg: DataConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        template: str | None,
-        role: str,
-        split: data_lib.Split,
-        pairs: Dataset,
-    ) -> tuple[str, Dataset]:
-        """Both sides' token ids and completion labels, length policy applied (cached), and
-        their cache key."""
-        key, built = self.chat.tokenized(
-            cfg, tokenizer, template, role, split, pairs, self._tokenize
-        )
-        log.info(
-            "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
-            role,
-            len(pairs),
-            len(built),
-            self.args.max_seq_length,
-            "cut at its end" if self.args.truncation == "truncate" else "dropped with its pair",
-        )
-        # Positions in the split (for precomputed reference log-probabilities).
-        return key, built.add_column("index", list(range(len(built))))
 
     def _tokenize(
         self,

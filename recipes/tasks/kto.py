@@ -68,7 +68,6 @@ from accelerate.utils import gather
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.losses.kto import STATS, kl_estimate, kto_loss
@@ -126,29 +125,25 @@ class KahnemanTversky(Task[PreferenceData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreferenceData:
-        chat_template = self.chat.use_template(tokenizer)
-        fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: chat.unpaired.read_unpaired(path, fmt))
-        features, rows, keys = {}, {}, {}
-        for role, split in splits.items():
-            rows[role] = chat.unpaired.normalise(split.examples, fmt, split.source)
-            keys[role], built = self.chat.tokenized(
-                cfg, tokenizer, chat_template.template, role, split, rows[role], self._tokenize
-            )
-            self._report(role, rows[role], built)
-            features[role] = built.remove_columns(["cut"]).add_column(
-                "index", list(range(len(built)))
-            )
+        rows = self.chat.read_splits(
+            cfg, tokenizer, chat.unpaired.read_unpaired, chat.unpaired.normalise, self._tokenize
+        )
+        features = {}
+        for role, built in rows.features.items():
+            self._report(role, rows.rows[role], built)
+            features[role] = built.remove_columns(["cut"])
         self._check_weights(features["train"])
-        held_out = chat.held_out_prompts(rows["eval"], self.args.num_generations, _desirable_reply)
+        held_out = chat.held_out_prompts(
+            rows.rows["eval"], self.args.num_generations, _desirable_reply
+        )
         return self.against_reference.data(
             cfg,
             features,
-            keys,
+            rows.keys,
             lambda layout: UnpairedCollator(
                 tokenizer.pad_token_id, self.args.max_seq_length, self.uses_kl, layout
             ),
-            chat_template.data_fields(held_out),
+            rows.template.data_fields(held_out),
         )
 
     def _report(self, role: str, rows: Dataset, built: Dataset) -> None:

@@ -19,6 +19,7 @@ question's); ``data.label_column`` the label's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +189,20 @@ class MultipleChoice(Task[ChoiceData]):
                         f"{role} data {split.source}: its columns ({other.describe()}) are not "
                         f"the training data's ({layout.describe()}); give both splits one layout."
                     )
-            features[role] = self._featurize(cfg, role, split, tokenizer, layout)
+            build = functools.partial(
+                self._map, split, tokenizer, layout, f"{role} data {split.source}", cfg
+            )
+            features[role] = data_lib.cached_features(
+                cfg,
+                "mc",
+                role,
+                split,
+                tokenizer,
+                build,
+                layout=layout,
+                task=self.features_key(),
+                version=FEATURES_VERSION,
+            )
         return self._data(features["train"], features["eval"], tokenizer)
 
     def _data(self, train: Dataset, evaluation: Dataset, tokenizer: Any, **kw: Any) -> ChoiceData:
@@ -199,29 +213,6 @@ class MultipleChoice(Task[ChoiceData]):
             eval_collator=MultipleChoiceCollator(tokenizer),
             max_length=self.args.max_seq_length,
             **kw,
-        )
-
-    def _featurize(
-        self,
-        cfg: DataConfig,
-        role: str,
-        split: data_lib.Split,
-        tokenizer: PreTrainedTokenizerBase,
-        layout: Layout,
-    ) -> Dataset:
-        def build() -> Dataset:
-            return self._map(split, tokenizer, layout, f"{role} data {split.source}", cfg)
-
-        return data_lib.cached_features(
-            cfg,
-            "mc",
-            role,
-            split,
-            tokenizer,
-            build,
-            layout=layout,
-            task=self.features_key(),
-            version=FEATURES_VERSION,
         )
 
     def _map(

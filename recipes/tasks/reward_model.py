@@ -89,15 +89,9 @@ class RewardModel(Task[RewardData]):
 
     def __init__(self, args: RewardModelConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures(
-            args.chat_template,
-            args.text_rows,
-            args.max_seq_length,
-            args.truncation,
-            args.features_key(),
-            "reward_model",
-            FEATURES_VERSION,
-            ("pair", "both its replies"),
+        # It answers no prompt: no answer length.
+        self.chat = ChatFeatures.of(
+            args, "reward_model", FEATURES_VERSION, ("pair", "both its replies"), max_new_tokens=0
         )
 
     def loss_shape(self) -> LossShape:
@@ -107,24 +101,17 @@ class RewardModel(Task[RewardData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> RewardData:
-        template = self.chat.use_template(tokenizer)
-        fmt = self.args.format
-        splits = data_lib.load_splits(cfg, lambda path: chat.preference.read_pairs(path, fmt))
-        features = {}
-        for role, split in splits.items():
-            pairs = chat.preference.normalise(split.examples, fmt, split.source)
-            _check_margins(pairs, split.source)
-            _, features[role] = self.chat.tokenized(
-                cfg, tokenizer, template.template, role, split, pairs, self._tokenize
-            )
-            log.info(
-                "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
-                role,
-                len(pairs),
-                len(features[role]),
-                self.args.max_seq_length,
-                "cut at its end" if self.args.truncation == "truncate" else "dropped with its pair",
-            )
+        pairs = self.chat.read_splits(
+            cfg,
+            tokenizer,
+            chat.preference.read_pairs,
+            chat.preference.normalise,
+            self._tokenize,
+            lambda rows, source, template: _check_margins(rows, source),
+        )
+        features = pairs.features
+        for role, built in features.items():
+            self.chat.report_pairs(role, pairs.rows[role], built)
         collator = PairCollator(tokenizer.pad_token_id)
         return RewardData(
             train=features["train"],
@@ -132,7 +119,7 @@ class RewardModel(Task[RewardData]):
             train_collator=collator,
             eval_collator=collator,
             max_length=self.args.max_seq_length,
-            new_tokens=template.new_tokens,
+            new_tokens=pairs.template.new_tokens,
             pad_token_id=tokenizer.pad_token_id,
         )
 

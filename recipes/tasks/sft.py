@@ -17,17 +17,10 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import data as data_lib
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat
-from recipes.tasks.base import (
-    Averaging,
-    LossShape,
-    RunContext,
-    SummedLoss,
-    Task,
-)
+from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task
 from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, token_losses
 from recipes.tasks.configs.sft import SftConfig
 
@@ -104,50 +97,33 @@ class Conversations:
 
     def build(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatData:
         """Both splits' features, the collator, and the held-out prompts."""
-        chat_template = self.chat.use_template(tokenizer)
-        splits = data_lib.load_splits(
-            cfg, lambda path: chat.read_conversations(path, self.args.format)
+        dialogues = self.chat.read_splits(
+            cfg,
+            tokenizer,
+            chat.read_conversations,
+            chat.normalise,
+            self._tokenize,
+            lambda rows, source, template: _check_first(
+                tokenizer, template, rows, source, self.args
+            ),
         )
-        features, dialogues = {}, {}
-        for role, split in splits.items():
-            dialogues[role] = chat.normalise(split.examples, self.args.format, split.source)
-            features[role] = self._features(
-                cfg, tokenizer, chat_template.template, role, split, dialogues[role]
-            )
+        features = {}
+        for role, built in dialogues.features.items():
+            self._report(role, dialogues.rows[role], built)
+            features[role] = built.remove_columns(["cut"])
         train = features["train"]
         if self.args.packing:
             train = self._pack(train)
         collator = chat.ChatCollator(tokenizer.pad_token_id)
-        held_out = held_out_prompts(dialogues["eval"], self.args.num_generations)
+        held_out = held_out_prompts(dialogues.rows["eval"], self.args.num_generations)
         return ChatData(
             train=train,
             eval=features["eval"],
             train_collator=collator,
             eval_collator=collator,
             max_length=self.args.max_seq_length,
-            **chat_template.data_fields(held_out),
+            **dialogues.template.data_fields(held_out),
         )
-
-    def _features(
-        self,
-        cfg: DataConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        template: str | None,
-        role: str,
-        split: data_lib.Split,
-        dialogues: Dataset,
-    ) -> Dataset:
-        """Token ids and labels of each conversation, length policy applied (cached on disk)."""
-        first = dialogues[0]
-        if not (first["text"] and self.args.text_rows == "raw"):
-            where = f"{split.source} {first['place']}"
-            chat.require_template(template, where)
-            chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
-        _, built = self.chat.tokenized(
-            cfg, tokenizer, template, role, split, dialogues, self._tokenize
-        )
-        self._report(role, dialogues, built)
-        return built.remove_columns(["cut"])
 
     def _tokenize(
         self,
@@ -206,6 +182,22 @@ class Conversations:
             100 * tokens / max(1, len(packed) * capacity),
         )
         return packed
+
+
+def _check_first(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    dialogues: Dataset,
+    source: str,
+    args: SftConfig,
+) -> None:
+    """Refuse a missing template, or one that cannot render the split's first conversation,
+    in one line before any row is tokenized (a raw text row needs none)."""
+    first = dialogues[0]
+    if not (first["text"] and args.text_rows == "raw"):
+        where = f"{source} {first['place']}"
+        chat.require_template(template, where)
+        chat.check_template(tokenizer, template, first["messages"], where, first["tools"])
 
 
 def held_out_prompts(dialogues: Iterable[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:

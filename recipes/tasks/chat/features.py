@@ -8,7 +8,7 @@ here; none inherits them from another task. What they share:
   renders prompts as trained), and the token that ends an assistant turn (:func:`use_template`);
 * rows rendered and tokenized once per split, cached on disk by the data, the tokenizer, the
   template and the task's feature settings, and refused when no row is kept
-  (:meth:`ChatFeatures.tokenized`, uncached :func:`tokenize_rows`); a reply rendered after its
+  (:meth:`ChatFeatures.read_splits`, uncached :func:`tokenize_rows`); a reply rendered after its
   prompt (:func:`templated_reply`);
 * the held-out prompts answered greedily after training, scored against their reference
   (:func:`held_out_prompts`, :func:`answerable`, :func:`answer_held_out`), and mode=predict's
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,12 @@ log = get_logger(__name__)
 # What ChatFeatures.tokenized maps over a split, batched: (batch, tokenizer, template, source)
 # -> the feature columns of the rows it keeps.
 Tokenize = Callable[[Mapping[str, list], PreTrainedTokenizerBase, "str | None", str], dict]
+# A row module's reader of a file ((path, format) -> its rows, or None for datasets to read it)
+# and its check of rows however read ((rows, format, source) -> the rows in its columns).
+Read = Callable[[Path, str], "Dataset | None"]
+Normalise = Callable[[Dataset, str, str], Dataset]
+# A task's check of a split's rows before they are tokenized: (rows, source, template).
+CheckRows = Callable[[Dataset, str, "str | None"], None]
 
 
 def tokenize_rows(
@@ -239,6 +246,18 @@ class PromptAnswers:
 
 
 @dataclass(frozen=True)
+class ChatSplits:
+    """A chat task's splits as :meth:`ChatFeatures.read_splits` built them: the template they
+    are rendered in, and by split (``train``, ``eval``) its rows, their features and the
+    features' cache key."""
+
+    template: ChatTemplate
+    rows: dict[str, Dataset]
+    features: dict[str, Dataset]
+    keys: dict[str, str]
+
+
+@dataclass(frozen=True)
 class ChatFeatures:
     """A chat task's feature building: rows rendered, tokenized, fitted to ``max_seq_length``
     (``truncation``) and cached; and the checks of the model that reads them.
@@ -247,7 +266,8 @@ class ChatFeatures:
     and progress bar's name of the features, ``version`` their builder's version (bumped to
     invalidate cached features); ``row_words``: what a row is, and what in it is learnt, in the
     refusal of a split where none is kept; ``max_new_tokens``: the length of the answers to
-    held-out prompts (and of mode=predict's, without ``generation.max_new_tokens``)."""
+    held-out prompts (and of mode=predict's, without ``generation.max_new_tokens``);
+    ``format``: the rows' layout (the task's ``format``), what :meth:`read_splits` reads."""
 
     chat_template: str | None
     text_rows: str
@@ -258,10 +278,22 @@ class ChatFeatures:
     version: int
     row_words: tuple[str, str] = ("conversation", "its assistant turns")
     max_new_tokens: int = 64
+    format: str = "auto"
 
     @classmethod
-    def of(cls, args: Any, kind: str, version: int, row_words: tuple[str, str]) -> ChatFeatures:
-        """The chat features of a task's settings (a :class:`ChatConfig`)."""
+    def of(
+        cls,
+        args: Any,
+        kind: str,
+        version: int,
+        row_words: tuple[str, str],
+        max_new_tokens: int | None = None,
+    ) -> ChatFeatures:
+        """The chat features of a task's settings (a :class:`ChatRowsConfig`); the answers'
+        ``max_new_tokens`` a :class:`ChatConfig`'s ``generation_max_new_tokens`` unless given
+        (a task that answers no prompt has none)."""
+        if max_new_tokens is None:
+            max_new_tokens = args.generation_max_new_tokens
         return cls(
             args.chat_template,
             args.text_rows,
@@ -271,7 +303,8 @@ class ChatFeatures:
             kind,
             version,
             row_words,
-            args.generation_max_new_tokens,
+            max_new_tokens,
+            args.format,
         )
 
     def predict_data(
@@ -322,6 +355,43 @@ class ChatFeatures:
             ]
         sides = [self.fit(w) for w in wholes]
         return None if None in sides else sides
+
+    def read_splits(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        read: Read,
+        normalise: Normalise,
+        tokenize: Tokenize,
+        check: CheckRows | None = None,
+    ) -> ChatSplits:
+        """Both splits read in the task's ``format`` by a row module's ``read`` and
+        ``normalise``, checked by ``check`` and tokenized by ``tokenize`` in the task's template
+        (:meth:`use_template`), cached (:meth:`tokenized`)."""
+        chat_template = self.use_template(tokenizer)
+        template = chat_template.template
+        splits = data_lib.load_splits(cfg, lambda path: read(path, self.format))
+        rows, features, keys = {}, {}, {}
+        for role, split in splits.items():
+            rows[role] = normalise(split.examples, self.format, split.source)
+            if check is not None:
+                check(rows[role], split.source, template)
+            keys[role], features[role] = self.tokenized(
+                cfg, tokenizer, template, role, split, rows[role], tokenize
+            )
+        return ChatSplits(chat_template, rows, features, keys)
+
+    def report_pairs(self, role: str, pairs: Dataset, built: Dataset) -> None:
+        """How many preference pairs of a split became features, and what the length policy
+        did to a long side."""
+        log.info(
+            "%s: %d pairs -> %d features; a side longer than task.max_seq_length=%d is %s",
+            role,
+            len(pairs),
+            len(built),
+            self.max_seq_length,
+            "cut at its end" if self.truncation == "truncate" else "dropped with its pair",
+        )
 
     def tokenized(
         self,

@@ -159,14 +159,20 @@ class AgainstReference:
         collator: Callable[[Layout], Callable[[list[dict]], dict]],
         template_fields: Mapping[str, Any],
     ) -> PreferenceData:
-        """The task's data; ``collator(layout)`` builds a split's collator, ``template_fields``
-        are the template's (:meth:`recipes.tasks.chat.ChatTemplate.data_fields`)."""
+        """The task's data: ``features`` with each row's ``index`` (its position in the split,
+        where a precomputed reference keeps its values); ``collator(layout)`` builds a split's
+        collator, ``template_fields`` are the template's
+        (:meth:`recipes.tasks.chat.ChatTemplate.data_fields`)."""
         layout = Layout()  # padded or padding-free: the loop decides (Task.flat_batches)
+        indexed = {
+            role: rows.add_column("index", list(range(len(rows))))
+            for role, rows in features.items()
+        }
         return PreferenceData(
             feature_keys=keys,
             cache=data_lib.cache_root(cfg),
-            train=features["train"],
-            eval=features["eval"],
+            train=indexed["train"],
+            eval=indexed["eval"],
             train_collator=collator(layout),
             eval_collator=collator(layout),
             max_length=self.args.max_seq_length,

@@ -30,7 +30,10 @@ def finite_at_least_zero(value: float) -> bool:
 class DpoConfig(ChatConfig):
     """Direct preference optimisation on preference pairs (a prompt, a chosen and a rejected
     reply), after SFT: sigmoid DPO, IPO or robust DPO against a reference model, or ORPO /
-    SimPO without one; TRL's losses and metrics."""
+    SimPO without one; TRL's losses and metrics. The rows (:class:`ChatRowsConfig`) are pairs:
+    ``format`` explicit (prompt/chosen/rejected), implicit (chosen/rejected sharing a prompt),
+    ultrafeedback or auto; ``max_seq_length`` counts prompt + completion per side, and a side
+    longer than it is cut (``truncation=truncate``) or leaves its pair out (``drop``)."""
 
     NAME = "dpo"
     FORMATS = PAIR_FORMATS
@@ -52,16 +55,6 @@ class DpoConfig(ChatConfig):
     )
 
     _target_: str = "recipes.tasks.dpo.DirectPreference"
-    # Row layout: auto (detected per row), explicit (prompt/chosen/rejected), implicit
-    # (chosen/rejected sharing a prompt), ultrafeedback.
-    format: str = feature("auto")
-    # Plain-string pairs: chat (a user turn and two replies, templated) or raw (text as TRL:
-    # prompt + side + EOS, no template).
-    text_rows: str = feature("chat")
-    # Tokens of prompt + completion, per side; at most the model's positions.
-    max_seq_length: int = feature(1024)
-    # A longer side: truncate (cut its end) or drop (leave the pair out).
-    truncation: str = feature("truncate")
     # Pull towards the reference (TRL's default for DPO, ORPO and SimPO); orpo: weight of the
     # odds-ratio term; simpo: scale of the margin (the SimPO paper uses ~2-2.5).
     beta: float = 0.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.errors import ConfigError
-from recipes.tasks.configs import at_least, feature
+from recipes.tasks.configs import at_least
 from recipes.tasks.configs.dpo import PADDING_FREE_RANGE, PAIR_FORMATS
 from recipes.tasks.configs.sft import CHAT_RANGES, ChatConfig
 
@@ -17,7 +17,10 @@ LOSS_TYPES = ("kto", "apo_zero_unpaired")
 @dataclass
 class KtoConfig(ChatConfig):
     """Kahneman-Tversky optimisation on unpaired rows (a prompt, one completion and whether it
-    is desirable), after SFT: TRL's KTOTrainer losses and metrics."""
+    is desirable), after SFT: TRL's KTOTrainer losses and metrics. ``format``: unpaired
+    (prompt/completion/label), a pair layout (explicit, implicit, ultrafeedback) unpaired into a
+    desirable and an undesirable row, or auto; ``max_seq_length`` counts prompt + completion per
+    row (TRL's max_length). The held-out prompts are those of desirable rows."""
 
     NAME = "kto"
     FORMATS = UNPAIRED_FORMATS
@@ -30,16 +33,6 @@ class KtoConfig(ChatConfig):
     )
 
     _target_: str = "recipes.tasks.kto.KahnemanTversky"
-    # Row layout: auto (detected per row), unpaired (prompt/completion/label), or a pair layout
-    # (explicit, implicit, ultrafeedback) unpaired into a desirable and an undesirable row.
-    format: str = feature("auto")
-    # Plain-string rows: chat (a user turn and a reply, templated) or raw (text as TRL: prompt
-    # + completion + EOS, no template).
-    text_rows: str = feature("chat")
-    # Tokens of prompt + completion per row (TRL's max_length); at most the model's positions.
-    max_seq_length: int = feature(1024)
-    # A longer row: truncate (cut its end) or drop (leave it out).
-    truncation: str = feature("truncate")
     beta: float = 0.1  # pull towards the reference (TRL's default)
     loss_type: str = "kto"  # kto (with the batch's KL estimate) or apo_zero_unpaired (no KL term)
     # Weight of a desirable row's loss (TRL's default); balance unequal counts (the log suggests
@@ -55,8 +48,6 @@ class KtoConfig(ChatConfig):
     # row everywhere (elsewhere under a dense block-diagonal mask: exact, not faster); false:
     # padded rows.
     padding_free: str = "auto"
-    # Held-out prompts (of desirable rows) answered greedily after training.
-    num_generations: int = 4
 
     def check(self) -> None:
         self.check_format()

@@ -12,19 +12,26 @@ import math
 from dataclasses import dataclass
 
 from recipes.errors import ConfigError
-from recipes.tasks.configs import TaskConfig, at_least, feature
+from recipes.tasks.configs import feature
 from recipes.tasks.configs.dpo import PAIR_FORMATS
-from recipes.tasks.configs.sft import TRUNCATION, check_text_rows
+from recipes.tasks.configs.sft import ROW_RANGES, TRUNCATION, ChatRowsConfig, check_text_rows
 
 
 @dataclass
-class RewardModelConfig(TaskConfig):
+class RewardModelConfig(ChatRowsConfig):
     """A sequence classifier with one output (the reward) trained on preference pairs so that
-    the chosen side scores above the rejected one (TRL's RewardTrainer loss and metrics)."""
+    the chosen side scores above the rejected one (TRL's RewardTrainer loss and metrics). The
+    rows (:class:`ChatRowsConfig`) are pairs: ``format`` explicit (prompt/chosen/rejected),
+    implicit (chosen/rejected sharing a prompt), ultrafeedback or auto, an optional margin
+    column (a number per pair) subtracted inside the loss, as TRL; ``max_seq_length`` counts
+    prompt + completion per side (TRL's max_length, 1024). The chat template is saved with
+    final/'s tokenizer: what GRPO renders completions with when it uses the model as a
+    reward."""
 
     NAME = "reward_model"
+    FORMATS = PAIR_FORMATS
     RANGES = (
-        ("max_seq_length", at_least(2), "must be at least 2"),
+        *ROW_RANGES,
         (
             "center_rewards_coefficient",
             lambda v: v is None or (0 <= v < math.inf),
@@ -33,19 +40,6 @@ class RewardModelConfig(TaskConfig):
     )
 
     _target_: str = "recipes.tasks.reward_model.RewardModel"
-    # Row layout: auto (detected per row), explicit (prompt/chosen/rejected), implicit
-    # (chosen/rejected sharing a prompt), ultrafeedback. An optional margin column (a number per
-    # pair) is subtracted inside the loss, as TRL.
-    format: str = feature("auto")
-    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models). Saved with
-    # final/'s tokenizer: what GRPO renders completions with when it uses the model as a reward.
-    chat_template: str | None = feature(None)
-    # Plain-string pairs: chat (a user turn and two replies, templated) or raw (text as TRL:
-    # prompt + side + EOS, no template).
-    text_rows: str = feature("chat")
-    # Tokens of prompt + completion per side (TRL's max_length, 1024); at most the model's
-    # positions.
-    max_seq_length: int = feature(1024)
     # A longer side: drop (leave the pair out: TRL filters such samples) or truncate (cut its
     # end: the reward then reads a cut reply).
     truncation: str = feature("drop")
@@ -56,8 +50,7 @@ class RewardModelConfig(TaskConfig):
     disable_dropout: bool = True
 
     def check(self) -> None:
-        if self.format not in PAIR_FORMATS:
-            raise ConfigError(f"task.format={self.format!r}: choose {', '.join(PAIR_FORMATS)}.")
+        self.check_format()
         check_text_rows(self.text_rows)
         if self.truncation not in TRUNCATION:
             raise ConfigError(

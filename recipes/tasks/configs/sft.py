@@ -1,6 +1,7 @@
 """``task=sft``: supervised fine-tuning on conversations; and the chat settings that SFT, DPO and
-KTO share (:class:`ChatConfig`): how rows are read and rendered, their length policy and the
-held-out prompts answered after training."""
+KTO share (:class:`ChatConfig`): how rows are read and rendered, their length policy
+(:class:`ChatRowsConfig`, the reward model's too) and the held-out prompts answered after
+training."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ TRUNCATION = ("truncate", "drop")
 # task.text_rows: rows whose prompt and replies are plain strings (TRL's "standard" rows), as
 # chat turns rendered with the template, or as text the way TRL tokenizes them.
 TEXT_ROWS = ("chat", "raw")
-CHAT_RANGES = (
-    ("max_seq_length", at_least(2), "must be at least 2"),
-    ("num_generations", at_least(0), "must be >= 0"),
-)
+ROW_RANGES = (("max_seq_length", at_least(2), "must be at least 2"),)
+CHAT_RANGES = (*ROW_RANGES, ("num_generations", at_least(0), "must be >= 0"))
 
 
 def check_text_rows(text_rows: str) -> None:
@@ -32,24 +31,22 @@ def check_text_rows(text_rows: str) -> None:
 
 
 @dataclass
-class ChatConfig(TaskConfig):
-    """The settings of a task on chat rows (no task of its own: SFT, DPO and KTO extend it)."""
+class ChatRowsConfig(TaskConfig):
+    """How a task reads chat rows: their layout, template and length policy (no task of its
+    own: :class:`ChatConfig` and the reward model's settings extend it). A task's docstring
+    says what its ``format`` choices are and what a row is."""
 
     FORMATS: ClassVar[tuple[str, ...]] = FORMATS
-    RANGES = CHAT_RANGES
+    RANGES = ROW_RANGES
 
-    format: str = feature("auto")  # row layout (each task's own choices)
+    format: str = feature("auto")  # row layout: auto (detected per row), or the task's FORMATS
     # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models)
     chat_template: str | None = feature(None)
-    # Plain-string rows: chat (user turns and replies, templated) or raw (text as TRL, no
-    # template).
+    # Plain-string rows: chat (user turns and replies, templated) or raw (text as TRL: prompt +
+    # completion + EOS, no template).
     text_rows: str = feature("chat")
     max_seq_length: int = feature(1024)  # tokens per row; at most the model's positions
     truncation: str = feature("truncate")  # a longer row: truncate (cut its end) or drop
-    # Held-out prompts answered greedily after training (generations.jsonl, EM and F1); the
-    # run's generation.batch_size answers them together.
-    num_generations: int = 4
-    generation_max_new_tokens: int = 64
 
     def check_format(self) -> None:
         if self.format not in self.FORMATS:
@@ -65,25 +62,29 @@ class ChatConfig(TaskConfig):
 
 
 @dataclass
+class ChatConfig(ChatRowsConfig):
+    """The settings of a task that trains a causal LM on chat rows and answers held-out prompts
+    after training (no task of its own: SFT, DPO and KTO extend it)."""
+
+    RANGES = CHAT_RANGES
+
+    # Held-out prompts answered greedily after training (generations.jsonl, EM and F1); the
+    # run's generation.batch_size answers them together.
+    num_generations: int = 4
+    generation_max_new_tokens: int = 64
+
+
+@dataclass
 class SftConfig(ChatConfig):
     """Supervised fine-tuning on conversations: chat template, loss on the assistant's tokens
-    only."""
+    only. ``format``: messages, sharegpt, alpaca, dolly, prompt_completion (or auto); a chat
+    template's {% generation %} markers decide the labelled tokens."""
 
     NAME = "sft"
 
     _target_: str = "recipes.tasks.sft.SupervisedFineTuning"
-    # Row layout: auto (detected per row), messages, sharegpt, alpaca, dolly, prompt_completion.
-    format: str = feature("auto")
-    # null: the tokenizer's; chatml, llama3, zephyr, or a Jinja file (base models);
-    # {% generation %} markers decide the labelled tokens.
-    chat_template: str | None = feature(None)
-    # Plain-string prompt/completion rows: chat (a user turn and a reply, templated) or raw (text
-    # as TRL: prompt + completion + EOS, no template).
-    text_rows: str = feature("chat")
     # Tokens per conversation (and per packed row); at most the model's positions.
     max_seq_length: int = feature(2048)
-    # Longer conversations: truncate (cut the end) or drop; the log counts both.
-    truncation: str = feature("truncate")
     train_on_prompt: bool = feature(False)  # true: system and user tokens carry loss too
     # true: several conversations per row, no attention between them (faster).
     packing: bool = feature(False)
