@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from recipes import moe
 from recipes.config import ConfigError, PeftSettings, first_line
 from recipes.log import get_logger
 
@@ -106,11 +107,15 @@ def apply_lora(
     heads = list(dict.fromkeys([*task_head_modules, *cfg.modules_to_save]))
     targets = ALL_LINEAR if cfg.target_modules is None else cfg.target_modules
     _check_targets(model, targets, heads)
+    dropout, expert_parameters = cfg.dropout, []
+    if cfg.target_modules is None and moe.num_experts(model):
+        targets, expert_parameters, dropout = _expert_targets(model, heads, cfg.dropout)
     config = LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
+        lora_dropout=dropout,
         target_modules=targets if isinstance(targets, str) else list(targets),
+        target_parameters=expert_parameters or None,
         # A head is trained in full; an adapter on top of it would be trained twice over.
         # Copies: peft appends its task type's head names to the list it is given.
         exclude_modules=list(heads) or None,
@@ -126,17 +131,24 @@ def apply_lora(
         with _tied_notices_quiet(tied):
             wrapped = get_peft_model(model, config)
     except ValueError as err:  # a matched module peft cannot adapt (a LayerNorm, say)
+        fix = (
+            "Set peft.dropout=0 (peft's LoRA on fused experts takes no dropout), or name "
+            "other layers"
+            if "lora_dropout" in str(err)
+            else "Name linear layers, or set peft.target_modules=null for all of them"
+        )
         raise ConfigError(
-            f"peft.target_modules={targets}: peft refused it ({first_line(err)}). Name linear "
-            "layers, or set peft.target_modules=null for all of them."
+            f"peft.target_modules={targets}: peft refused it ({first_line(err)}). {fix}."
         ) from None
-    adapted = sorted({name.rsplit(".", 1)[-1] for name in adapted_modules(wrapped)})
+    adapted = sorted(
+        {name.rsplit(".", 1)[-1] for name in adapted_modules(wrapped)} - {"base_layer", "experts"}
+    )
     log.info(
         "LoRA r=%d alpha=%g dropout=%g on %s; trained in full: %s",
         cfg.r,
         cfg.alpha,
-        cfg.dropout,
-        ", ".join(adapted),
+        dropout,
+        ", ".join([*adapted, *expert_parameters]),
         ", ".join([*heads, *([f"{len(new_tokens)} new token rows"] if new_tokens else [])])
         or "nothing else",
     )
@@ -148,6 +160,40 @@ def apply_lora(
             ", ".join(tied),
         )
     return wrapped
+
+
+def _expert_targets(
+    model: torch.nn.Module, heads: list[str], dropout: float
+) -> tuple[list[str], list[str], float]:
+    """``peft.target_modules=null`` on a mixture-of-experts model: every linear layer but the
+    router (:func:`recipes.moe.router_names`) and the heads, and the experts' fused weights
+    (transformers 5 stacks them in 3-D parameters, :func:`recipes.moe.fused_expert_parameters`)
+    through peft's ``target_parameters``. peft's LoRA on a parameter (``lora.ParamWrapper``)
+    cannot apply dropout (it would have to factor the input out of the expert's product), so
+    the adapter's dropout is 0 there; the log says which. Returns the target modules, the
+    expert parameters and the dropout."""
+    routers = moe.router_names(model)
+    linear = [name for name in _linear_leaf_names(model, heads) if name not in routers]
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    if output is not None:  # peft's all-linear leaves the output layer out too
+        linear = [name for name in linear if name != names.get(id(output))]
+    fused = moe.fused_expert_parameters(model)
+    kind = type(model).__name__
+    frozen = f"; the router ({', '.join(routers)}) stays frozen" if routers else ""
+    if fused:
+        log.info(
+            "%s: LoRA on %s and on the fused experts (%s, peft's target_parameters)%s. "
+            "peft's LoRA on fused experts takes no dropout: peft.dropout=%g -> 0",
+            kind,
+            ", ".join(linear),
+            ", ".join(fused),
+            frozen,
+            dropout,
+        )
+        return linear, fused, 0.0
+    log.info("%s: LoRA on %s (the experts are linear layers)%s", kind, ", ".join(linear), frozen)
+    return linear, [], dropout
 
 
 def _tied_in(model: torch.nn.Module, names: Sequence[str]) -> list[str]:

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from recipes import adapters, checkpoint, device, evaluation, runs, serving
+from recipes import adapters, checkpoint, device, evaluation, moe, runs, serving
 from recipes import data as data_lib
 from recipes.config import ConfigError, instantiate
 from recipes.faults import (
@@ -101,6 +101,7 @@ class Trainer:
         self.benchmarks = _benchmarks(self.settings, self.task, self.output_dir)
         self.data: TaskData = self.session.build_data()
         self.model = self.session.load_model(self.data, trained_for=None)
+        self.loss_shape = moe.with_router_stat(self.loss_shape, self.model)
         self.run_context = self.session.context(training=True)
         self._setup_data_loaders()
         self._setup_optimizer()

@@ -97,7 +97,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
-    "Qwen/Qwen2.5-7B-Instruct": {**_QWEN2_7B, "rope_theta": 1000000.0},
+    # The instruct model's config.json says 32,768 positions (the base model's 131,072).
+    "Qwen/Qwen2.5-7B-Instruct": {
+        **_QWEN2_7B,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {**_QWEN2_7B, "rope_theta": 10000.0},
     "meta-llama/Llama-3.1-8B-Instruct": {
         "model_type": "llama",
@@ -137,6 +142,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 262208,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         "max_position_embeddings": 131072,
         "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,

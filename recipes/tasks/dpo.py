@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from recipes import moe
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.losses.preference import preference_loss, stat_names
@@ -258,9 +259,11 @@ class DirectPreference(Task[PreferenceData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
-        losses, stats = self._batch_losses(model, batch)
+        with moe.router_loss(model) as router:
+            losses, stats = self._batch_losses(model, batch)
         count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
-        return SummedLoss(losses.sum(), count, dict(zip(self.stats, stats.sum(0), strict=True)))
+        summed = dict(zip(self.stats, stats.sum(0), strict=True))
+        return router.added(SummedLoss(losses.sum(), count, summed))
 
     def _batch_losses(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

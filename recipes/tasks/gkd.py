@@ -49,6 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from recipes import data as data_lib
 from recipes import generation as generation_lib
+from recipes import moe
 from recipes.config import ConfigError, DataConfig, GenerationConfig, ModelConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
@@ -339,9 +340,11 @@ class KnowledgeDistillation(Task[GkdData]):
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The step's labelled tokens' summed JSD and their count (the loop divides by the
         count of the whole optimizer step on every process)."""
-        total, count = self.divergence(model, self._sequences(model, batch))
+        sequences = self._sequences(model, batch)  # sampled without autograd: no router loss
+        with moe.router_loss(model) as router:
+            total, count = self.divergence(model, sequences)
         sampled = (count * batch["on_policy"].to(count.device)).sum().float()
-        return SummedLoss(total.sum(), count.sum(), {"on_policy": sampled})
+        return router.added(SummedLoss(total.sum(), count.sum(), {"on_policy": sampled}))
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

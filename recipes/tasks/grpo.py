@@ -65,8 +65,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from recipes import data as data_lib
 from recipes import generation as generation_lib
+from recipes import moe, tool_calling
 from recipes import rewards as reward_lib
-from recipes import tool_calling
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.faults import TrainingError
@@ -662,15 +662,16 @@ class GroupRelativePolicy(Task[GrpoData]):
         assert self.rollouts is not None  # set by _rollout's own check
         self.rollouts.tally.count(rollout)  # stops the run at a step no function scored
         entropies: list[torch.Tensor] = []
-        logps = self._logps(
-            model,
-            rollout.prompt_ids,
-            rollout.prompt_mask,
-            rollout.completion_ids,
-            rollout.completion_mask,
-            entropies,
-            flat=rollout.flat,
-        )
+        with moe.router_loss(model) as router:
+            logps = self._logps(
+                model,
+                rollout.prompt_ids,
+                rollout.prompt_mask,
+                rollout.completion_ids,
+                rollout.completion_mask,
+                entropies,
+                flat=rollout.flat,
+            )
         total, count, stats = self.policy_loss(
             logps, rollout.old_logps, rollout.ref_logps, rollout.advantages, rollout.completion_mask
         )
@@ -680,7 +681,7 @@ class GroupRelativePolicy(Task[GrpoData]):
         weighted = {
             name: stats[name].to(count.device).float() * count for name in self._stat_names()
         }
-        return SummedLoss(total, count, weighted)
+        return router.added(SummedLoss(total, count, weighted))
 
     def policy_loss(
         self,

@@ -68,6 +68,7 @@ from accelerate.utils import gather
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from recipes import moe
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.losses.kto import STATS, kl_estimate, kto_loss
@@ -318,9 +319,11 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The rows' summed weighted loss and their count; :data:`STATS` summed over them."""
-        losses, stats = self._row_terms(model, batch)
+        with moe.router_loss(model) as router:
+            losses, stats = self._row_terms(model, batch)
         count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
-        return SummedLoss(losses.sum(), count, dict(zip(STATS, stats.sum(0), strict=True)))
+        summed = dict(zip(STATS, stats.sum(0), strict=True))
+        return router.added(SummedLoss(losses.sum(), count, summed))
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from recipes import moe
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.tasks import chat
@@ -60,8 +61,9 @@ class SupervisedFineTuning(Task[ChatData]):
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
         the labelled tokens of the whole optimizer step on every process."""
-        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
-        return SummedLoss(nll.sum(), count.sum())
+        with moe.router_loss(model) as router:
+            nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
+        return router.added(SummedLoss(nll.sum(), count.sum()))
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
