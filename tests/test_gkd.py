@@ -132,10 +132,27 @@ def test_settings_refused_with_one_line():
     with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
         make_task("gkd", lmbda=-0.1)
     assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
-    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself.
-    with pytest.raises(ConfigError, match=r"mode=eval .*its reference model"):
+    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself;
+    # said of the teacher (not DPO's rewards and KL), with the setting that names one.
+    with pytest.raises(ConfigError) as refused:
         _check_evaluated_model(make_task("gkd"), "run/final", None)
+    line = str(refused.value)
+    assert "task=gkd scores a model against its teacher" in line
+    assert "every divergence exactly 0" in line and "reward" not in line
+    assert "Set task.teacher_model=<the teacher it was trained with>, or evaluate" in line
     _check_evaluated_model(make_task("gkd", teacher_model="teacher"), "run/final", None)
+
+
+@pytest.mark.parametrize("path", ["/no/such/teacher", "./gone", "runs/old/final"])
+def test_a_teacher_path_that_does_not_exist_is_no_such_folder(tmp_path, path):
+    """As model.name_or_path: not the hub's "Repo id must be in the form ..." error."""
+    with pytest.raises(ConfigError, match=rf"^task.teacher_model={path}: no such folder\. "):
+        make_task("gkd", teacher_model=path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="no such folder"):
+        make_task("gkd", teacher_model=str(tmp_path / "file"))
+    assert make_task("gkd", teacher_model=str(tmp_path)).args.teacher_model == str(tmp_path)
+    assert make_task("gkd", teacher_model="HuggingFaceTB/SmolLM2-360M-Instruct")
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -131,6 +131,7 @@ class KnowledgeDistillation(Task[GkdData]):
     auto_model_class = AutoModelForCausalLM
     args: GkdConfig
     parts = ("teacher", "run")
+    start_reference = ("its teacher", "every divergence", "task.teacher_model")
 
     def __init__(self, args: GkdConfig) -> None:
         super().__init__(args)

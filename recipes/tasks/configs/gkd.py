@@ -4,6 +4,7 @@ a teacher, as TRL 1.16's ``GKDTrainer`` (trl/experimental/gkd/gkd_trainer.py, gk
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from recipes.errors import ConfigError
 from recipes.tasks.configs import at_least, feature, within
@@ -70,6 +71,13 @@ class GkdConfig(ChatConfig):
             raise ConfigError(
                 f"task.teacher_dtype={self.teacher_dtype!r}: choose {', '.join(TEACHER_DTYPES)}."
             )
+        teacher = self.teacher_model
+        if teacher is not None and _local(teacher) and not Path(teacher).expanduser().is_dir():
+            raise ConfigError(
+                f"task.teacher_model={teacher}: no such folder. Point it at a folder written by "
+                "save_pretrained (with config.json), such as an SFT run's final/, or at a hub "
+                "model name."
+            )
         if self.teacher_gguf_file and self.teacher_model is None:
             raise ConfigError(
                 f"task.teacher_gguf_file={self.teacher_gguf_file} names a file of "
@@ -82,3 +90,11 @@ class GkdConfig(ChatConfig):
                 "before training, so the teacher must run on the device; set task.lmbda=0 and "
                 "task.seq_kd=false, or task.precompute_teacher=false."
             )
+
+
+def _local(name: str) -> bool:
+    """Whether ``name`` is a path rather than a hub id (``org/model``): it starts as a path
+    does, has more than one ``/``, or exists (as model.name_or_path is told apart)."""
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+    )
