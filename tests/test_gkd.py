@@ -29,6 +29,7 @@ from recipes.losses import distillation_loss, generalized_jsd
 from recipes.model import load_tokenizer
 from recipes.modes import _check_evaluated_model
 from recipes.tasks.chat import Reference
+from recipes.tasks.gkd import first_difference
 
 # TRL's experimental GKD (imported here, at collection: its first import takes seconds).
 GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
@@ -287,8 +288,25 @@ def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tm
     model.save_pretrained(tmp_path / "other")
     bigger.save_pretrained(tmp_path / "other")
     other = make_task("gkd", teacher_model=str(tmp_path / "other"), **settings)
-    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary"):
+    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary") as err:
         other.before_training(student, other.build_data(cfg, tokenizer), run, 4)
+    assert "first differing id 2000: '<extra>' in the teacher's, None in the student's" in str(
+        err.value
+    )
+
+
+def test_a_vocabulary_of_the_same_size_names_its_first_differing_token():
+    """Two vocabularies of 2000 tokens each differ in a token: named, not "2000 vs 2000"."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    student = tokenizer.get_vocab()
+    by_id = {i: t for t, i in student.items()}
+    teacher = dict(student)
+    del teacher[by_id[7]], teacher[by_id[9]]
+    teacher["<mine>"], teacher["<also>"] = 9, 7
+    assert first_difference(teacher, student) == (
+        f"; first differing id 7: '<also>' in the teacher's, {by_id[7]!r} in the student's"
+    )
+    assert first_difference(student, dict(student)) == ""
 
 
 def test_on_policy_rows_take_the_students_samples_and_the_others_the_teachers(tmp_path):

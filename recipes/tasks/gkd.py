@@ -118,6 +118,19 @@ def prompt_length(labels: list[int]) -> int:
     return start
 
 
+def first_difference(teacher: Mapping[str, int], student: Mapping[str, int]) -> str:
+    """``; first differing id 17: 'ab' in the teacher's, 'cd' in the student's`` (token -> id
+    maps), or empty where every id holds the same token (then only the sizes differ)."""
+    ids = [{i: t for t, i in vocab.items()} for vocab in (teacher, student)]
+    for i in sorted(ids[0].keys() | ids[1].keys()):
+        theirs, ours = (side.get(i) for side in ids)
+        if theirs != ours:
+            return (
+                f"; first differing id {i}: {theirs!r} in the teacher's, {ours!r} in the student's"
+            )
+    return ""
+
+
 def _forward(inputs: Mapping[str, torch.Tensor]) -> Any:
     """A call of a model on ``inputs`` that returns its logits before the last position."""
     return lambda weights: weights(**inputs, use_cache=False).logits[:, :-1]
@@ -231,12 +244,14 @@ class KnowledgeDistillation(Task[GkdData]):
         except (OSError, ValueError):  # no tokenizer files beside it: the sizes decide
             vocab = None
         if not same:
+            differs = first_difference(vocab, tokenizer.get_vocab()) if vocab else ""
             raise ConfigError(
                 f"task.teacher_model={name}: its vocabulary (vocab_size {sizes[1]}"
                 f"{f', {len(vocab)} tokens' if vocab else ''}) is not the student's "
                 f"({student.config.name_or_path}: vocab_size {sizes[0]}, "
-                f"{len(tokenizer.get_vocab())} tokens); GKD compares the two next-token "
-                "distributions token by token, so name a teacher with the student's tokenizer."
+                f"{len(tokenizer.get_vocab())} tokens{differs}); GKD compares the two "
+                "next-token distributions token by token, so name a teacher with the student's "
+                "tokenizer."
             )
         log.info("teacher: %s (%s), frozen", name, self.args.teacher_dtype)
         return teacher.eval().requires_grad_(False)
