@@ -49,15 +49,23 @@ def _models():
     return student, teacher.requires_grad_(False)
 
 
-def _batch(tmp_path, **task):
-    """The task (its teacher set) and a training batch of ROWS in file order."""
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+def _features(tmp_path, tokenizer, rows=ROWS, **task):
+    """The task (zephyr's template and 256 tokens unless ``task`` says) and its training rows
+    built from ``rows`` (also the held-out split)."""
+    tmp_path.mkdir(exist_ok=True)
     for name in ("train.jsonl", "dev.jsonl"):
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    gkd = make_task("gkd", chat_template="zephyr", max_seq_length=256, **task)
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gkd = make_task("gkd", **{"chat_template": "zephyr", "max_seq_length": 256, **task})
     data = gkd.build_data(
         DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
     )
+    return gkd, data
+
+
+def _batch(tmp_path, **task):
+    """The task (its teacher set) and a training batch of ROWS in file order."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    gkd, data = _features(tmp_path, tokenizer, **task)
     return gkd, data.train_collator([data.train[i] for i in range(len(data.train))])
 
 
@@ -100,6 +108,39 @@ def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     for mine, trls in zip(ours_grads, _grads(student), strict=True):
         torch.testing.assert_close(mine, trls, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("template", ["chatml", "zephyr", "llama3"])
+def test_rows_equal_trls_gkd_collator(tmp_path, template):
+    """Each row's tokens and labels equal those of TRL's GKD collator (``DataCollatorForChatML``,
+    unpadded): under chatml and zephyr the newline after the reply's end-of-turn token is
+    labelled, as TRL labels every token after the prompt; a row longer than max_seq_length keeps
+    its last tokens, its reply trained (cut at its end, such a row had no reply left and was
+    dropped). A row whose reply alone fills the length is dropped, where TRL stops the run."""
+    from trl.experimental.utils import DataCollatorForChatML
+
+    length = 128
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    _, data = _features(tmp_path, tokenizer, chat_template=template, max_seq_length=length)
+    assert len(data.train) == len(ROWS)
+    theirs = DataCollatorForChatML(tokenizer=tokenizer, max_length=length)(ROWS)
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    for i, row in enumerate(data.train):
+        kept = theirs["attention_mask"][i].bool()
+        assert row["input_ids"] == theirs["input_ids"][i][kept].tolist()
+        assert row["labels"] == theirs["labels"][i][kept].tolist()
+        assert (row["labels"][-len(newline) :] == newline) == (template != "llama3")
+    assert sum(len(ids) == length for ids in data.train["input_ids"]) >= 3  # cut, reply kept
+
+    long = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "so " * 200}]
+    with pytest.raises(ValueError, match="no prompt tokens left after truncation"):
+        DataCollatorForChatML(tokenizer=tokenizer, max_length=length)([{"messages": long}])
+    rows = [ROWS[0], {"messages": long}]
+    _, kept = _features(tmp_path / "long", tokenizer, rows, chat_template=template)
+    _, cut = _features(
+        tmp_path / "long", tokenizer, rows, chat_template=template, max_seq_length=length
+    )
+    assert len(kept.train) == 2 and cut.train["input_ids"] == [data.train[0]["input_ids"]]
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
