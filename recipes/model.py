@@ -192,6 +192,61 @@ def load_model(
     return model
 
 
+# The transformers auto classes of the tasks' heads, and where transformers lists, per model
+# type, the class each one builds (transformers.models.auto.modeling_auto, 4.x and 5.x alike).
+HEAD_MAPPINGS = {
+    "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "AutoModelForSeq2SeqLM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "AutoModelForMaskedLM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "AutoModelForSequenceClassification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForTokenClassification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForQuestionAnswering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "AutoModelForMultipleChoice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+}
+
+
+def _head_classes(auto_name: str) -> dict[str, str]:
+    """Model type -> the class ``auto_name`` builds for it (``llama`` -> ``LlamaForCausalLM``)."""
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, HEAD_MAPPINGS[auto_name], {})
+    return {k: v if isinstance(v, str) else v[0] for k, v in names.items()}
+
+
+def saved_config(cfg: ModelConfig) -> Any | None:
+    """The config.json of ``model.name_or_path`` (None where it cannot be read: the load that
+    follows says why)."""
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, **_source(cfg))
+    except (OSError, ValueError, ImportError, KeyError):
+        return None
+
+
+def head_mismatch(
+    config: Any, auto_class: Any, num_labels: int | None = None
+) -> tuple[str, str] | None:
+    """What a model saved as ``config`` is (its ``architectures``, its ``num_labels``) and what
+    ``auto_class`` with ``num_labels`` scores, where the two differ (another task's head, a head
+    of another size); None where they do not. An architecture that no task's head builds (a
+    pre-training head, remote code) is left to the weights' check of :func:`load_model`."""
+    expected = auto_class.__name__
+    saved = list(getattr(config, "architectures", None) or [])
+    if expected in HEAD_MAPPINGS and saved:
+        other = [
+            name
+            for name in HEAD_MAPPINGS
+            if name != expected and saved[0] in _head_classes(name).values()
+        ]
+        if saved[0] not in _head_classes(expected).values() and other:
+            builds = _head_classes(expected).get(getattr(config, "model_type", ""), "a model")
+            return f"a {saved[0]} ({other[0]})", f"{builds} ({expected})"
+    has = getattr(config, "num_labels", None)
+    if num_labels is not None and has is not None and has != num_labels:
+        head = saved[0] if saved else type(config).__name__
+        return f"a {head} with num_labels={has}", f"one with num_labels={num_labels}"
+    return None
+
+
 # transformers' own report of the weights a load left new, unused or resized: the 5.x LOAD
 # REPORT table, 4.x's "Some weights of ..." sentences.
 _LIBRARY_REPORT = re.compile(r"LOAD REPORT|^Some weights of ")

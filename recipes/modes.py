@@ -207,14 +207,22 @@ def evaluate(session: Session) -> RunResult:
 def _check_evaluated_model(task: Task, model: str, resume: Path | None) -> None:
     """``mode=eval`` of a task evaluated against its starting weights (a reference or teacher
     built from the weights loaded): without ``resume`` it would score ``model`` against itself
-    (every reward, margin and KL exactly 0), so it is refused, with the way to real numbers."""
+    (every reward, margin, KL or divergence exactly 0), so it is refused, with the way to real
+    numbers (:attr:`Task.start_reference`: GKD's teacher can be named instead)."""
     if resume is not None or not task.evaluates_against_start:
         return
+    against, zeros, setting = task.start_reference
+    checkpoint_fix = (
+        "a checkpoint of its training run instead: resume=<run folder> with model.name_or_path "
+        "set to the model that run started from (the recipe's)."
+    )
+    fix = f"Evaluate {checkpoint_fix}"
+    if setting:
+        role = against.removeprefix("its ")
+        fix = f"Set {setting}=<the {role} it was trained with>, or evaluate {checkpoint_fix}"
     raise ConfigError(
         f"mode=eval with model.name_or_path={model}: task={task.args.NAME} scores a model against "
-        "its reference model, which here would be the model itself (every reward and KL exactly "
-        "0). Evaluate a checkpoint of its training run instead: resume=<run folder> with "
-        "model.name_or_path set to the model that run started from (the recipe's)."
+        f"{against}, which here would be the model itself ({zeros} exactly 0). {fix}"
     )
 
 

@@ -10,6 +10,7 @@ module imports the modes.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -30,18 +31,21 @@ from transformers import DataCollatorWithPadding
 
 from recipes import adapters, checkpoint, device, mesh, runs, tracking
 from recipes import data as data_lib
-from recipes.config import ConfigError, Settings, TrainerConfig
+from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig
 from recipes.faults import StopRequest
 from recipes.log import get_logger, setup_logging
 from recipes.model import (
     config_overrides,
     fit_to_tokenizer,
+    head_mismatch,
     load_model,
     load_tokenizer,
+    saved_config,
     share_tied_embeddings,
     weights_summary,
 )
 from recipes.tasks.base import PadsToLength, PadsToMultiple, RunContext, Task, TaskData
+from recipes.tasks.configs import config_classes
 from recipes.tracking import MetricsLogger
 
 log = get_logger(__name__)
@@ -151,13 +155,16 @@ class Session:
         tokenizer, with LoRA adapters (``peft=lora``) and gradient checkpointing as configured.
         ``trained_for``: the mode that needs the head trained (eval, predict), or None."""
         model_cfg, task = self.settings.model, self.task
+        kwargs = {} if trained_for == "predict" else task.model_kwargs(data)
+        if trained_for:
+            _check_saved_head(model_cfg, task, kwargs.get("num_labels"), trained_for)
         model = load_model(
             model_cfg,
             task.auto_model_class,
             config_overrides(model_cfg),
             trained_for=trained_for,
             precision=self.accelerator.mixed_precision,
-            **({} if trained_for == "predict" else task.model_kwargs(data)),
+            **kwargs,
         )
         task.check_model(model)
         data.layout.decide(task.flat_batches(model))  # once: the collators hold it
@@ -390,6 +397,43 @@ def _check_device_support(trainer_cfg: TrainerConfig, accelerator: Accelerator) 
             f"{reason}. Use a MUSA image with torch_musa v1.3.2 or later, or set "
             "trainer.mixed_precision=no, or trainer.gradient_checkpointing=false."
         )
+
+
+def _check_saved_head(cfg: ModelConfig, task: Task, num_labels: int | None, mode: str) -> None:
+    """Refuse ``mode`` (eval, predict) of a model whose config.json says it has another task's
+    head (a reward model's final/ under task=sft: scored as a causal LM, its numbers meaningless)
+    or a head of another size (``num_labels``), naming the run that trained it, where known."""
+    config = saved_config(cfg)
+    mismatch = head_mismatch(config, task.auto_model_class, num_labels) if config else None
+    if mismatch is None:
+        return
+    saved, scored = mismatch
+    trained_by = _trained_by(Path(cfg.name_or_path).expanduser())
+    fix = (
+        f"Use the recipe that trained it ({trained_by})"
+        if trained_by
+        else "Use a recipe whose task trains that head"
+    )
+    raise ConfigError(
+        f"mode={mode}: model.name_or_path={cfg.name_or_path} is {saved} by its config.json, and "
+        f"task={task.args.NAME} scores {scored}: its numbers would be meaningless. {fix}, or "
+        "give a final/ of this recipe."
+    )
+
+
+def _trained_by(folder: Path) -> str | None:
+    """``recipe=<name>, task=<name>`` of the run that wrote ``folder`` (a run's final/: its
+    recipe.json, and the run folder's results.json), as far as they say; None for others."""
+    said = []
+    recipe = checkpoint.final_recipe(folder) if folder.is_dir() else None
+    try:
+        overrides = json.loads((folder.parent / "results.json").read_text())["overrides"]
+    except (OSError, ValueError, KeyError, TypeError):
+        overrides = []
+    said += [o for o in overrides if isinstance(o, str) and o.startswith("recipe=")][:1]
+    target = ((recipe or {}).get("task") or {}).get("_target_")
+    said += [f"task={n}" for n, c in config_classes().items() if c._target_ == target][:1]
+    return ", ".join(said) or None
 
 
 def _check_fsdp_for_lora(accelerator: Accelerator) -> None:

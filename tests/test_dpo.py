@@ -94,6 +94,34 @@ def test_malformed_pair_file_is_refused_with_lines_and_fields(tmp_path):
     assert "(and 1 more)" in message and "task.format=" in message
 
 
+def test_pairs_whose_two_replies_are_the_same_are_kept_and_warned_of_once(tmp_path):
+    """A pair that prefers nothing trains as TRL trains it, but is said, with a count: once per
+    file, however many there are (two here, one in the implicit layout)."""
+    import logging
+
+    rows = [
+        {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},
+        {"prompt": PROMPT, "chosen": CHOSEN, "rejected": CHOSEN},
+        {"prompt": "Where is Paris?", "chosen": "In France.", "rejected": "In France."},
+        {"chosen": PROMPT + REJECTED, "rejected": PROMPT + CHOSEN},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(chat.preference.__name__)
+    logger.addHandler(handler)
+    try:
+        pairs = chat.preference.read_pairs(path)
+    finally:
+        logger.removeHandler(handler)
+    assert len(pairs) == 4
+    said = [r for r in records if "same chosen and rejected" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert said[0].getMessage().startswith(f"{path}: 2 pair(s) have the same chosen and rejected")
+
+
 # ----------------------------------------------------------------------------- features
 
 

@@ -29,6 +29,7 @@ from recipes.losses import distillation_loss, generalized_jsd
 from recipes.model import load_tokenizer
 from recipes.modes import _check_evaluated_model
 from recipes.tasks.chat import Reference
+from recipes.tasks.gkd import first_difference
 
 # TRL's experimental GKD (imported here, at collection: its first import takes seconds).
 GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
@@ -48,15 +49,23 @@ def _models():
     return student, teacher.requires_grad_(False)
 
 
-def _batch(tmp_path, **task):
-    """The task (its teacher set) and a training batch of ROWS in file order."""
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+def _features(tmp_path, tokenizer, rows=ROWS, **task):
+    """The task (zephyr's template and 256 tokens unless ``task`` says) and its training rows
+    built from ``rows`` (also the held-out split)."""
+    tmp_path.mkdir(exist_ok=True)
     for name in ("train.jsonl", "dev.jsonl"):
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    gkd = make_task("gkd", chat_template="zephyr", max_seq_length=256, **task)
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gkd = make_task("gkd", **{"chat_template": "zephyr", "max_seq_length": 256, **task})
     data = gkd.build_data(
         DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
     )
+    return gkd, data
+
+
+def _batch(tmp_path, **task):
+    """The task (its teacher set) and a training batch of ROWS in file order."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    gkd, data = _features(tmp_path, tokenizer, **task)
     return gkd, data.train_collator([data.train[i] for i in range(len(data.train))])
 
 
@@ -101,6 +110,39 @@ def test_loss_and_gradient_equal_trl_gkd(tmp_path, beta):
         torch.testing.assert_close(mine, trls, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("template", ["chatml", "zephyr", "llama3"])
+def test_rows_equal_trls_gkd_collator(tmp_path, template):
+    """Each row's tokens and labels equal those of TRL's GKD collator (``DataCollatorForChatML``,
+    unpadded): under chatml and zephyr the newline after the reply's end-of-turn token is
+    labelled, as TRL labels every token after the prompt; a row longer than max_seq_length keeps
+    its last tokens, its reply trained (cut at its end, such a row had no reply left and was
+    dropped). A row whose reply alone fills the length is dropped, where TRL stops the run."""
+    from trl.experimental.utils import DataCollatorForChatML
+
+    length = 128
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    _, data = _features(tmp_path, tokenizer, chat_template=template, max_seq_length=length)
+    assert len(data.train) == len(ROWS)
+    theirs = DataCollatorForChatML(tokenizer=tokenizer, max_length=length)(ROWS)
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    for i, row in enumerate(data.train):
+        kept = theirs["attention_mask"][i].bool()
+        assert row["input_ids"] == theirs["input_ids"][i][kept].tolist()
+        assert row["labels"] == theirs["labels"][i][kept].tolist()
+        assert (row["labels"][-len(newline) :] == newline) == (template != "llama3")
+    assert sum(len(ids) == length for ids in data.train["input_ids"]) >= 3  # cut, reply kept
+
+    long = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "so " * 200}]
+    with pytest.raises(ValueError, match="no prompt tokens left after truncation"):
+        DataCollatorForChatML(tokenizer=tokenizer, max_length=length)([{"messages": long}])
+    rows = [ROWS[0], {"messages": long}]
+    _, kept = _features(tmp_path / "long", tokenizer, rows, chat_template=template)
+    _, cut = _features(
+        tmp_path / "long", tokenizer, rows, chat_template=template, max_seq_length=length
+    )
+    assert len(kept.train) == 2 and cut.train["input_ids"] == [data.train[0]["input_ids"]]
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 def test_jsd_of_random_logits_equals_trls(beta):
     """:func:`recipes.losses.generalized_jsd` summed over labelled positions equals TRL's
@@ -132,10 +174,27 @@ def test_settings_refused_with_one_line():
     with pytest.raises(ConfigError, match=r"task.lmbda=-0.1"):
         make_task("gkd", lmbda=-0.1)
     assert make_task("gkd", precompute_teacher=True, lmbda=0.0).args.precompute_teacher
-    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself.
-    with pytest.raises(ConfigError, match=r"mode=eval .*its reference model"):
+    # mode=eval of a final/ against the teacher it would be without task.teacher_model: itself;
+    # said of the teacher (not DPO's rewards and KL), with the setting that names one.
+    with pytest.raises(ConfigError) as refused:
         _check_evaluated_model(make_task("gkd"), "run/final", None)
+    line = str(refused.value)
+    assert "task=gkd scores a model against its teacher" in line
+    assert "every divergence exactly 0" in line and "reward" not in line
+    assert "Set task.teacher_model=<the teacher it was trained with>, or evaluate" in line
     _check_evaluated_model(make_task("gkd", teacher_model="teacher"), "run/final", None)
+
+
+@pytest.mark.parametrize("path", ["/no/such/teacher", "./gone", "runs/old/final"])
+def test_a_teacher_path_that_does_not_exist_is_no_such_folder(tmp_path, path):
+    """As model.name_or_path: not the hub's "Repo id must be in the form ..." error."""
+    with pytest.raises(ConfigError, match=rf"^task.teacher_model={path}: no such folder\. "):
+        make_task("gkd", teacher_model=path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="no such folder"):
+        make_task("gkd", teacher_model=str(tmp_path / "file"))
+    assert make_task("gkd", teacher_model=str(tmp_path)).args.teacher_model == str(tmp_path)
+    assert make_task("gkd", teacher_model="HuggingFaceTB/SmolLM2-360M-Instruct")
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -270,8 +329,25 @@ def test_precomputed_teacher_gives_the_live_loss_and_vocabularies_are_checked(tm
     model.save_pretrained(tmp_path / "other")
     bigger.save_pretrained(tmp_path / "other")
     other = make_task("gkd", teacher_model=str(tmp_path / "other"), **settings)
-    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary"):
+    with pytest.raises(ConfigError, match=r"task.teacher_model=.*other: its vocabulary") as err:
         other.before_training(student, other.build_data(cfg, tokenizer), run, 4)
+    assert "first differing id 2000: '<extra>' in the teacher's, None in the student's" in str(
+        err.value
+    )
+
+
+def test_a_vocabulary_of_the_same_size_names_its_first_differing_token():
+    """Two vocabularies of 2000 tokens each differ in a token: named, not "2000 vs 2000"."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_LLAMA)))
+    student = tokenizer.get_vocab()
+    by_id = {i: t for t, i in student.items()}
+    teacher = dict(student)
+    del teacher[by_id[7]], teacher[by_id[9]]
+    teacher["<mine>"], teacher["<also>"] = 9, 7
+    assert first_difference(teacher, student) == (
+        f"; first differing id 7: '<also>' in the teacher's, {by_id[7]!r} in the student's"
+    )
+    assert first_difference(student, dict(student)) == ""
 
 
 def test_on_policy_rows_take_the_students_samples_and_the_others_the_teachers(tmp_path):

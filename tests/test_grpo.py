@@ -252,6 +252,42 @@ def test_bad_settings_are_refused(setting, words):
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize("beams,warned", [(4, 1), (1, 0), (None, 0)])
+def test_unused_beams_are_warned_of_once(beams, warned):
+    """generation.num_beams=4 with the continuous engine: GRPO samples its rollouts and answers
+    its evaluation greedily, so the beams are unused; said once, when the run starts."""
+    import logging
+    import types
+
+    from accelerate import Accelerator
+
+    from recipes.config import GenerationConfig, ModelConfig
+    from recipes.model import load_tokenizer
+    from recipes.tasks.base import RunContext
+
+    task = make_task("grpo", num_generations=2, beta=0.0, rewards=[{"name": "length"}])
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(ROOT / "recipes/assets/tiny-llama")))
+    generation = GenerationConfig(num_beams=beams, engine="continuous")
+    run = RunContext(Accelerator(cpu=True), tokenizer, None, generation)
+    data = types.SimpleNamespace(
+        rows={"train": []}, layout=types.SimpleNamespace(flat=False), stop_tokens=[]
+    )
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(grpo.__name__)
+    logger.addHandler(handler)
+    try:
+        task.before_training(torch.nn.Linear(1, 1), data, run, 1)
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records if "num_beams" in r.getMessage()]
+    assert len(lines) == warned
+    if warned:
+        assert lines[0].startswith("generation.num_beams=4 (generation.engine=continuous) is ")
+        assert records[0].levelno == logging.WARNING
+
+
 # ----------------------------------------------------------------------------- runs
 
 SHORT = (

@@ -239,6 +239,43 @@ def test_loss_metrics_and_gradient_equal_trls(tmp_path, loss_type, desirable, un
         torch.testing.assert_close(weight.grad, theirs_params[name].grad, rtol=1e-4, atol=1e-7)
 
 
+def test_a_step_of_unequal_micro_batches_weighs_every_row_alike_where_trl_averages_them(
+    tmp_path,
+):
+    """The step weighting (docs/configuration.md, KTO's differences from TRL): micro-batches of
+    4, 4 and 2 rows give each the same loss as TRL's ``compute_loss`` (a micro-batch's mean),
+    but a step here is the mean over its 10 rows (the loop divides the summed
+    :class:`SummedLoss` by the step's rows), where TRL's Trainer divides each micro-batch's mean
+    by the accumulation steps (``loss_is_scaled_for_ga = False``), so a row of the short
+    micro-batch weighs twice as much."""
+    from recipes.tasks.base import SummedLoss
+
+    rows, spans = _rows(5), ((0, 4), (4, 8), (8, 10))
+    kto, _, tokenizer, policy, reference = _ours(tmp_path, rows)
+    kto.reference = Reference(adapter_disabled=False, frozen=reference)
+    data = kto.build_data(
+        DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache")), tokenizer
+    )
+    ours, theirs = [], []
+    for a, b in spans:
+        batch = data.train_collator([data.train[i] for i in range(a, b)])
+        with torch.no_grad():
+            out = kto.loss(policy.eval(), batch)
+        assert isinstance(out, SummedLoss) and float(out.count) == b - a
+        ours.append(out)
+        trainer, trl_batch = _trl(tmp_path / f"trl{a}", tokenizer, policy, reference, rows[a:b])
+        with torch.no_grad():
+            theirs.append(float(trainer.compute_loss(trainer.model.eval(), trl_batch)))
+    for out, trl_mean in zip(ours, theirs, strict=True):  # each micro-batch alike
+        assert float(out.total / out.count) == pytest.approx(trl_mean, rel=1e-5, abs=1e-7)
+    step = float(sum(o.total for o in ours) / sum(o.count for o in ours))  # the loop's rule
+    trl_step = sum(theirs) / len(theirs)  # TRL: each mean / gradient_accumulation_steps, summed
+    weighted = sum(m * (b - a) for m, (a, b) in zip(theirs, spans, strict=True)) / 10
+    print(f"step loss {step:.6f} (mean of rows), TRL {trl_step:.6f} (mean of micro-batch means)")
+    assert step == pytest.approx(weighted, rel=1e-5)
+    assert abs(step - trl_step) > 1e-3 * abs(step)
+
+
 def test_a_negative_kl_estimate_is_clamped_as_trls(tmp_path):
     """The same reference log-probs in both (TRL's precomputed path reads them from the batch),
     the KL rows' made larger than the policy's: both clamp the estimate to 0."""

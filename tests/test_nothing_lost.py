@@ -269,7 +269,8 @@ def test_a_full_disk_says_so_and_keeps_every_earlier_checkpoint(tmp_path, cache_
 )
 def test_eval_and_predict_refuse_a_model_without_the_tasks_head(tmp_path, recipe, mode):
     """The bundled MiniLM is a QA model, without a masked-LM, causal-LM or classification head:
-    scores from a random head would look valid (perplexity 22,486, accuracy 0.50): refused."""
+    scores from a random head would look valid (perplexity 22,486, accuracy 0.50): refused by
+    its config.json's architecture (tests/test_eval_heads.py: without one, by its weights)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"question": "Who came?", "sentence": "A dog came."}\n')  # QNLI rows
     proc = run_train(
@@ -285,7 +286,7 @@ def test_eval_and_predict_refuse_a_model_without_the_tasks_head(tmp_path, recipe
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
     assert f"error: mode={mode}: model.name_or_path=" in line
-    assert "lacks weights this task needs (new weights, initialised at random:" in line
+    assert "is a BertForQuestionAnswering (AutoModelForQuestionAnswering) by its config" in line
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "scored" / "results.json").exists()
 

@@ -260,6 +260,13 @@ class Task(abc.ABC, Generic[DataT]):
     # mode=predict's part, where the task answers a predict file the way another task does
     # (the chat tasks' PromptAnswers); a task without one overrides the predict calls itself.
     predictor: Predictor | None = None
+    # Where evaluates_against_start: what the model is scored against, what would all be 0 were
+    # that the model itself (mode=eval of a final/), and the setting that names another.
+    start_reference: tuple[str, str, str | None] = (
+        "its reference model",
+        "every reward and KL",
+        None,
+    )
 
     def __init__(self, args: TaskConfig) -> None:
         self.args = args

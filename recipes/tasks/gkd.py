@@ -8,8 +8,10 @@ KL(student || teacher), between: the JSD against the beta-mixture), at temperatu
 ``compute_loss`` calls it, summed over every labelled token of the optimizer step and divided by
 their count (TRL's ``batchmean`` over labelled tokens, with ``num_items_in_batch``).
 
-The rows are SFT's conversations (:class:`recipes.tasks.sft.Conversations` builds them:
-the chat template, labels on the assistant's tokens). A training row's completion is, as TRL:
+The rows are SFT's conversations (:class:`recipes.tasks.sft.Conversations` builds them with the
+chat template), labelled and fitted to ``max_seq_length`` as TRL's GKD collator does
+(:func:`trl_labels`, :class:`GkdFeatures`): the last reply and what follows it trains, and a
+longer row keeps its end. A training row's completion is, as TRL:
 
 * with probability ``lmbda``, the student's own sample (on-policy) from the row's prompt (its
   tokens before the last labelled reply), at ``temperature``, at most ``max_new_tokens``;
@@ -79,6 +81,61 @@ class GkdData(ChatData):
     cache: Path | None = None
 
 
+class GkdFeatures(ChatFeatures):
+    """SFT's chat features, fitted to ``max_seq_length`` as TRL 1.16's GKD collator fits a row
+    with ``truncation=keep_end`` (``DataCollatorForChatML`` in trl/experimental/utils.py keeps
+    ``message_input_ids_full[-self.max_length:]``): a longer conversation keeps its last tokens,
+    so its last reply trains; one left with no token of its prompt is dropped (TRL stops the
+    run there: "An example has no prompt tokens left after truncation"). ``truncate`` and
+    ``drop`` are SFT's."""
+
+    def fit(self, whole: dict[str, list[int]]) -> dict[str, list[int]] | None:
+        cut = len(whole["input_ids"]) - self.max_seq_length
+        if self.truncation != "keep_end" or cut <= 0:
+            return super().fit(whole)
+        labels = whole["labels"]
+        if all(label == IGNORE for label in labels) or cut >= prompt_length(labels):
+            return None
+        kept = {name: values[cut:] for name, values in whole.items()}
+        kept["labels"][0] = IGNORE  # nothing predicts the first token (SFT's rows alike)
+        return kept
+
+    def none_kept(self, role: str, source: str, rows: int) -> str:
+        if self.truncation != "keep_end":
+            return super().none_kept(role, source, rows)
+        return (
+            f"{role} data {source}: every {self.row_words[0]} ({rows}) was dropped: its last "
+            f"task.max_seq_length={self.max_seq_length} tokens (task.truncation=keep_end) hold "
+            "no token of its prompt; raise task.max_seq_length."
+        )
+
+
+def trl_labels(ids: list[int], labels: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """A conversation's labels as TRL 1.16's GKD collator labels them: every token after the
+    prompt, ``label[len(current_prompt_ids):] = sample_ids[len(current_prompt_ids):]``
+    (DataCollatorForChatML, trl/experimental/utils.py), its prompt every message but the last.
+    So only the last reply trains (an earlier one is prompt, as in an on-policy row), with the
+    whitespace the template writes after its end-of-turn token (chatml's and zephyr's newline;
+    llama3 writes none). A conversation that does not end with a reply keeps the labels of its
+    last one only."""
+    labelled = [i for i, label in enumerate(labels) if label != IGNORE]
+    if not labelled:
+        return labels
+    start, end = prompt_length(labels), labelled[-1] + 1
+    if not tokenizer.decode(ids[end:]).strip():
+        end = len(ids)
+    return [IGNORE] * start + ids[start:end] + [IGNORE] * (len(ids) - end)
+
+
+def _with_trl_labels(split: Any, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """``split`` (a features Dataset) with :func:`trl_labels`."""
+    labels = [
+        trl_labels(ids, row_labels, tokenizer)
+        for ids, row_labels in zip(split["input_ids"], split["labels"], strict=True)
+    ]
+    return split.remove_columns("labels").add_column("labels", labels)
+
+
 class GkdCollator(chat.ChatCollator):
     """SFT's padded rows, plus each row's ``index``, ``prompt_length`` (its tokens before the last
     labelled reply), and, drawn from (seed, epoch, row) (:class:`recipes.tasks.base.SeedsRows`),
@@ -119,6 +176,19 @@ def prompt_length(labels: list[int]) -> int:
     return start
 
 
+def first_difference(teacher: Mapping[str, int], student: Mapping[str, int]) -> str:
+    """``; first differing id 17: 'ab' in the teacher's, 'cd' in the student's`` (token -> id
+    maps), or empty where every id holds the same token (then only the sizes differ)."""
+    ids = [{i: t for t, i in vocab.items()} for vocab in (teacher, student)]
+    for i in sorted(ids[0].keys() | ids[1].keys()):
+        theirs, ours = (side.get(i) for side in ids)
+        if theirs != ours:
+            return (
+                f"; first differing id {i}: {theirs!r} in the teacher's, {ours!r} in the student's"
+            )
+    return ""
+
+
 def _forward(inputs: Mapping[str, torch.Tensor]) -> Any:
     """A call of a model on ``inputs`` that returns its logits before the last position."""
     return lambda weights: weights(**inputs, use_cache=False).logits[:, :-1]
@@ -132,14 +202,16 @@ class KnowledgeDistillation(Task[GkdData]):
     auto_model_class = AutoModelForCausalLM
     args: GkdConfig
     parts = ("teacher", "run")
+    start_reference = ("its teacher", "every divergence", "task.teacher_model")
 
     def __init__(self, args: GkdConfig) -> None:
         super().__init__(args)
         shared = ("format", "chat_template", "text_rows", "max_seq_length", "truncation")
         shared += ("num_generations", "generation_max_new_tokens")
         sft = SftConfig(**{k: getattr(args, k) for k in shared})
-        # SFT's rows and features (the same cache), built by SFT's builder.
-        self.chat = ChatFeatures.of(
+        # SFT's rows and features (the same cache), built by SFT's builder, fitted to the
+        # length as TRL's GKD collator fits them (GkdFeatures).
+        self.chat = GkdFeatures.of(
             sft, "sft", FEATURES_VERSION, ("conversation", "its assistant turns")
         )
         self.conversations = Conversations(self.chat, sft)
@@ -155,15 +227,17 @@ class KnowledgeDistillation(Task[GkdData]):
     # ------------------------------------------------------------------------------- data
 
     def build_data(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> GkdData:
-        """SFT's features with each row's ``index``, batched by :class:`GkdCollator`."""
+        """SFT's features with TRL's labels (:func:`trl_labels`) and each row's ``index``,
+        batched by :class:`GkdCollator`."""
         data = self.conversations.build(cfg, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        train, held_out = (_with_trl_labels(split, tokenizer) for split in (data.train, data.eval))
         return GkdData(
             **fields
             | {
-                "train": data.train.add_column("index", list(range(len(data.train)))),
-                "eval": data.eval.add_column("index", list(range(len(data.eval)))),
+                "train": train.add_column("index", list(range(len(train)))),
+                "eval": held_out.add_column("index", list(range(len(held_out)))),
                 "train_collator": GkdCollator(pad, self.args.lmbda),
                 "eval_collator": GkdCollator(pad),
                 "seeding": Seeding.row,
@@ -231,12 +305,14 @@ class KnowledgeDistillation(Task[GkdData]):
         except (OSError, ValueError):  # no tokenizer files beside it: the sizes decide
             vocab = None
         if not same:
+            differs = first_difference(vocab, tokenizer.get_vocab()) if vocab else ""
             raise ConfigError(
                 f"task.teacher_model={name}: its vocabulary (vocab_size {sizes[1]}"
                 f"{f', {len(vocab)} tokens' if vocab else ''}) is not the student's "
                 f"({student.config.name_or_path}: vocab_size {sizes[0]}, "
-                f"{len(tokenizer.get_vocab())} tokens); GKD compares the two next-token "
-                "distributions token by token, so name a teacher with the student's tokenizer."
+                f"{len(tokenizer.get_vocab())} tokens{differs}); GKD compares the two "
+                "next-token distributions token by token, so name a teacher with the student's "
+                "tokenizer."
             )
         log.info("teacher: %s (%s), frozen", name, self.args.teacher_dtype)
         return teacher.eval().requires_grad_(False)

@@ -419,10 +419,20 @@ class GroupRelativePolicy(Task[GrpoData]):
         """Build :attr:`rollouts` from the run and the data: with the reference when ``beta`` >
         0 (the model with its LoRA adapter disabled, or a frozen copy of the starting weights,
         run without the run's autocast), its buffer registered with the checkpoints when
-        ``num_iterations`` > 1."""
+        ``num_iterations`` > 1. ``generation.num_beams`` > 1 is warned of: nothing here
+        searches beams."""
         accelerator = run.accelerator
         if accelerator.distributed_type == DistributedType.FSDP:
             raise ConfigError(FSDP_REFUSAL)
+        if (run.generation.num_beams or 1) > 1:
+            log.warning(
+                "generation.num_beams=%d (generation.engine=%s) is not used by task=grpo: its "
+                "rollouts are sampled (task.temperature, top_p, top_k) and its evaluation answers "
+                "greedily, on every engine; only mode=predict's answers search beams. Set "
+                "generation.num_beams=null.",
+                run.generation.num_beams,
+                run.generation.engine,
+            )
         self.rollouts = Rollouts(run, data, None, self.reward_names)
         if self.args.num_iterations > 1:
             accelerator.register_for_checkpointing(self.rollouts.buffer)

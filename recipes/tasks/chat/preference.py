@@ -177,7 +177,7 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
     """The :data:`COLUMNS` of ``(place, row)`` pairs; every row that fits no layout is reported
     in one line, with its place and field."""
 
-    ties = []
+    ties, same = [], []
     normalised = fmt == "normalised"  # rows this module wrote: explicit, keeping their text flag
     fmt = "explicit" if normalised else fmt
 
@@ -188,6 +188,8 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
             ties.append(row)
             return None
         text = bool(row.get("text")) if normalised else is_text_pair(row, fmt)
+        if pair[1] == pair[2]:
+            same.append(row)
         return (*pair, tools, text, margin_of(row))
 
     pairs = rows_dataset(
@@ -199,6 +201,14 @@ def pair_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> Data
     )
     if ties:
         log.info("%s: %d row(s) left out, their completions all score the same", source, len(ties))
+    if same:  # kept, as TRL keeps them: said once, as they only dilute the loss
+        log.warning(
+            "%s: %d pair(s) have the same chosen and rejected reply: they prefer nothing (both "
+            "sides score alike, a pair loss without gradient) and only dilute the mean; leave "
+            "them out of the data",
+            source,
+            len(same),
+        )
     if len(pairs) == 0:
         raise DataError(f"{source}: no row holds a preference (every row's completions tie).")
     return pairs

@@ -4,12 +4,20 @@ a teacher, as TRL 1.16's ``GKDTrainer`` (trl/experimental/gkd/gkd_trainer.py, gk
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from recipes.errors import ConfigError
 from recipes.tasks.configs import at_least, feature, within
-from recipes.tasks.configs.sft import CHAT_RANGES, FORMATS, ChatConfig
+from recipes.tasks.configs.sft import (
+    CHAT_RANGES,
+    FORMATS,
+    TRUNCATION,
+    ChatConfig,
+    check_text_rows,
+)
 
 TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+GKD_TRUNCATION = ("keep_end", *TRUNCATION)
 
 
 @dataclass
@@ -35,6 +43,11 @@ class GkdConfig(ChatConfig):
     # Tokens per conversation; a sampled completion stops there too (at most the model's
     # positions).
     max_seq_length: int = feature(1024)
+    # A longer conversation: keep_end keeps its last max_seq_length tokens, as TRL's GKD
+    # collator (the reply trains, the oldest context goes; dropped where no prompt token is
+    # left); truncate cuts its end (as task=sft: a row whose prompt fills the length is
+    # dropped); drop leaves it out.
+    truncation: str = feature("keep_end")
     # The teacher: a causal LM's folder or hub name (an SFT run's final/, a larger model of the
     # same vocabulary); null: the student's starting weights (TRL's default: the model itself,
     # with LoRA its adapter disabled), which only teaches where the student has moved from it.
@@ -65,10 +78,22 @@ class GkdConfig(ChatConfig):
 
     def check(self) -> None:
         self.check_format()
-        self.check_rows()
+        check_text_rows(self.text_rows)
+        if self.truncation not in GKD_TRUNCATION:
+            raise ConfigError(
+                f"task.truncation={self.truncation!r}: choose keep_end (keep the last "
+                "max_seq_length tokens, as TRL's GKD), truncate (cut the end) or drop."
+            )
         if self.teacher_dtype not in TEACHER_DTYPES:
             raise ConfigError(
                 f"task.teacher_dtype={self.teacher_dtype!r}: choose {', '.join(TEACHER_DTYPES)}."
+            )
+        teacher = self.teacher_model
+        if teacher is not None and _local(teacher) and not Path(teacher).expanduser().is_dir():
+            raise ConfigError(
+                f"task.teacher_model={teacher}: no such folder. Point it at a folder written by "
+                "save_pretrained (with config.json), such as an SFT run's final/, or at a hub "
+                "model name."
             )
         if self.teacher_gguf_file and self.teacher_model is None:
             raise ConfigError(
@@ -82,3 +107,11 @@ class GkdConfig(ChatConfig):
                 "before training, so the teacher must run on the device; set task.lmbda=0 and "
                 "task.seq_kd=false, or task.precompute_teacher=false."
             )
+
+
+def _local(name: str) -> bool:
+    """Whether ``name`` is a path rather than a hub id (``org/model``): it starts as a path
+    does, has more than one ``/``, or exists (as model.name_or_path is told apart)."""
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+    )
