@@ -18,7 +18,10 @@ deterministic algorithms, float32 matmul precision).
 
 What still needs a process of its own (``tests/conftest.py`` decides): kills and signals, several
 processes (torchrun, accelerate launch), the emulated MUSA card and any other wrapper script, and
-environment variables read when the interpreter or torch starts (``PYTHON*``, ``OMP_*``).
+environment variables read when the interpreter or torch starts (``PYTHON*``, ``OMP_*``), but
+``PYTHONPATH``: its folders go first on ``sys.path`` for the run (as the interpreter puts them
+before the installed packages), and the modules imported from them (a test's reward or tool
+module) are forgotten afterwards, so that the next run imports its own.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ _PYTHON_WARNING_FILTERS = (
 
 def needs_own_process(env: dict | None) -> bool:
     """Whether ``env`` (added to the environment) must be set before the interpreter starts."""
-    return any(key.startswith(AT_START) for key in env or {})
+    return any(key.startswith(AT_START) and key != "PYTHONPATH" for key in env or {})
 
 
 def run_train_here(
@@ -126,9 +129,18 @@ def _fresh_process(cwd: Path, env: dict | None, out: Path, err: Path) -> Iterato
     saved_progress = data_lib.progress_enabled()
     _forget_run_state()
     terminal: list = []
+    known = {str(Path(p or ".").resolve()) for p in sys.path}
+    user_paths = [
+        p
+        for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep)
+        if p and str(Path(p).resolve()) not in known  # the project's own stays imported
+    ]
+    shadowed: dict = {}
     try:
         os.chdir(cwd)
         os.environ.update(env or {})
+        sys.path[1:1] = user_paths  # after the script's folder, before site-packages
+        shadowed.update(_set_aside_modules_named_in(user_paths))  # a fresh process has none
         with warnings.catch_warnings(), _terminal(out, err, terminal):
             warnings.resetwarnings()
             for action, category, module in reversed(_PYTHON_WARNING_FILTERS):
@@ -147,9 +159,35 @@ def _fresh_process(cwd: Path, env: dict | None, out: Path, err: Path) -> Iterato
         for sig, handler in saved_signals.items():
             signal.signal(sig, handler)
         sys.argv, sys.path[:] = saved_argv, saved_path
+        _forget_modules_from(user_paths)
+        sys.modules.update(shadowed)
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
+
+
+def _set_aside_modules_named_in(folders: list[str]) -> dict:
+    """Take out of ``sys.modules`` (and return) the modules named as a module or package in
+    ``folders``: imported earlier from elsewhere, they would shadow the run's own."""
+    names = {
+        entry.stem if entry.suffix == ".py" else entry.name
+        for folder in folders
+        for entry in Path(folder).glob("*")
+        if entry.suffix == ".py" or (entry / "__init__.py").is_file()
+    }
+    return {
+        name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in names
+    }
+
+
+def _forget_modules_from(folders: list[str]) -> None:
+    """Drop the modules imported from ``folders`` (a run's ``PYTHONPATH``) from ``sys.modules``,
+    as the end of its process would."""
+    roots = [str(Path(folder).resolve()) + os.sep for folder in folders if folder]
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if where and any(str(Path(where).resolve()).startswith(root) for root in roots):
+            del sys.modules[name]
 
 
 @contextlib.contextmanager
