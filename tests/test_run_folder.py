@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,24 @@ from recipes.config import ConfigError
 
 
 def _hold_in_another_process(folder: Path) -> subprocess.CompletedProcess:
-    code = f"from pathlib import Path; from recipes import runs; runs.hold(Path({str(folder)!r}))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    """runs.hold in a forked child (another process, as a second run is: fcntl's locks are per
+    process; forked, it needs no interpreter start-up): its exit status and refusal."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold, say why not, and leave without Python's clean-up
+        os.close(read)
+        try:
+            runs.hold(folder)
+            status = 0
+        except ConfigError as refused:
+            os.write(write, str(refused).encode())
+            status = 2
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as said:
+        message = said.read()
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return subprocess.CompletedProcess(["fork", "runs.hold"], status, "", message)
 
 
 def test_a_held_folder_is_refused_to_another_process_and_free_once_released(tmp_path):
