@@ -27,6 +27,7 @@ module) are forgotten afterwards, so that the next run imports its own.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import random
@@ -66,6 +67,14 @@ def run_train_here(
 ) -> subprocess.CompletedProcess:
     """train.py with ``args`` in this process: its exit code, stdout and stderr, as
     ``subprocess.run(..., capture_output=True, text=True)`` returns them."""
+    return run_here([str(TRAIN), *args], cwd=cwd, env=env)
+
+
+def run_here(
+    argv: list[str], *, cwd: Path, env: dict | None = None, input: str = ""
+) -> subprocess.CompletedProcess:
+    """``python <argv>`` (a script, or ``-m module``) in this process, ``input`` its standard
+    input (not a terminal, as a pipe is); as :func:`run_train_here`."""
     # Imported (their loggers made, printing to the test's terminal) before the state is saved;
     # here, not at the top: conftest imports this module, and not every test needs them.
     import datasets  # noqa: F401
@@ -73,10 +82,15 @@ def run_train_here(
 
     with tempfile.TemporaryDirectory(prefix="train-in-process-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        saved_stdin = sys.stdin
         with _fresh_process(cwd, env, out, err):
-            returncode = _main([str(TRAIN), *args])
+            sys.stdin = io.StringIO(input)
+            try:
+                returncode = _main(argv)
+            finally:
+                sys.stdin = saved_stdin
         return subprocess.CompletedProcess(
-            [sys.executable, str(TRAIN), *args],
+            [sys.executable, *argv],
             returncode,
             out.read_text(errors="replace"),
             err.read_text(errors="replace"),
@@ -84,10 +98,13 @@ def run_train_here(
 
 
 def _main(argv: list[str]) -> int:
-    """Run train.py as ``python train.py`` does; its exit status."""
-    sys.argv = argv
+    """Run ``argv`` as ``python <argv>`` does; its exit status."""
+    sys.argv = argv[1:] if argv[0] == "-m" else argv
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if argv[0] == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
         return _exit_status(stop.code)
     except KeyboardInterrupt:

@@ -5,11 +5,11 @@ from the seed) to the conversation so far, rendered by the model's own chat temp
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import ROOT
+from in_process import run_here
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.config import ASSETS
@@ -30,21 +30,12 @@ def chat_model(tmp_path_factory):
 
 
 def _chat(folder, lines: list[str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.chat",
-            str(folder),
-            "--max-new-tokens",
-            f"{NEW_TOKENS}",
-            *args,
-        ],
-        input="".join(line + "\n" for line in lines),
+    """``python -m recipes.chat`` with ``lines`` piped in, run in this process as the command
+    line runs it (tests/in_process.py: its own terminal, logging and random state)."""
+    return run_here(
+        ["-m", "recipes.chat", str(folder), "--max-new-tokens", f"{NEW_TOKENS}", *args],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        input="".join(line + "\n" for line in lines),
     )
 
 
