@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import sweep_train
+from test_families import family_config
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from recipes import adapters, moe
 from recipes.config import PeftSettings
-from recipes.model_shapes import reduced
 from recipes.tasks.base import Averaging, LossShape, SummedLoss
 
 VOCAB = 100
@@ -166,19 +166,7 @@ def test_moe_preset_runs_dpo_and_grpo_with_default_lora(tmp_path: Path) -> None:
     key-value heads) and the size cut for CI's CPU budget: 2 layers, hidden 64, head width 16,
     8 experts of 32, 2 routed per token, the tiny tokenizer's 2,000-token vocabulary (at full
     width and vocabulary one layer took 57 s of CPU and 9.8 GB)."""
-    shape = reduced(
-        "Qwen/Qwen3-30B-A3B",
-        2,
-        hidden_size=64,
-        intermediate_size=128,
-        head_dim=16,
-        num_attention_heads=8,
-        num_key_value_heads=1,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        vocab_size=2000,
-    )
+    shape = family_config("qwen3_30b_a3b", vocab=2000)  # tests/test_families.py's cuts
     folder = tmp_path / "model"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape)).save_pretrained(folder)
