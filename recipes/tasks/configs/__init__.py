@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -62,6 +62,13 @@ class TaskConfig:
 
     def check(self) -> None:
         """Settings that contradict each other: raise ConfigError naming the keys."""
+
+    def choose(self, key: str, choices: Collection[Any], how: str | None = None) -> None:
+        """Refuse ``task.<key>`` outside ``choices`` in one line: "task.<key>=<value>: choose
+        <how>." (``how`` says what each choice does; by default the choices, joined)."""
+        value = getattr(self, key)
+        if value not in choices:
+            raise ConfigError(f"task.{key}={value!r}: choose {how or ', '.join(choices)}.")
 
     def validate(self) -> None:
         for key, ok, rule in self.RANGES:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature
 
 PROBLEM_TYPES = ("auto", "single_label_classification", "regression")
@@ -26,8 +25,4 @@ class ClassificationConfig(TaskConfig):
     metric: str | None = None
 
     def check(self) -> None:
-        if self.problem_type not in PROBLEM_TYPES:
-            raise ConfigError(
-                f"task.problem_type={self.problem_type!r}: choose one of "
-                f"{', '.join(PROBLEM_TYPES)}."
-            )
+        self.choose("problem_type", PROBLEM_TYPES, f"one of {', '.join(PROBLEM_TYPES)}")

@@ -80,8 +80,7 @@ class DpoConfig(ChatConfig):
 
     def check(self) -> None:
         self.check_format()
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"task.loss_type={self.loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
+        self.choose("loss_type", LOSS_TYPES)
         if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
             raise ConfigError(
                 f"task.label_smoothing={self.label_smoothing} is for task.loss_type=robust "

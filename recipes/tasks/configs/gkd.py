@@ -79,15 +79,13 @@ class GkdConfig(ChatConfig):
     def check(self) -> None:
         self.check_format()
         check_text_rows(self.text_rows)
-        if self.truncation not in GKD_TRUNCATION:
-            raise ConfigError(
-                f"task.truncation={self.truncation!r}: choose keep_end (keep the last "
-                "max_seq_length tokens, as TRL's GKD), truncate (cut the end) or drop."
-            )
-        if self.teacher_dtype not in TEACHER_DTYPES:
-            raise ConfigError(
-                f"task.teacher_dtype={self.teacher_dtype!r}: choose {', '.join(TEACHER_DTYPES)}."
-            )
+        self.choose(
+            "truncation",
+            GKD_TRUNCATION,
+            "keep_end (keep the last max_seq_length tokens, as TRL's GKD), truncate (cut the end) "
+            "or drop",
+        )
+        self.choose("teacher_dtype", TEACHER_DTYPES)
         teacher = self.teacher_model
         if teacher is not None and _local(teacher) and not Path(teacher).expanduser().is_dir():
             raise ConfigError(

@@ -132,20 +132,15 @@ class GrpoConfig(TaskConfig):
     tool_timeout: float = 10.0
 
     def check(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(
-                f"task.loss_type={self.loss_type!r}: choose {', '.join(LOSS_TYPES)} (TRL's; dapo "
-                "is its default)."
-            )
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(
-                f"task.scale_rewards={self.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ConfigError(
-                f"task.importance_sampling_level={self.importance_sampling_level!r}: choose "
-                "token (TRL's default) or sequence (GSPO)."
-            )
+        self.choose(
+            "loss_type", LOSS_TYPES, f"{', '.join(LOSS_TYPES)} (TRL's; dapo is its default)"
+        )
+        self.choose("scale_rewards", SCALE_REWARDS)
+        self.choose(
+            "importance_sampling_level",
+            IMPORTANCE_SAMPLING_LEVELS,
+            "token (TRL's default) or sequence (GSPO)",
+        )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ConfigError(
                 "task.loss_type=luspo is GSPO's sequence-level loss scaled by each completion's "

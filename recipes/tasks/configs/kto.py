@@ -51,8 +51,7 @@ class KtoConfig(ChatConfig):
 
     def check(self) -> None:
         self.check_format()
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"task.loss_type={self.loss_type!r}: choose {', '.join(LOSS_TYPES)}.")
+        self.choose("loss_type", LOSS_TYPES)
         if not self.desirable_weight + self.undesirable_weight > 0:
             raise ConfigError("task.desirable_weight and task.undesirable_weight are both 0.")
         if self.precompute_reference and self.loss_type == "kto":

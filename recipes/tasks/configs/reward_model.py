@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recipes.errors import ConfigError
 from recipes.tasks.configs import feature
 from recipes.tasks.configs.dpo import PAIR_FORMATS
 from recipes.tasks.configs.sft import ROW_RANGES, TRUNCATION, ChatRowsConfig, check_text_rows
@@ -52,8 +51,9 @@ class RewardModelConfig(ChatRowsConfig):
     def check(self) -> None:
         self.check_format()
         check_text_rows(self.text_rows)
-        if self.truncation not in TRUNCATION:
-            raise ConfigError(
-                f"task.truncation={self.truncation!r}: choose drop (leave a pair with a side "
-                "longer than task.max_seq_length out, as TRL) or truncate (cut its end)."
-            )
+        self.choose(
+            "truncation",
+            TRUNCATION,
+            "drop (leave a pair with a side longer than task.max_seq_length out, as TRL) or "
+            "truncate (cut its end)",
+        )

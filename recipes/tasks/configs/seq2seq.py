@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.errors import ConfigError
 from recipes.tasks.configs import TaskConfig, at_least, feature, null_or_at_least
 
 # Each metric and the score of it that ranks checkpoints.
@@ -41,8 +40,8 @@ class Seq2SeqConfig(TaskConfig):
     eval_max_target_length: int | None = feature(None)
 
     def check(self) -> None:
-        if self.metric not in METRICS:
-            raise ConfigError(
-                f"task.metric={self.metric!r}: choose rouge (summarization), bleu (translation) "
-                "or squad (generative QA, EM / F1)."
-            )
+        self.choose(
+            "metric",
+            METRICS,
+            "rouge (summarization), bleu (translation) or squad (generative QA, EM / F1)",
+        )

@@ -49,16 +49,15 @@ class ChatRowsConfig(TaskConfig):
     truncation: str = feature("truncate")  # a longer row: truncate (cut its end) or drop
 
     def check_format(self) -> None:
-        if self.format not in self.FORMATS:
-            raise ConfigError(f"task.format={self.format!r}: choose {', '.join(self.FORMATS)}.")
+        self.choose("format", self.FORMATS)
 
     def check_rows(self) -> None:
         check_text_rows(self.text_rows)
-        if self.truncation not in TRUNCATION:
-            raise ConfigError(
-                f"task.truncation={self.truncation!r}: choose truncate (cut the end of a long "
-                "conversation) or drop (leave it out)."
-            )
+        self.choose(
+            "truncation",
+            TRUNCATION,
+            "truncate (cut the end of a long conversation) or drop (leave it out)",
+        )
 
 
 @dataclass

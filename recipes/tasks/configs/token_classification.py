@@ -61,10 +61,7 @@ class TokenClassificationConfig(TaskConfig):
         return None if self.scheme is None else str(self.scheme).upper()
 
     def check(self) -> None:
-        if self.long_sentences not in LONG_SENTENCES:
-            raise ConfigError(
-                f"task.long_sentences={self.long_sentences!r}: choose window or truncate."
-            )
+        self.choose("long_sentences", LONG_SENTENCES, "window or truncate")
         if not 0 <= self.stride <= self.max_seq_length // 2:
             raise ConfigError(
                 f"task.stride={self.stride}: the sub-words shared by consecutive windows must be "
