@@ -407,6 +407,19 @@ def _to_builtin(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+PREDICTIONS = "predictions.jsonl"
+
+
+def write_predictions(
+    run: RunContext, rows: int, records: Iterable[Mapping[str, Any]] | None
+) -> Report:
+    """mode=predict's file: ``records`` (one per row, in file order; None on the processes that
+    do not write) as ``predictions.jsonl`` in the run folder, and the report of ``rows`` rows."""
+    if records is not None:
+        write_jsonl(run.output_dir / PREDICTIONS, records)
+    return {"rows": rows, "file": PREDICTIONS}
+
+
 def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
     """Write one JSON object per line, atomically."""
     tmp = path.with_suffix(path.suffix + ".tmp")

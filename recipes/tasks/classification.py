@@ -31,7 +31,7 @@ from recipes.tasks.base import (
     Task,
     TaskData,
     row_ids,
-    write_jsonl,
+    write_predictions,
 )
 from recipes.tasks.configs.classification import ClassificationConfig
 
@@ -258,21 +258,21 @@ class SequenceClassification(Task[ClassificationData]):
             return {"out": logits.squeeze(-1) if regression else logits.softmax(-1)}
 
         rows = gather_rows(step, model, loader, run.accelerator)
-        if rows is not None:
-            values = rows["out"].numpy()
-            names = [str(config.id2label[i]) for i in range(config.num_labels)]
-            records = (
-                {"id": row, "score": float(value)}
-                if regression
-                else {
-                    "id": row,
-                    "label": names[int(value.argmax())],
-                    "probabilities": dict(zip(names, value.tolist(), strict=True)),
-                }
-                for row, value in zip(data.row_ids or [], values, strict=True)
-            )
-            write_jsonl(run.output_dir / "predictions.jsonl", records)
-        return {"rows": len(data.eval), "file": "predictions.jsonl"}
+        if rows is None:
+            return write_predictions(run, len(data.eval), None)
+        values = rows["out"].numpy()
+        names = [str(config.id2label[i]) for i in range(config.num_labels)]
+        records = (
+            {"id": row, "score": float(value)}
+            if regression
+            else {
+                "id": row,
+                "label": names[int(value.argmax())],
+                "probabilities": dict(zip(names, value.tolist(), strict=True)),
+            }
+            for row, value in zip(data.row_ids or [], values, strict=True)
+        )
+        return write_predictions(run, len(data.eval), records)
 
     def model_kwargs(self, data: ClassificationData) -> dict[str, Any]:
         if data.label_names is None:

@@ -35,7 +35,7 @@ from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.tasks import base
-from recipes.tasks.base import RunContext, Task, TaskData, write_jsonl
+from recipes.tasks.base import RunContext, Task, TaskData
 from recipes.tasks.configs.multiple_choice import MultipleChoiceConfig
 
 log = get_logger(__name__)
@@ -307,18 +307,18 @@ class MultipleChoice(Task[ChoiceData]):
             return {"probs": torch.nn.functional.pad(probs, (0, width - probs.shape[1]))}
 
         rows = gather_rows(step, model, loader, run.accelerator)
-        if rows is not None:
-            records = []
-            for row, texts, padded in zip(
-                data.row_ids or [], data.choice_texts or [], rows["probs"].tolist(), strict=True
-            ):
-                probs = padded[: len(texts)]
-                best = int(np.argmax(probs))
-                records.append(
-                    {"id": row, "label": best, "choice": texts[best], "probabilities": probs}
-                )
-            write_jsonl(run.output_dir / "predictions.jsonl", records)
-        return {"rows": len(data.eval), "file": "predictions.jsonl"}
+        if rows is None:
+            return base.write_predictions(run, len(data.eval), None)
+        records = []
+        for row, texts, padded in zip(
+            data.row_ids or [], data.choice_texts or [], rows["probs"].tolist(), strict=True
+        ):
+            probs = padded[: len(texts)]
+            best = int(np.argmax(probs))
+            records.append(
+                {"id": row, "label": best, "choice": texts[best], "probabilities": probs}
+            )
+        return base.write_predictions(run, len(data.eval), records)
 
     # ----------------------------------------------------------------------------- training
 

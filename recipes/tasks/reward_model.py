@@ -55,7 +55,7 @@ from recipes.tasks.base import (
     Task,
     TaskData,
     row_ids,
-    write_jsonl,
+    write_predictions,
 )
 from recipes.tasks.chat import ChatFeatures
 from recipes.tasks.configs.reward_model import RewardModelConfig
@@ -244,16 +244,17 @@ class RewardModel(Task[RewardData]):
         run.accelerator.unwrap_model(model).config.pad_token_id = data.pad_token_id
         step = pair_rewards if data.pairs else text_rewards
         rows = gather_rows(lambda m, b: {"rewards": step(m, b)}, model, loader, run.accelerator)
-        if rows is not None:
-            values = rows["rewards"].tolist()
-            records = (
+        records = (
+            None
+            if rows is None
+            else (
                 {"id": row, "chosen_reward": value[0], "rejected_reward": value[1]}
                 if data.pairs
                 else {"id": row, "reward": value}
-                for row, value in zip(data.row_ids or [], values, strict=True)
+                for row, value in zip(data.row_ids or [], rows["rewards"].tolist(), strict=True)
             )
-            write_jsonl(run.output_dir / "predictions.jsonl", records)
-        return {"rows": len(data.eval), "file": "predictions.jsonl"}
+        )
+        return write_predictions(run, len(data.eval), records)
 
 
 def text_rewards(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -48,6 +48,7 @@ from recipes.tasks.base import (
     TaskData,
     row_ids,
     write_jsonl,
+    write_predictions,
 )
 from recipes.tasks.configs.seq2seq import METRICS, Seq2SeqConfig
 from recipes.tasks.qa_examples import check_examples, read_squad_json
@@ -483,12 +484,10 @@ class SequenceToSequence(Task[Seq2SeqData]):
         where = "the model's generation_config" if saved else "generation.*"
         log.info("predict decodes with %s (%s; command line: %s)", decoding, where, given or "-")
         texts, _ = self._generated_texts(model, run.tokenizer, loader, run.accelerator, False)
-        if run.accelerator.is_main_process:
-            write_jsonl(
-                run.output_dir / "predictions.jsonl",
-                ({"id": data.row_ids[n], "generated": texts[n]} for n in sorted(texts)),
-            )
-        return {"rows": len(data.eval), "file": "predictions.jsonl"}
+        records = ({"id": data.row_ids[n], "generated": texts[n]} for n in sorted(texts))
+        return write_predictions(
+            run, len(data.eval), records if run.accelerator.is_main_process else None
+        )
 
 
 # ----------------------------------------------------------------------------------- helpers

@@ -45,7 +45,7 @@ from recipes.tasks.base import (
     Task,
     TaskData,
     row_ids,
-    write_jsonl,
+    write_predictions,
 )
 from recipes.tasks.configs.token_classification import (
     SCHEME_PREFIXES,
@@ -420,27 +420,26 @@ class TokenClassification(Task[NerData]):
         as a list are joined by single spaces) and score, the mean over the entity's words of
         the probability of each word's predicted tag. Tag names are the model's (id2label)."""
         rows = gather_rows(self.eval_step, model, loader, run.accelerator)
-        if rows is not None:
-            predicted, scores = _word_outputs(rows, data)
-            config = run.accelerator.unwrap_model(model).config
-            names = [str(config.id2label[i]) for i in range(config.num_labels)]
-            records = []
-            for n, row_id in enumerate(data.row_ids):
-                tags = [names[i] if i >= 0 else "O" for i in predicted[n]]
-                found = entities(tags, self.scheme)
-                records.append(
-                    {
-                        "id": row_id,
-                        "words": data.words[n],
-                        "tags": tags,
-                        "entities": [
-                            _entity(kind, start, end, data, n, scores[n])
-                            for kind, start, end in found
-                        ],
-                    }
-                )
-            write_jsonl(run.output_dir / "predictions.jsonl", records)
-        return {"rows": len(data.row_ids), "file": "predictions.jsonl"}
+        if rows is None:
+            return write_predictions(run, len(data.row_ids), None)
+        predicted, scores = _word_outputs(rows, data)
+        config = run.accelerator.unwrap_model(model).config
+        names = [str(config.id2label[i]) for i in range(config.num_labels)]
+        records = []
+        for n, row_id in enumerate(data.row_ids):
+            tags = [names[i] if i >= 0 else "O" for i in predicted[n]]
+            found = entities(tags, self.scheme)
+            records.append(
+                {
+                    "id": row_id,
+                    "words": data.words[n],
+                    "tags": tags,
+                    "entities": [
+                        _entity(kind, start, end, data, n, scores[n]) for kind, start, end in found
+                    ],
+                }
+            )
+        return write_predictions(run, len(data.row_ids), records)
 
 
 def _word_outputs(
