@@ -28,7 +28,7 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from recipes import adapters, checkpoint, device, runs, tracking
+from recipes import adapters, checkpoint, device, memory, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings, TrainerConfig
 from recipes.faults import StopRequest
@@ -296,6 +296,7 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 def build_accelerator(settings: Settings) -> Accelerator:
     trainer_cfg = settings.trainer
+    memory.set_fsdp_offload(trainer_cfg.fsdp_offload)
     return Accelerator(
         mixed_precision=resolve_mixed_precision(trainer_cfg.mixed_precision),
         gradient_accumulation_steps=trainer_cfg.gradient_accumulation_steps,
