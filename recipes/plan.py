@@ -62,9 +62,17 @@ CPU_PROCESS_BYTES = int(1.0 * GIB)
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "no": 4, "fp8": 1}
 # fp32 logits per chunk of the project's token loss (recipes/tasks/chat/token_loss.py
-# CHUNK_ELEMENTS, kept here so that the plan imports no torch); its forward holds about three
-# such fp32 chunks at once (the upcast, log-softmax, the cast back).
+# CHUNK_ELEMENTS, kept here so that the plan imports no torch), and how many such chunks its
+# forward holds at once (the upcast, log-softmax, the picked targets' temporaries: measured
+# on the emulated card, scripts/plan_check.py).
 LOSS_CHUNK_ELEMENTS = 2**24
+LOSS_CHUNKS = 5
+LOGITS_COPIES = 2.5  # of the (positions x vocabulary) logits, at the loss
+# What a LoRA layer saves per element of its input, in bytes: the dropout's output (fp32) and
+# mask, autocast's copy for lora_A, and what the measured peaks show besides (as LOSS_CHUNKS).
+LORA_SAVED_BYTES = 12
+# Bytes per attention score that the math path keeps for backward: the fp32 softmax output.
+SCORE_BYTES = 4
 
 
 # -------------------------------------------------------------------------------- the model
@@ -219,6 +227,7 @@ class RunShape:
     shard: int = 1  # processes one copy of the model is sharded over (FSDP / HSDP); 1: not
     fsdp_offload: bool = False
     labelled: float = 1.0  # share of positions whose logits the loss needs
+    fused_loss: bool = False  # trainer.fused_linear_loss: logits a chunk at a time
     optimizer_states: int = 2  # AdamW: two moments per trainable parameter
     # The frozen second model: a reference (DPO, KTO, GRPO with beta > 0; the policy itself
     # with LoRA, its adapter disabled) or a teacher (GKD), unless precomputed.
@@ -340,30 +349,44 @@ def layer_activations(m: ModelShape, r: RunShape) -> int:
     return r.tokens * (norms + attention + mlp)
 
 
+def lora_activations(m: ModelShape, r: RunShape) -> Part:
+    """What LoRA's layers keep for backward (the dropout's output and mask, autocast's copy
+    for lora_A): measured to stay through the step under checkpointing too."""
+    if not r.lora_rank or r.activation_offload:
+        return Part("LoRA activations", 0)
+    inputs = sum(i * n for name, (i, _, n) in m.linears().items() if "experts" not in name)
+    size = r.tokens * m.layers * LORA_SAVED_BYTES * inputs
+    return Part("LoRA activations", size, f"{LORA_SAVED_BYTES} B per input of each adapter")
+
+
 def activations(m: ModelShape, r: RunShape) -> Part:
-    """Saved for backward: every layer's activations; with checkpointing, each layer's input
-    plus one layer's activations while it is recomputed; with activation offload, on the host
-    save one layer's (the one computing)."""
-    one = layer_activations(m, r)
+    """Saved for backward on the device: every layer's activations; with checkpointing only
+    each layer's input; with activation offload none (they are on the host)."""
     residual = r.tokens * m.hidden * max(r.compute_bytes, r.weight_bytes)
-    if r.checkpointing:
-        size, note = m.layers * residual + one, "layer inputs + 1 layer recomputed"
-    else:
-        size, note = m.layers * one, f"{m.layers} layers"
     if r.activation_offload:
-        size, note = one + residual, note + ", offloaded to the host but 1 layer"
-    return Part("activations", size, note)
+        return Part("activations", 0, "offloaded to the host")
+    if r.checkpointing:
+        return Part("activations", m.layers * residual, "layer inputs (checkpointing)")
+    return Part("activations", m.layers * layer_activations(m, r), f"{m.layers} layers")
 
 
-def attention_scores(m: ModelShape, r: RunShape) -> Part:
-    """The math path's attention probabilities, saved for backward in fp32 (autocast runs
+def recomputed_layer(m: ModelShape, r: RunShape) -> Part:
+    """With checkpointing (or offload), the one layer whose activations backward is reading:
+    recomputed (or copied back from the host)."""
+    return Part("layer in backward", layer_activations(m, r), "recomputed / copied back")
+
+
+def attention_scores(
+    m: ModelShape, r: RunShape, one_layer: bool = False, masked_only: bool = False
+) -> Part:
+    """The math path's attention probabilities, kept for backward in fp32 (autocast runs
     softmax in fp32): every layer's, or with checkpointing the recomputed layer's only; and the
     packed rows' mask."""
     mask = r.rows * r.seq * r.seq if r.masked else 0
-    if not r.math_attention:
+    if not r.math_attention or masked_only:
         return Part("attention mask", mask, "bool, packed rows")
-    layers = 1 if (r.checkpointing or r.activation_offload) else m.layers
-    size = layers * r.rows * m.heads * r.seq * r.seq * 4
+    layers = 1 if one_layer else m.layers
+    size = layers * r.rows * m.heads * r.seq * r.seq * SCORE_BYTES
     return Part("attention scores", size + mask, f"{layers} layer(s), no fused kernel")
 
 
@@ -376,8 +399,16 @@ def logits_and_loss(m: ModelShape, r: RunShape, rows: int | None = None) -> Part
     them and, in backward, their gradient; plus the loss' fp32 chunks."""
     tokens = (r.rows if rows is None else rows) * r.seq * r.labelled
     one = int(tokens * m.vocab * r.compute_bytes)
-    chunk = 3 * min(LOSS_CHUNK_ELEMENTS, int(tokens * m.vocab)) * 4
-    return Part("logits and loss", 2 * one + chunk, f"{int(tokens)} positions x {m.vocab}")
+    chunk = min(LOSS_CHUNKS * LOSS_CHUNK_ELEMENTS, int(tokens * m.vocab)) * 4
+    if r.fused_loss:
+        # Hidden states through the output layer a chunk of rows at a time: one chunk's
+        # logits (compute dtype, fp32 upcast, log-softmax) and the hidden states' gradient.
+        hidden = int(tokens * m.hidden * 4)
+        return Part("logits and loss", chunk + hidden, "fused: one chunk of logits at a time")
+    # The model's logits and the loss' copy of them (then the copy and their gradient), and
+    # half a copy more that the measured peaks show at the loss.
+    size = int(LOGITS_COPIES * one) + chunk
+    return Part("logits and loss", size, f"{int(tokens)} positions x {m.vocab}")
 
 
 def second_model(r: RunShape) -> Part:
@@ -436,13 +467,15 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
     head_grad = 0 if r.lora_rank else m.hidden * m.vocab * r.weight_bytes
     if head_grad and r.compute_bytes < r.weight_bytes:
         head_grad += m.hidden * m.vocab * r.compute_bytes
+    layers_saved = not (r.checkpointing or r.activation_offload)
     backward = Phase(
-        "training step (backward)",
+        "training step (loss and output layer)",
         [
             *state,
             weight_copies(m, r),
             activations(m, r),
-            attention_scores(m, r),
+            lora_activations(m, r),
+            attention_scores(m, r) if layers_saved else attention_scores(m, r, masked_only=True),
             logits_and_loss(m, r),
             second_logits(r),
             Part("output layer's gradient", _resident(r, head_grad)),
@@ -450,6 +483,21 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
     )
     step = Phase("optimizer step", [*state, gradients(m, r), optimizer_temporaries(m, r)])
     found = [backward, step]
+    if not layers_saved:
+        found.append(
+            Phase(
+                "training step (a layer's backward)",
+                [
+                    *state,
+                    weight_copies(m, r),
+                    activations(m, r),
+                    lora_activations(m, r),
+                    recomputed_layer(m, r),
+                    attention_scores(m, r, one_layer=True),
+                    gradients(m, r),
+                ],
+            )
+        )
     if r.eval_rows:
         found.append(
             Phase(
@@ -518,7 +566,10 @@ def plan(
             f(m, offloaded).bytes for f in (weights, lora, gradients, optimizer_state)
         )
     if r.activation_offload:
-        found.host_bytes += activations(m, replace(offloaded, checkpointing=r.checkpointing)).bytes
+        saved = replace(offloaded, checkpointing=r.checkpointing)
+        found.host_bytes += sum(
+            f(m, saved).bytes for f in (activations, lora_activations, attention_scores)
+        )
     return found
 
 
@@ -534,6 +585,7 @@ FIX_COSTS = {
     "bf16_weights": 1,
     "pure_bf16": 4,
     "micro_batch": 1,
+    "eval_batch": 1,  # evaluation only: slower, same scores
     "lora": 3,
     "activation_offload": 2,
     "cards": 3,
@@ -569,17 +621,21 @@ def cheapest_fix(m: ModelShape, r: RunShape, card_bytes: int, max_cards: int = 6
         [r.lora_rank, 16] if not r.lora_rank else [r.lora_rank],
         [r.activation_offload, True] if not r.activation_offload else [True],
         [r.weight_bytes, 2] if r.weight_bytes > 2 else [r.weight_bytes],
-        [r.shard * 2**k for k in range(8) if r.shard * 2**k <= max_cards and not r.on_cpu],
+        [r.shard]
+        if r.on_cpu
+        else [r.shard * 2**k for k in range(8) if r.shard * 2**k <= max_cards],
+        _halvings(r.eval_rows, 1)[:5] if r.eval_rows else [0],
         [r.fsdp_offload, True] if not r.fsdp_offload else [True],
         _halvings(r.seq, min(r.seq, 512)),
     )
-    for ckpt, rows, rank, act, weight_bytes, shard, fsdp_off, seq in options:
+    for ckpt, rows, rank, act, weight_bytes, shard, eval_rows, fsdp_off, seq in options:
         if (fsdp_off and shard == 1) or (act and r.on_cpu):
             continue
         changed = replace(
             r,
             checkpointing=ckpt,
             rows=rows,
+            eval_rows=eval_rows,
             lora_rank=rank,
             activation_offload=act,
             weight_bytes=weight_bytes,
@@ -609,6 +665,9 @@ def _describe(old: RunShape, new: RunShape) -> tuple[list[str], int]:
         steps = old.rows // new.rows
         found.append(f"trainer.per_device_train_batch_size={new.rows} (x{steps} accumulation)")
         cost += FIX_COSTS["micro_batch"] * steps.bit_length()
+    if new.eval_rows != old.eval_rows:
+        found.append(f"trainer.per_device_eval_batch_size={new.eval_rows}")
+        cost += FIX_COSTS["eval_batch"]
     if new.lora_rank != old.lora_rank:
         found.append("peft=lora")
         cost += FIX_COSTS["lora"]
@@ -697,19 +756,21 @@ def _second(settings: Any, task: Any, lora_rank: int) -> tuple[ModelShape | None
     return shape, _dtype_bytes(str(settings.model.dtype), 4)
 
 
-def processes_from_accelerate(path: str | None) -> tuple[int, int]:
-    """(processes, shard size) of an accelerate config file: FSDP shards over all processes,
-    HSDP over ``parallelism_config_dp_shard_size``; other launches replicate (shard 1)."""
+def processes_from_accelerate(path: str | None) -> tuple[int, int, bool]:
+    """(processes, shard size, FSDP offload) of an accelerate config file: FSDP shards over
+    all processes, HSDP over ``parallelism_config_dp_shard_size``; other launches replicate
+    (shard 1)."""
     if not path:
-        return 1, 1
+        return 1, 1, False
     import yaml
 
     found = yaml.safe_load(Path(path).read_text()) or {}
     processes = int(found.get("num_processes") or 1)
     if found.get("distributed_type") != "FSDP":
-        return processes, 1
+        return processes, 1, False
     shard = (found.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size")
-    return processes, int(shard or processes)
+    offload = bool((found.get("fsdp_config") or {}).get("fsdp_offload_params", False))
+    return processes, int(shard or processes), offload
 
 
 def run_shape(
@@ -745,6 +806,9 @@ def run_shape(
     second, second_bytes = _second(settings, task, rank)
     num_generations = getattr(task, "num_generations", 0) if name in ("sft", "gkd") else 0
     rows = trainer.per_device_train_batch_size * pairs
+    # trainer.fused_linear_loss (null: on with LoRA), where this checkout has it.
+    fused = getattr(trainer, "fused_linear_loss", False)
+    fused = bool(rank) if fused is None else bool(fused)
     attention = str(settings.model.attn_implementation)
     if attention == "auto":
         attention = "sdpa"
@@ -772,6 +836,7 @@ def run_shape(
         labelled=1.0 if labelled is None else labelled,
         math_attention=math_attention,
         masked=masked,
+        fused_loss=fused and name in ("sft", "dpo", "kto", "grpo", "gkd"),
         optimizer_states=states,
         second=second,
         second_bytes=second_bytes,
@@ -850,7 +915,8 @@ def report(found: Plan, fix: Fix | None = None) -> str:
             if part.bytes:
                 note = f"  ({part.note})" if part.note else ""
                 lines.append(f"    {part.name:<32} {gib(part.bytes):>12}{note}")
-    act_on = activations(m, replace(r, checkpointing=True, activation_offload=False)).bytes
+    ckpt = replace(r, checkpointing=True, activation_offload=False)
+    act_on = activations(m, ckpt).bytes + recomputed_layer(m, ckpt).bytes
     lines.append(
         f"activations: {gib(activations_without_checkpointing(m, r))} without checkpointing, "
         f"{gib(act_on)} with"
@@ -934,8 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
         for card in args.card or ():
             card_memory(card)  # a misspelt card before the config's longer checks
         settings = compose(overrides)
-        processes, shard = processes_from_accelerate(args.config_file)
-        if args.num_processes:
+        processes, shard, offload = processes_from_accelerate(args.config_file)
+        if args.num_processes:  # alone: FSDP2 over them (DDP would not shrink a card's share)
             shard = args.num_processes if shard > 1 or not args.config_file else shard
             processes = args.num_processes
         for card in args.card or list(CARDS)[:3]:
@@ -946,6 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
                 shard=shard,
                 on_cpu=args.cpu,
                 labelled=args.labelled_fraction,
+                fsdp_offload=offload if settings.trainer.fsdp_offload is None else None,
             )
             fix = None if found.fits else cheapest_fix(found.model, found.run, found.card_bytes)
             sys.stdout.write(f"== {card}\n{report(found, fix)}\n")

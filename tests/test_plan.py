@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_train
 
-from recipes import plan
+from recipes import checkpoint, plan
 from recipes.model_shapes import SHAPES, reduced
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,8 @@ def test_run_that_cannot_fit_is_refused_before_loading(tmp_path) -> None:
     )
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: the plan estimates") and "cheapest fix: peft=lora" in line
+    assert line.startswith("error: the plan estimates") and "cheapest fix: " in line
+    assert "peft=lora" in line.split("cheapest fix: ")[1]
     assert not (tmp_path / "run").exists()
 
 
@@ -184,9 +185,11 @@ def test_out_of_memory_ends_in_one_line_and_keeps_the_checkpoint(tmp_path, monke
     assert done.returncode == 1, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: out of memory at step 3")
-    assert "step-2 is intact" in line
-    state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
-    assert state["step"] == 2
+    assert "cheapest fix for a fifth less: " in line
+    kept = out / "checkpoints" / checkpoint.name_of(2)
+    assert f"{kept} is intact" in line
+    assert [p.name for p in checkpoint.finished_checkpoints(kept.parent)] == [kept.name]
+    assert json.loads((kept / checkpoint.STATE_FILE).read_text())["step"] == 2
 
 
 @pytest.mark.slow
