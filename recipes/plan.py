@@ -67,10 +67,15 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "no": 
 # on the emulated card, scripts/plan_check.py).
 LOSS_CHUNK_ELEMENTS = 2**24
 LOSS_CHUNKS = 5
-LOGITS_COPIES = 2.5  # of the (positions x vocabulary) logits, at the loss
+# Copies of the (positions x vocabulary) logits held at the loss: the model's and the loss'
+# own (then the loss' and their gradient), and half a copy more that the measured peaks show;
+# under LoRA one more (measured: the same on 1 and 2 layers, so the output layer's, not the
+# adapters').
+LOGITS_COPIES = 2.5
+LORA_LOGITS_COPIES = 1.0
 # What a LoRA layer saves per element of its input, in bytes: the dropout's output (fp32) and
-# mask, autocast's copy for lora_A, and what the measured peaks show besides (as LOSS_CHUNKS).
-LORA_SAVED_BYTES = 12
+# mask, and autocast's copy for lora_A.
+LORA_SAVED_BYTES = 7
 # Bytes per attention score that the math path keeps for backward: the fp32 softmax output.
 SCORE_BYTES = 4
 
@@ -346,17 +351,11 @@ def layer_activations(m: ModelShape, r: RunShape) -> int:
         mlp = c * (2 * h + m.experts_per_token * 4 * m.expert_intermediate) + 4 * m.experts
     else:
         mlp = c * (2 * h + 4 * m.intermediate)
-    return r.tokens * (norms + attention + mlp)
-
-
-def lora_activations(m: ModelShape, r: RunShape) -> Part:
-    """What LoRA's layers keep for backward (the dropout's output and mask, autocast's copy
-    for lora_A): measured to stay through the step under checkpointing too."""
-    if not r.lora_rank or r.activation_offload:
-        return Part("LoRA activations", 0)
-    inputs = sum(i * n for name, (i, _, n) in m.linears().items() if "experts" not in name)
-    size = r.tokens * m.layers * LORA_SAVED_BYTES * inputs
-    return Part("LoRA activations", size, f"{LORA_SAVED_BYTES} B per input of each adapter")
+    lora = 0
+    if r.lora_rank:  # the adapters' inputs: the dropout's output and mask, lora_A's copy
+        inputs = sum(i * n for name, (i, _, n) in m.linears().items() if "experts" not in name)
+        lora = LORA_SAVED_BYTES * inputs
+    return r.tokens * (norms + attention + mlp + lora)
 
 
 def activations(m: ModelShape, r: RunShape) -> Part:
@@ -405,9 +404,8 @@ def logits_and_loss(m: ModelShape, r: RunShape, rows: int | None = None) -> Part
         # logits (compute dtype, fp32 upcast, log-softmax) and the hidden states' gradient.
         hidden = int(tokens * m.hidden * 4)
         return Part("logits and loss", chunk + hidden, "fused: one chunk of logits at a time")
-    # The model's logits and the loss' copy of them (then the copy and their gradient), and
-    # half a copy more that the measured peaks show at the loss.
-    size = int(LOGITS_COPIES * one) + chunk
+    copies = LOGITS_COPIES + (LORA_LOGITS_COPIES if r.lora_rank else 0)
+    size = int(copies * one) + chunk
     return Part("logits and loss", size, f"{int(tokens)} positions x {m.vocab}")
 
 
@@ -474,7 +472,6 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
             *state,
             weight_copies(m, r),
             activations(m, r),
-            lora_activations(m, r),
             attention_scores(m, r) if layers_saved else attention_scores(m, r, masked_only=True),
             logits_and_loss(m, r),
             second_logits(r),
@@ -491,7 +488,6 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
                     *state,
                     weight_copies(m, r),
                     activations(m, r),
-                    lora_activations(m, r),
                     recomputed_layer(m, r),
                     attention_scores(m, r, one_layer=True),
                     gradients(m, r),
@@ -567,9 +563,7 @@ def plan(
         )
     if r.activation_offload:
         saved = replace(offloaded, checkpointing=r.checkpointing)
-        found.host_bytes += sum(
-            f(m, saved).bytes for f in (activations, lora_activations, attention_scores)
-        )
+        found.host_bytes += sum(f(m, saved).bytes for f in (activations, attention_scores))
     return found
 
 
