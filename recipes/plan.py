@@ -58,7 +58,7 @@ FRAGMENTATION = 0.05  # share of the allocated peak lost to the allocator's bloc
 # What a CPU process holds besides its tensors: the interpreter, torch, transformers, datasets,
 # the tokenizer and the data's tables (measured: scripts/plan_check.py, a 2-layer run's peak RSS
 # less its tensors' bytes).
-CPU_PROCESS_BYTES = int(1.0 * GIB)
+CPU_PROCESS_BYTES = int(0.6 * GIB)
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "no": 4, "fp8": 1}
 # fp32 logits per chunk of the project's token loss (recipes/tasks/chat/token_loss.py
@@ -393,10 +393,11 @@ def activations_without_checkpointing(m: ModelShape, r: RunShape) -> int:
     return activations(m, replace(r, checkpointing=False, activation_offload=False)).bytes
 
 
-def logits_and_loss(m: ModelShape, r: RunShape, rows: int | None = None) -> Part:
+def logits_and_loss(m: ModelShape, r: RunShape, eval_rows: int | None = None) -> Part:
     """The output layer's logits at the labelled positions (compute dtype), the loss' copy of
-    them and, in backward, their gradient; plus the loss' fp32 chunks."""
-    tokens = (r.rows if rows is None else rows) * r.seq * r.labelled
+    them and, in backward, their gradient; plus the loss' fp32 chunks. ``eval_rows``: an
+    evaluation batch's (no gradient: the logits and the loss' copy)."""
+    tokens = (r.rows if eval_rows is None else eval_rows) * r.seq * r.labelled
     one = int(tokens * m.vocab * r.compute_bytes)
     chunk = min(LOSS_CHUNKS * LOSS_CHUNK_ELEMENTS, int(tokens * m.vocab)) * 4
     if r.fused_loss:
@@ -405,6 +406,8 @@ def logits_and_loss(m: ModelShape, r: RunShape, rows: int | None = None) -> Part
         hidden = int(tokens * m.hidden * 4)
         return Part("logits and loss", chunk + hidden, "fused: one chunk of logits at a time")
     copies = LOGITS_COPIES + (LORA_LOGITS_COPIES if r.lora_rank else 0)
+    if eval_rows is not None:
+        copies = 2
     size = int(copies * one) + chunk
     return Part("logits and loss", size, f"{int(tokens)} positions x {m.vocab}")
 
@@ -502,7 +505,7 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
                     *state,
                     weight_copies(m, r),
                     forward_working(m, r, r.eval_rows),
-                    logits_and_loss(m, r, rows=r.eval_rows),
+                    logits_and_loss(m, r, eval_rows=r.eval_rows),
                 ],
             )
         )
