@@ -863,30 +863,18 @@ def plan_settings(
     *,
     card: str | None = None,
     card_bytes: int | None = None,
-    processes: int = 1,
-    shard: int = 1,
-    on_cpu: bool = False,
-    mixed_precision: str | None = None,
-    labelled: float | None = None,
-    fsdp_offload: bool | None = None,
     device_kind: str | None = None,
+    **options: Any,
 ) -> Plan:
-    """The plan of a validated run's settings on ``card`` (or ``card_bytes``); the device's
-    kind (musa, cuda, cpu) follows the card unless given."""
-    shape = model_shape(settings.model.name_or_path)
-    run = run_shape(
-        settings,
-        processes=processes,
-        shard=shard,
-        on_cpu=on_cpu,
-        mixed_precision=mixed_precision,
-        labelled=labelled,
-        fsdp_offload=fsdp_offload,
-        device_kind=device_kind or ("cpu" if on_cpu else kind_of_card(card)),
-    )
+    """The plan of a validated run's settings on ``card`` (or ``card_bytes``); ``options`` as
+    :func:`run_shape` takes them. The device's kind (musa, cuda, cpu) follows the card unless
+    given."""
+    on_cpu = options.get("on_cpu", False)
+    kind = device_kind or ("cpu" if on_cpu else kind_of_card(card))
+    run = run_shape(settings, device_kind=kind, **options)
     if card is not None and card_bytes is None:
         card_bytes = card_memory(card)
-    return plan(shape, run, card, card_bytes)
+    return plan(model_shape(settings.model.name_or_path), run, card, card_bytes)
 
 
 # -------------------------------------------------------------------------------- reports
