@@ -907,7 +907,7 @@ def report(found: Plan, fix: Fix | None = None) -> str:
         f"{gib(act_on)} with"
     )
     if found.host_bytes:
-        lines.append(f"host memory for offload: {gib(found.host_bytes)}")
+        lines.append(f"host memory for offload: {gib(found.host_bytes)} per process")
     lines.append(f"peak: {gib(found.peak_bytes)} ({found.peak.name})")
     lines.append(verdict(found, fix))
     return "\n".join(lines)
