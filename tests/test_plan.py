@@ -236,3 +236,12 @@ def test_fsdp_offload_needs_an_fsdp_launch(monkeypatch) -> None:
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
     set_fsdp_offload(True)  # what accelerate's FSDP plugin reads when it is built
     assert os.environ["FSDP_OFFLOAD_PARAMS"] == "true"
+
+
+def test_accelerate_configs_give_processes_and_shards() -> None:
+    """FSDP2 shards over every process, HSDP over a node's cards, DDP over none."""
+    conf = ROOT / "conf" / "accelerate"
+    assert plan.processes_from_accelerate(str(conf / "fsdp2.yaml")) == (8, 8, False)
+    assert plan.processes_from_accelerate(str(conf / "hsdp_musa.yaml")) == (16, 8, False)
+    processes, shard, _ = plan.processes_from_accelerate(str(conf / "multi_musa.yaml"))
+    assert processes > 1 and shard == 1
