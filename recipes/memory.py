@@ -49,7 +49,10 @@ def card_bytes(accelerator: Accelerator) -> tuple[str | None, int | None]:
 
 
 def run_plan(settings: Settings, accelerator: Accelerator) -> planning.Plan | None:
-    """This run's plan on its own device; None when the model's shape is unknown offline."""
+    """This run's plan on its own device; None for a task the plan does not size (encoders,
+    sequence to sequence, reward models) or a model whose shape is unknown offline."""
+    if getattr(type(settings.task), "NAME", "") not in planning.PLANNED_TASKS:
+        return None
     fsdp_offload = settings.trainer.fsdp_offload
     if fsdp_offload is None:
         fsdp_offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("1", "true")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -184,25 +183,25 @@ def _targets(targets: Any, name: str) -> bool:
 
 def model_shape(name_or_path: str) -> ModelShape:
     """The shape of ``model.name_or_path``: a kept hub shape, a folder's config.json, or
-    transformers' cached config of a hub model (offline)."""
+    transformers' cached config of a hub model (never a download)."""
     from recipes.model_shapes import shape_of
 
-    kept = shape_of(name_or_path)
-    if kept is not None:
-        return ModelShape.from_config(kept)
-    config = Path(name_or_path) / "config.json"
-    if config.is_file():
-        return ModelShape.from_config(json.loads(config.read_text()))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download
     try:
+        kept = shape_of(name_or_path)
+        if kept is not None:
+            return ModelShape.from_config(kept)
+        config = Path(name_or_path) / "config.json"
+        if config.is_file():
+            return ModelShape.from_config(json.loads(config.read_text()))
         from transformers import AutoConfig
 
-        return ModelShape.from_config(AutoConfig.from_pretrained(name_or_path).to_dict())
-    except Exception as err:
+        found = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        return ModelShape.from_config(found.to_dict())
+    except Exception as err:  # no config here, or not a decoder's (T5 names its sizes d_model)
         raise PlanError(
             f"model.name_or_path={name_or_path}: its shape is unknown here (not in "
-            "recipes/model_shapes.py, no config.json in that folder, none cached); give a "
-            "folder with its config.json."
+            "recipes/model_shapes.py, no decoder config.json in that folder, none cached); "
+            "give a folder with its config.json."
         ) from err
 
 
@@ -689,6 +688,9 @@ def _describe(old: RunShape, new: RunShape) -> tuple[list[str], int]:
 
 
 # -------------------------------------------------------------------- from a run's settings
+
+# The tasks the plan sizes: causal LMs (a decoder, its output layer over the vocabulary).
+PLANNED_TASKS = ("sft", "dpo", "kto", "grpo", "gkd", "clm")
 
 
 def card_memory(name: str) -> int:
