@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import on_musa, run_train
 
 from recipes import checkpoint, plan
 from recipes.model_shapes import SHAPES, reduced
@@ -153,6 +153,24 @@ def test_run_that_cannot_fit_is_refused_before_loading(tmp_path) -> None:
     assert line.startswith("error: the plan estimates") and "cheapest fix: " in line
     assert "peft=lora" in line.split("cheapest fix: ")[1]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_refused_on_a_card_by_its_memory(tmp_path) -> None:
+    """On an (emulated) S4000, Qwen3-8B in full: the card's own memory in the one line, exit 2,
+    before the model (absent offline) loads."""
+    done = run_train(
+        "recipe=llama_sft",
+        "debug=smoke",
+        "model.name_or_path=Qwen/Qwen3-8B",
+        f"output_dir={tmp_path / 'run'}",
+        check=False,
+        script=on_musa(card="S4000"),
+    )
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the plan estimates") and "S4000 has 48.00 GiB" in line
+    assert "cheapest fix: " in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
