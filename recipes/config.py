@@ -192,6 +192,18 @@ class TrainerConfig:
     # Recompute activations in the backward pass (non-reentrant): far less activation memory
     # for about a third more step time; works with peft=lora.
     gradient_checkpointing: bool = False
+    # Keep the activations saved for backward in host memory (torch's save_on_cpu, pinned),
+    # copied back as backward needs them: a card holds about one layer's activations, for the
+    # copies' time over PCIe. With checkpointing only the layers' inputs go to the host.
+    activation_offload: bool = False
+    # FSDP / HSDP launches only: keep the sharded weights, gradients and AdamW state in host
+    # memory (accelerate's FSDP cpu_offload, the config's fsdp_offload_params) and run the
+    # optimizer step on the CPU; the card holds the gathered layers. null: the accelerate
+    # config's fsdp_offload_params.
+    fsdp_offload: bool | None = None
+    # Refuse, before the model loads, a run whose memory plan (python -m recipes.plan) exceeds
+    # the card's memory (on a CPU: the machine's RAM), in one line with the cheapest fix.
+    check_memory: bool = True
     # Stop after this many evaluations without a new best main metric (needs
     # eval_every_n_steps > 0 and checkpoints).
     early_stopping_patience: int | None = None

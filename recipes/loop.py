@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from recipes import adapters, checkpoint, device, evaluation, moe, runs, serving
+from recipes import adapters, checkpoint, device, evaluation, memory, moe, runs, serving
 from recipes import data as data_lib
 from recipes.config import ConfigError, instantiate
 from recipes.faults import (
@@ -240,14 +240,29 @@ class Trainer:
         ``gradient_accumulation_steps``, then logging, evaluation and checkpoints as due.
         Returns the last evaluation."""
         self._start_fit()
-        with self.progress:  # closed on errors too: a stale bar would hide the message
-            self._evaluate_before_training()
-            self.model.train()
-            while self.state.step < self.total_steps and not self.validator.stops_early():
-                self._train_epoch()
-        self._evaluate_after_training()
+        with self._out_of_memory_advice():
+            with self.progress:  # closed on errors too: a stale bar would hide the message
+                self._evaluate_before_training()
+                self.model.train()
+                while self.state.step < self.total_steps and not self.validator.stops_early():
+                    self._train_epoch()
+            self._evaluate_after_training()
         self.validator.restore_best()
         return self.validator.scores
+
+    @contextmanager
+    def _out_of_memory_advice(self) -> Iterator[None]:
+        """An out-of-memory ends the run in one line: the plan, the cheapest fix and the last
+        checkpoint, left as it was (nothing is written after the failure)."""
+        try:
+            yield
+        except Exception as err:
+            if not memory.out_of_memory(err):
+                raise
+            saved = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
+            found = memory.run_plan(self.settings, self.accelerator)
+            last = str(saved[-1]) if saved else None
+            raise memory.out_of_memory_error(err, self.state.step, found, last) from err
 
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
@@ -349,7 +364,8 @@ class Trainer:
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             with nullcontext() if last else accelerator.no_sync(self.model):
-                out = self.task.loss(self.model, piece)
+                with memory.activation_offload(self.trainer_cfg.activation_offload, accelerator):
+                    out = self.task.loss(self.model, piece)
                 if isinstance(out, SummedLoss):
                     loss = out.total / self.sum_scale
                     logged += out.total.detach().float()
@@ -599,8 +615,9 @@ class Trainer:
             # Several processes do not poll in the last words: a stop asked for there is acted
             # on here, before final/.
             self.stop_poll.raise_if_asked()
-        if extra:
-            self.metrics.log(extra, state.step)
+        found = memory.run_plan(self.settings, accelerator)
+        extra = {**(extra or {}), **memory.plan_and_peak(found, accelerator)}
+        self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
             base = adapters.base_reference(self.settings.model, resized=bool(self.data.new_tokens))
             final_dir = _save_final(

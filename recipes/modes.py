@@ -18,7 +18,7 @@ from typing import Any
 
 from accelerate.utils import parse_flag_from_env
 
-from recipes import checkpoint, device, evaluation, runs, tracking
+from recipes import checkpoint, device, evaluation, memory, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings
 from recipes.faults import StopRequest, TrainingError, disk_full_stop, peer_failures_reported
@@ -54,6 +54,8 @@ def run(settings: Settings) -> RunResult:
     settings = benchmark_run_folder(settings)
     with peer_failures_reported(settings.output_dir):  # a rank that never joined
         accelerator = build_accelerator(settings)
+    if settings.mode == "train":
+        memory.check_fits(settings, accelerator)  # before any folder, data or weights
     stop = StopRequest()  # installed when training starts (until then a signal ends the run)
     try:
         with peer_failures_reported(settings.output_dir):  # said before `stop` lets SIGTERM kill

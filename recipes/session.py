@@ -29,7 +29,7 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from recipes import adapters, checkpoint, device, mesh, runs, tracking
+from recipes import adapters, checkpoint, device, memory, mesh, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, ModelConfig, Settings, TrainerConfig
 from recipes.faults import StopRequest
@@ -305,6 +305,7 @@ def format_metrics(metrics: dict[str, float]) -> str:
 def build_accelerator(settings: Settings) -> Accelerator:
     trainer_cfg = settings.trainer
     mesh.check()  # a parallelism_config mesh that does not fit the processes: one line
+    memory.set_fsdp_offload(trainer_cfg.fsdp_offload)
     return Accelerator(
         mixed_precision=resolve_mixed_precision(trainer_cfg.mixed_precision),
         gradient_accumulation_steps=trainer_cfg.gradient_accumulation_steps,
