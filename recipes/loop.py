@@ -240,7 +240,7 @@ class Trainer:
         ``gradient_accumulation_steps``, then logging, evaluation and checkpoints as due.
         Returns the last evaluation."""
         self._start_fit()
-        with self._out_of_memory_advice():
+        with _out_of_memory_advice(self):
             with self.progress:  # closed on errors too: a stale bar would hide the message
                 self._evaluate_before_training()
                 self.model.train()
@@ -249,20 +249,6 @@ class Trainer:
             self._evaluate_after_training()
         self.validator.restore_best()
         return self.validator.scores
-
-    @contextmanager
-    def _out_of_memory_advice(self) -> Iterator[None]:
-        """An out-of-memory ends the run in one line: the plan, the cheapest fix and the last
-        checkpoint, left as it was (nothing is written after the failure)."""
-        try:
-            yield
-        except Exception as err:
-            if not memory.out_of_memory(err):
-                raise
-            saved = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(self.output_dir))
-            found = memory.run_plan(self.settings, self.accelerator)
-            last = str(saved[-1]) if saved else None
-            raise memory.out_of_memory_error(err, self.state.step, found, last) from err
 
     def _start_fit(self) -> None:
         accelerator, state = self.accelerator, self.state
@@ -674,6 +660,21 @@ class Trainer:
         )
         log.info("benchmarked final/: %s", format_metrics(report.scores))
         return {"benchmarks": report.scores, "lm_eval": report.results}
+
+
+@contextmanager
+def _out_of_memory_advice(trainer: Trainer) -> Iterator[None]:
+    """An out-of-memory ends ``trainer``'s run in one line: the plan, the cheapest fix and the
+    last checkpoint, left as it was (nothing is written after the failure)."""
+    try:
+        yield
+    except Exception as err:
+        if not memory.out_of_memory(err):
+            raise
+        saved = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(trainer.output_dir))
+        found = memory.run_plan(trainer.settings, trainer.accelerator)
+        last = str(saved[-1]) if saved else None
+        raise memory.out_of_memory_error(err, trainer.state.step, found, last) from err
 
 
 def _on_any_rank(accelerator: Accelerator, flag: torch.Tensor) -> bool:
