@@ -53,6 +53,22 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("feature-cache")
 
 
+# scripts/gpu_check.py's rows that its dry run on the emulated MUSA card runs
+# (tests/test_emulated_runs.py: through the device path, with the card's MFU and peak memory);
+# the CPU dry run (tests/test_gpu_check.py) runs every other row, so each row runs once in CI.
+GPU_CHECK_ON_THE_CARD = (
+    "micro/*",
+    "llama135m/*",
+    "compare/packing",
+    "compare/lora_memory",
+    "fsdp/*",
+    "smoke/llama_dpo",
+    "smoke/t5_squad",
+)
+# Of those, the ones the CPU dry run runs as well: the smoke rows share one sweep process there.
+GPU_CHECK_ALSO_ON_THE_CPU = ("smoke/*",)
+
+
 # The slow set's longest modules, longest first (seconds of one worker, pytest -m slow -n 2
 # --durations=0 on 2 cores): pytest-xdist's loadscope hands out whole modules in collection
 # order, so one of these handed out last would leave the other worker idle for its length.

@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_gpu_check
 import torch
 from conftest import (
+    GPU_CHECK_ON_THE_CARD,
     ROOT,
     free_port,
     kill_at_checkpoint,
@@ -543,21 +545,13 @@ def test_a_failed_sharded_save_ends_the_run_in_one_line_not_a_hang(tmp_path, cac
 
 
 def test_gpu_check_dry_run_on_the_device(tmp_path, cache_dir):
-    """The GPU check's rows on the emulated card (shrunk): each runs and reports the S4000's
-    MFU and the card's peak memory. Not torch.compile: the stand-in has no inductor backend
-    for musa (torch_musa/_inductor). Of the smoke rows, two: every recipe runs on the emulated
-    card in tests/test_emulated_recipes.py, and the CPU dry run (tests/test_gpu_check.py) runs
-    each row."""
+    """The GPU check's rows on the emulated card (shrunk; conftest.GPU_CHECK_ON_THE_CARD, which
+    the CPU dry run of tests/test_gpu_check.py leaves to this one): each runs and reports the
+    S4000's MFU and the card's peak memory. Not torch.compile: the stand-in has no inductor
+    backend for musa (torch_musa/_inductor). Of the smoke rows, two: every recipe runs on the
+    emulated card in tests/test_emulated_recipes.py."""
     out = tmp_path / "out"
-    rows = (
-        "micro/*",
-        "smoke/llama_dpo",
-        "smoke/t5_squad",
-        "llama135m/*",
-        "compare/lora_memory",
-        "fsdp/*",
-    )
-    only = [arg for row in rows for arg in ("--only", row)]
+    only = [arg for row in GPU_CHECK_ON_THE_CARD for arg in ("--only", row)]
     _python_on_musa(
         str(ROOT / "scripts" / "gpu_check.py"),
         "--dry-run",
@@ -569,6 +563,9 @@ def test_gpu_check_dry_run_on_the_device(tmp_path, cache_dir):
         env={**os.environ, **ONE_THREAD},
     )
     found = {r["row"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+    # Each row the CPU dry run leaves to the card ran here (tests/test_gpu_check.py).
+    every = test_gpu_check._every_row()
+    assert every - test_gpu_check.rows_on_the_cpu(every) <= set(found), sorted(found)
     assert {"micro/sdpa_probe", "micro/generate", "smoke/llama_dpo", "fsdp/llama_sft_lora"} <= set(
         found
     )
