@@ -190,6 +190,13 @@ class TrainerConfig:
     # Recompute activations in the backward pass (non-reentrant): far less activation memory
     # for about a third more step time; works with peft=lora.
     gradient_checkpointing: bool = False
+    # The chat tasks' losses from the hidden states, a chunk of tokens at a time
+    # (recipes/losses/linear_ce.py): the (tokens x vocabulary) logits and their gradient never
+    # exist whole (2.5 GB each in bf16 for 8,192 tokens of Qwen3's 151,936 entries), for a
+    # second projection of the labelled tokens in backward. null: on where the output layer is
+    # frozen (LoRA), where loss and gradients equal the unfused path's; true: also where it
+    # trains (its gradient summed chunk by chunk: last-bit changes); false: never.
+    fused_linear_loss: bool | None = None
     # Stop after this many evaluations without a new best main metric (needs
     # eval_every_n_steps > 0 and checkpoints).
     early_stopping_patience: int | None = None
