@@ -245,3 +245,25 @@ def test_the_setting_is_decided_for_the_model():
     assert "off (the model scales its logits" in chat.choose_fused_loss(model, None)
     with pytest.raises(ConfigError, match=r"^trainer.fused_linear_loss=true: .*=false$"):
         chat.choose_fused_loss(model, True)
+
+
+def test_chunks_run_under_the_autocast_of_the_models_forward(tmp_path, tokenizer):
+    """accelerate wraps the model's forward in autocast, not the loss: the chunks' logits are
+    still bf16 products, as the full logits are."""
+    rows = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines()[:2]]
+    sft, batch = _build("sft", tmp_path, tokenizer, rows, chat_template="zephyr", packing=True)
+    model = _model()
+    forward = model.forward
+    model.forward = lambda *a, **k: _in_bf16(forward, *a, **k)
+    losses = {}
+    for fused in (False, True):
+        linear_ce.mark(model, fused)
+        losses[fused] = sft.loss(model, batch).total
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
+    head = chat.forward(model, batch, lazy_head=True).logits  # fused: still marked
+    assert head.project(head.hidden[0, :3]).dtype == torch.bfloat16  # outside any autocast
+
+
+def _in_bf16(forward, *args, **kwargs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return forward(*args, **kwargs)

@@ -146,7 +146,22 @@ class CaptureHeadInput:
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> tuple:
         self.hidden = args[0]
+        self.autocast = autocast_state(args[0].device.type)
         return (args[0][..., :0, :], *args[1:])
+
+    def project(
+        self, project: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``project`` under the autocast the model's forward ran in (accelerate wraps the
+        forward, not the loss): the chunks' logits in the dtype the full logits would have."""
+        kind = self.hidden.device.type
+        enabled, dtype = self.autocast
+
+        def cast(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(kind, dtype=dtype, enabled=enabled):
+                return project(hidden)
+
+        return cast
 
     def __enter__(self) -> CaptureHeadInput:
         self.handle = self.layer.register_forward_pre_hook(self._pre_hook)
@@ -154,6 +169,16 @@ class CaptureHeadInput:
 
     def __exit__(self, *exc: object) -> None:
         self.handle.remove()
+
+
+def autocast_state(kind: str) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for device type ``kind`` here, and its dtype."""
+    try:
+        return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    except (TypeError, AttributeError):  # torch < 2.4: per-device-type functions
+        if kind == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
 
 
 # Where the run's decision (trainer.fused_linear_loss) is kept: an attribute of the model (the

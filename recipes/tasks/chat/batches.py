@@ -286,7 +286,7 @@ def lazy_forward(model: torch.nn.Module, call: Callable[[], Any], shape: torch.S
         out = call()
     project, vocab = linear_ce.output_head(model)
     hidden = capture.hidden.view(*shape, -1)  # a padding-free row: back to the batch's rows
-    out.logits = linear_ce.HeadInput(hidden, project, vocab)
+    out.logits = linear_ce.HeadInput(hidden, capture.project(project), vocab)
     return out
 
 
