@@ -204,6 +204,13 @@ class TrainerConfig:
     # Refuse, before the model loads, a run whose memory plan (python -m recipes.plan) exceeds
     # the card's memory (on a CPU: the machine's RAM), in one line with the cheapest fix.
     check_memory: bool = True
+    # The chat tasks' losses from the hidden states, a chunk of tokens at a time
+    # (recipes/losses/linear_ce.py): the (tokens x vocabulary) logits and their gradient never
+    # exist whole (2.5 GB each in bf16 for 8,192 tokens of Qwen3's 151,936 entries), for a
+    # second projection of the labelled tokens in backward. null: on where the output layer is
+    # frozen (LoRA), where loss and gradients equal the unfused path's; true: also where it
+    # trains (its gradient summed chunk by chunk: last-bit changes); false: never.
+    fused_linear_loss: bool | None = None
     # Stop after this many evaluations without a new best main metric (needs
     # eval_every_n_steps > 0 and checkpoints).
     early_stopping_patience: int | None = None

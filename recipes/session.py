@@ -44,6 +44,7 @@ from recipes.model import (
     share_tied_embeddings,
     weights_summary,
 )
+from recipes.tasks import chat
 from recipes.tasks.base import PadsToLength, PadsToMultiple, RunContext, Task, TaskData
 from recipes.tasks.configs import config_classes
 from recipes.tracking import MetricsLogger
@@ -183,6 +184,8 @@ class Session:
         log.info(weights_summary(model, model_cfg, self.accelerator.mixed_precision))
         if self.trainer_cfg.gradient_checkpointing:
             adapters.enable_gradient_checkpointing(model)
+        if getattr(task, "fused_linear_loss", False):  # the chat tasks' chunked losses
+            log.info(chat.choose_fused_loss(model, self.trainer_cfg.fused_linear_loss))
         return model
 
     def fixed_length(self, data: TaskData) -> int | None:

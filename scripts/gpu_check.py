@@ -447,6 +447,9 @@ def build_plan(precision: str, fsdp_config: str) -> Plan:
             "why sub-batches cost more on this device: step time, device busy, first calls",
         )
     ]
+    large_process, large_rows = large_lora_plan()
+    processes.append(large_process)
+    rows += large_rows
     return Plan({p.key: p for p in processes}, rows, comparisons, precision, summaries)
 
 
@@ -1885,10 +1888,97 @@ def run_child(name: str, out: Path, models: Path, dry_run: bool, data: Path | No
         result = child_rollouts(models, out, dry_run)
     elif name == QWEN_LORA_ROW.value:
         result = child_qwen3_4b_lora(out, dry_run)
+    elif name.startswith("large:"):
+        result = child_large_lora(name, models, out, dry_run)
     else:
         result = CHILDREN[name](dry_run)
     atomic_write(out / "result.json", (json.dumps(result) + "\n").encode())
     return 0
+
+
+# ------------------------------------------------------------- large models, LoRA (issue 56)
+
+# Issue 56's rows (only with --only 'large/*'): LoRA SFT of random-weight models in Qwen3's real
+# shapes through train.py against TRL's SFTTrainer (scripts/memory_vs_trl.py runs both), the
+# bundled tiny tokenizer's ids under Qwen3's full 151,936-entry output layer. Qwen3-4B, 36
+# layers, at ms-swift's MUSA setting (2,048 tokens, batch 4, accumulation 4, rank 8); Qwen3-8B,
+# 36 layers, at 4,096 and 8,192 tokens without and with trainer.fused_linear_loss. Each row
+# builds its model folder once (under the setup models folder) and reports its peak device
+# memory and tokens/s; --dry-run: 2 layers 64 wide, 128 tokens, batch 2, accumulation 2.
+LARGE_LORA = {
+    # row: (shape, tokens, batch, accumulation, rank, side, cap_s)
+    "large/qwen3_4b_ours": ("Qwen/Qwen3-4B", 2048, 4, 4, 8, "ours", 110),
+    "large/qwen3_4b_trl": ("Qwen/Qwen3-4B", 2048, 4, 4, 8, "trl", 90),
+    "large/qwen3_8b_4096_unfused": ("Qwen/Qwen3-8B", 4096, 1, 1, 16, "unfused", 110),
+    "large/qwen3_8b_4096_fused": ("Qwen/Qwen3-8B", 4096, 1, 1, 16, "fused", 40),
+    "large/qwen3_8b_8192_unfused": ("Qwen/Qwen3-8B", 8192, 1, 1, 16, "unfused", 50),
+    "large/qwen3_8b_8192_fused": ("Qwen/Qwen3-8B", 8192, 1, 1, 16, "fused", 50),
+}
+
+
+def large_lora_plan() -> tuple[Process, list[Row]]:
+    """Issue 56's process and rows (optional: only with --only)."""
+    rows = []
+    for name, (shape, tokens, batch, accumulation, rank, side, cap) in LARGE_LORA.items():
+        what = f"{shape} shape LoRA r={rank}, {tokens} tokens, batch {batch}x{accumulation}"
+        rows.append(Row(name, "large", cap, f"large:{name}", f"{what}: {side}", optional=True))
+    return Process("large", "child", 10), rows
+
+
+def child_large_lora(value: str, models: Path, out: Path, dry_run: bool) -> dict:
+    """One LARGE_LORA row: ours (train.py, fused as the row says; ``ours``: the default) or
+    TRL's SFTTrainer, two optimizer steps on packed rows; loss, tokens/s of the last step
+    (ours) or of both (TRL), peak device memory."""
+    from scripts import memory_vs_trl as peers
+
+    shape, tokens, batch, accumulation, rank, side, _ = LARGE_LORA[value.split(":", 1)[1]]
+    changes: dict[str, Any] = {"vocab_size": 151936}  # Qwen3's output layer, whatever the ids
+    layers = 36
+    if dry_run:
+        tokens, batch, accumulation, layers = 128, 2, 2, 2
+        changes |= {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+        changes |= {"num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2000}
+    model_dir = models / f"large-{shape.split('/')[1]}{'-dry' if dry_run else ''}"
+    if not (model_dir / "config.json").exists():
+        peers.prepare_model(model_dir, shape, layers, ASSETS / "tiny-llama", **changes)
+    data = out / "rows"
+    peers.write_rows(data, model_dir, tokens, 4 * batch * accumulation * 2)
+    steps = 2
+    if side == "trl":
+        found = peers.run_trl(model_dir, data, tokens, out / "trl", batch, accumulation, rank, 2)
+        return {
+            "ok": True,
+            "loss": found["loss"],
+            "tokens_per_s": found["tokens_per_s"],
+            "peak_memory_gib": found["peak_gib"],
+            "note": f"TRL SFTTrainer (packing, its fused LM head), train() {found['seconds']:.0f} s",
+        }
+    from recipes import device
+
+    precision = "no" if device.backend() == device.CPU else "bf16"
+    cmd = peers.ours_command(
+        model_dir,
+        data,
+        tokens,
+        out / "ours",
+        side == "fused",
+        batch,
+        accumulation,
+        rank,
+        steps,
+        precision,
+    )
+    if side == "ours":  # the run's default for trainer.fused_linear_loss
+        cmd = [c for c in cmd if not c.startswith("trainer.fused_linear_loss=")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "train.log").write_text(f"$ {shlex.join(cmd)}\n{done.stdout}{done.stderr}")
+    if done.returncode != 0:
+        return {"ok": False, "error": last_error(done.stdout + done.stderr) or "train.py failed"}
+    found = train_metrics(out / "ours")
+    log = (out / "ours" / "train.log").read_text(errors="replace")
+    fused = re.search(r"trainer\.fused_linear_loss[:=] ?(\w+)", log)
+    found["note"] = f"fused_linear_loss {fused.group(1) if fused else '?'}; {found['note']}"
+    return found
 
 
 # ---------------------------------------------------------------------------------- wheels

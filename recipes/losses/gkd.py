@@ -13,6 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from recipes.losses import linear_ce
+from recipes.losses.linear_ce import HeadInput
+
 
 def generalized_jsd(
     student_logits: torch.Tensor,
@@ -58,3 +61,29 @@ def distillation_loss(
     else:
         per_token = generalized_jsd(student_logits, teacher, beta) * mask
     return per_token.sum(1), mask.sum(1)
+
+
+def chunked_distillation_loss(
+    student: HeadInput,
+    teacher: HeadInput | torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    teacher_is_logps: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`distillation_loss` from the student's hidden states (and the teacher's, or its
+    log-probabilities at the labelled positions), the labelled positions' logits of both
+    computed a chunk at a time (:func:`recipes.losses.linear_ce.per_chunk`): neither model's
+    (rows, length, vocabulary) logits exist whole. The teacher's ``project`` runs without
+    autograd."""
+    index = mask.reshape(-1).nonzero().squeeze(1)
+    other = teacher if teacher_is_logps else teacher.rows(index)
+
+    def chunk(logits: torch.Tensor, theirs: torch.Tensor) -> tuple[torch.Tensor]:
+        if not teacher_is_logps:
+            with torch.no_grad():
+                theirs = teacher.project(theirs)
+        return (generalized_jsd(logits, theirs, beta, teacher_is_logps),)
+
+    (per_token,) = linear_ce.per_chunk(chunk, student, student.rows(index), other)
+    sums = per_token.new_zeros(len(mask)).index_add(0, index // mask.shape[1], per_token)
+    return sums, mask.sum(1)

@@ -73,6 +73,8 @@ class DirectPreference(Task[PreferenceData]):
     """DPO (``task=dpo``); its settings: :class:`recipes.tasks.configs.dpo.DpoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
+    # Its losses read the logits a chunk at a time (trainer.fused_linear_loss).
+    fused_linear_loss = True
     args: DpoConfig
     parts = ("reference",)
 
@@ -203,7 +205,7 @@ class DirectPreference(Task[PreferenceData]):
         inputs = {
             k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
         }
-        logits = chat.forward(model, inputs).logits
+        logits = chat.forward(model, inputs, lazy_head=True).logits
         pairs = len(batch["index"])
         if "sequence" in batch:  # padding-free: one row, each token's pair in "sequence"
             return self._flat_terms(logits, batch, pairs, with_nll)

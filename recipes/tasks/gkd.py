@@ -55,7 +55,9 @@ from recipes import moe
 from recipes.config import ConfigError, DataConfig, GenerationConfig, ModelConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
-from recipes.losses.gkd import distillation_loss
+from recipes.losses import linear_ce
+from recipes.losses.gkd import chunked_distillation_loss, distillation_loss
+from recipes.losses.linear_ce import HeadInput
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, LossShape, RunContext, Seeding, SummedLoss, Task
 from recipes.tasks.chat import ChatData, ChatFeatures, PromptAnswers, Reference
@@ -194,12 +196,25 @@ def _forward(inputs: Mapping[str, torch.Tensor]) -> Any:
     return lambda weights: weights(**inputs, use_cache=False).logits[:, :-1]
 
 
+def _lazy_forward(inputs: Mapping[str, torch.Tensor]) -> Any:
+    """:func:`_forward`, its logits a :class:`HeadInput` where the weights' losses are chunked
+    (``trainer.fused_linear_loss``)."""
+
+    def call(weights: torch.nn.Module) -> Any:
+        run = lambda: weights(**inputs, use_cache=False)  # noqa: E731
+        return chat.lazy_forward(weights, run, inputs["input_ids"].shape).logits[:, :-1]
+
+    return call
+
+
 class KnowledgeDistillation(Task[GkdData]):
     """GKD (``task=gkd``); see the module's docstring. Its settings:
     :class:`recipes.tasks.configs.gkd.GkdConfig`. Its parts, built in :meth:`before_training`
     (None before): ``teacher``, and ``run``, the run its loss samples with."""
 
     auto_model_class = AutoModelForCausalLM
+    # Its losses read the logits a chunk at a time (trainer.fused_linear_loss).
+    fused_linear_loss = True
     args: GkdConfig
     parts = ("teacher", "run")
     start_reference = ("its teacher", "every divergence", "task.teacher_model")
@@ -272,6 +287,9 @@ class KnowledgeDistillation(Task[GkdData]):
             self.teacher = Reference.build(model, accelerator, FSDP_REFUSAL)
         else:
             frozen = self._load_teacher(student, run.tokenizer).to(accelerator.device)
+            # Its logits a chunk at a time too where the student's are and it allows it.
+            fused = linear_ce.enabled(student) and not linear_ce.unsupported_reason(frozen)
+            linear_ce.mark(frozen, fused)
             self.teacher = Reference(False, frozen, accelerator.autocast)
         if self.args.precompute_teacher:
             tables = self._precompute(model, data, accelerator, batch_size)
@@ -406,12 +424,26 @@ class KnowledgeDistillation(Task[GkdData]):
         assert self.teacher is not None, "task=gkd: the loss runs after before_training"
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         mask = batch["labels"][:, 1:] != IGNORE
-        student = model(**inputs, use_cache=False).logits[:, :-1]
+        student = _lazy_forward(inputs)(model)
         beta = self.args.beta
+        fused = isinstance(student, HeadInput)  # trainer.fused_linear_loss
+        loss = chunked_distillation_loss if fused else distillation_loss
         if TEACHER_LOGPS in batch:
-            return distillation_loss(student, batch[TEACHER_LOGPS], mask, beta, True)
-        teacher = self.teacher.run(model, _forward(inputs))
-        return distillation_loss(student, teacher, mask, beta)
+            return loss(student, batch[TEACHER_LOGPS], mask, beta, True)
+        if not fused:
+            return distillation_loss(student, self.teacher.run(model, _forward(inputs)), mask, beta)
+        teacher = self.teacher.run(model, _lazy_forward(inputs))
+        if isinstance(teacher, HeadInput):
+            # Each chunk's teacher logits on the teacher's weights (its adapter disabled).
+            project = teacher.project
+            teacher = HeadInput(
+                teacher.hidden,
+                lambda h: self.teacher.run(model, lambda _: project(h)),
+                teacher.vocab,
+            )
+        else:
+            teacher = HeadInput(teacher, lambda logits: logits, teacher.shape[-1])
+        return chunked_distillation_loss(student, teacher, mask, beta)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The step's labelled tokens' summed JSD and their count (the loop divides by the

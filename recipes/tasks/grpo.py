@@ -51,7 +51,7 @@ rollouts kept for later steps; :meth:`GroupRelativePolicy.before_training` gathe
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.faults import TrainingError
 from recipes.log import get_logger
+from recipes.losses import linear_ce
 from recipes.losses.grpo import (
     TOKEN_SUMS,
     PolicyLossSettings,
@@ -258,6 +259,8 @@ class GroupRelativePolicy(Task[GrpoData]):
     :meth:`before_training`)."""
 
     auto_model_class = AutoModelForCausalLM
+    # Its losses read the logits a chunk at a time (trainer.fused_linear_loss).
+    fused_linear_loss = True
     parts = ("rollouts",)
     main_metric = "reward"
     greater_is_better = True
@@ -632,9 +635,23 @@ class GroupRelativePolicy(Task[GrpoData]):
         mask = torch.cat([prompt_mask, completion_mask.new_ones(completion_mask.shape)], dim=1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         width = completion_ids.shape[1]
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+        logits = chat.lazy_forward(
+            model,
+            lambda: model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+            ),
+            ids.shape,
         ).logits[:, -width - 1 : -1]
+        if isinstance(logits, linear_ce.HeadInput):  # trainer.fused_linear_loss
+            token, entropy = linear_ce.per_chunk(
+                _chunk_logps(self.args.temperature, entropies is not None),
+                logits,
+                logits.rows(),
+                completion_ids.reshape(-1),
+            )
+            if entropies is not None:
+                entropies.append(entropy.view(completion_ids.shape))
+            return token.view(completion_ids.shape)
         logits = logits.float() / self.args.temperature
         logps = torch.log_softmax(logits, dim=-1)
         if entropies is not None:
@@ -653,15 +670,25 @@ class GroupRelativePolicy(Task[GrpoData]):
         a completion token only, scattered back to (rows, completion length)."""
         ids, positions, predicting, slots = flat
         inputs = {"input_ids": ids, "position_ids": positions}
-        logits = chat.forward(model, inputs).logits[0, predicting]
-        logps = torch.log_softmax(logits.float() / self.args.temperature, dim=-1)
+        logits = chat.forward(model, inputs, lazy_head=True).logits[0, predicting]
         targets = completion_ids.reshape(-1)[slots]
-        token = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
         def placed(values: torch.Tensor) -> torch.Tensor:
             grid = values.new_zeros(completion_ids.numel())
             return grid.index_put((slots,), values).view(completion_ids.shape)
 
+        if isinstance(logits, linear_ce.HeadInput):  # trainer.fused_linear_loss
+            token, entropy = linear_ce.per_chunk(
+                _chunk_logps(self.args.temperature, entropies is not None),
+                logits,
+                logits.hidden,
+                targets,
+            )
+            if entropies is not None:
+                entropies.append(placed(entropy))
+            return placed(token)
+        logps = torch.log_softmax(logits.float() / self.args.temperature, dim=-1)
+        token = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if entropies is not None:
             with torch.no_grad():
                 entropies.append(placed(-(logps.exp() * logps).sum(-1)))
@@ -897,3 +924,20 @@ def _flat_sequences(
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu(), strict=True)]
+
+
+def _chunk_logps(
+    temperature: float, entropy: bool
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One chunk's log-probabilities of its targets at ``temperature`` and (``entropy``) its
+    entropies without gradient (zeros otherwise), by the unfused path's own ops, for
+    :func:`recipes.losses.linear_ce.per_chunk`."""
+
+    def chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+        token = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            spread = -(logps.exp() * logps).sum(-1) if entropy else torch.zeros_like(token)
+        return token, spread
+
+    return chunk

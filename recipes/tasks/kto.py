@@ -95,6 +95,8 @@ class KahnemanTversky(Task[PreferenceData]):
     """KTO (``task=kto``); its settings: :class:`recipes.tasks.configs.kto.KtoConfig`."""
 
     auto_model_class = AutoModelForCausalLM
+    # Its losses read the logits a chunk at a time (trainer.fused_linear_loss).
+    fused_linear_loss = True
     args: KtoConfig
     parts = ("reference",)
 
@@ -379,11 +381,12 @@ def _row_losses(
     their KL rows) and their count, from padded rows or a padding-free row."""
     if f"{prefix}sequence" in batch:
         inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "position_ids")}
-        logits = chat.forward(model, inputs).logits
+        logits = chat.forward(model, inputs, lazy_head=True).logits
         labels, sequence = batch[f"{prefix}labels"], batch[f"{prefix}sequence"]
         return chat.sequence_losses(logits, labels, sequence, rows)
     inputs = {k: batch[f"{prefix}{k}"] for k in ("input_ids", "attention_mask")}
-    return token_losses(chat.forward(model, inputs).logits, batch[f"{prefix}labels"])
+    logits = chat.forward(model, inputs, lazy_head=True).logits
+    return token_losses(logits, batch[f"{prefix}labels"])
 
 
 class UnpairedCollator:

@@ -34,6 +34,8 @@ class SupervisedFineTuning(Task[ChatData]):
     """Chat SFT (``task=sft``); its settings: :class:`recipes.tasks.configs.sft.SftConfig`."""
 
     auto_model_class = AutoModelForCausalLM
+    # Its losses read the logits a chunk at a time (trainer.fused_linear_loss).
+    fused_linear_loss = True
     args: SftConfig
 
     def __init__(self, args: SftConfig) -> None:
@@ -62,13 +64,17 @@ class SupervisedFineTuning(Task[ChatData]):
         """Summed cross-entropy of the labelled tokens, and their count: the loop normalises by
         the labelled tokens of the whole optimizer step on every process."""
         with moe.router_loss(model) as router:
-            nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
+            nll, count = token_losses(
+                chat.forward(model, batch, lazy_head=True).logits, batch["labels"]
+            )
         return router.added(SummedLoss(nll.sum(), count.sum()))
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        nll, count = token_losses(chat.forward(model, batch).logits, batch["labels"])
+        nll, count = token_losses(
+            chat.forward(model, batch, lazy_head=True).logits, batch["labels"]
+        )
         return {"nll": nll, "count": count}
 
     def score(

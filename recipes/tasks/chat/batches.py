@@ -4,12 +4,14 @@ attention masks of packed rows, and the model's forward on them."""
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from datasets import Dataset
 
+from recipes.config import ConfigError
+from recipes.losses import linear_ce
 from recipes.tasks.chat.template import IGNORE_INDEX
 from recipes.tasks.chat.token_loss import token_losses
 
@@ -224,13 +226,73 @@ def flat_batches(setting: str, model: torch.nn.Module) -> bool:
     return setting == "true"
 
 
+def choose_fused_loss(model: torch.nn.Module, setting: bool | None) -> str:
+    """Decide ``trainer.fused_linear_loss`` for ``model`` (marked for :func:`forward`'s
+    ``lazy_head``) and say what was decided, as a log line. null: on where the output layer
+    does not train (LoRA), where the chunked loss and every gradient equal the unfused path's;
+    true: also where it trains (its gradient then summed chunk by chunk: last-bit changes);
+    false: off. True on a model the chunks cannot reproduce is refused (ConfigError)."""
+    reason = linear_ce.unsupported_reason(model)
+    if setting and reason:
+        raise ConfigError(
+            f"trainer.fused_linear_loss=true: {reason}; set trainer.fused_linear_loss=false"
+        )
+    head = getattr(model, "module", model).get_output_embeddings()
+    trains = head is not None and any(p.requires_grad for p in head.parameters())
+    on = reason is None and (setting or (setting is None and not trains))
+    linear_ce.mark(model, on)
+    if on:
+        why = "its output layer trains, as asked" if trains else "its output layer is frozen"
+        rows = linear_ce.chunk_rows(head.weight.shape[0])
+        return (
+            f"trainer.fused_linear_loss: on ({why}): the chat losses compute the logits a chunk "
+            f"of {rows} tokens at a time"
+        )
+    if setting is False:
+        return "trainer.fused_linear_loss=false: the losses read the model's full logits"
+    why = reason or "its output layer trains; true computes it in chunks, with last-bit changes"
+    return f"trainer.fused_linear_loss: off ({why})"
+
+
 def forward(
-    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], attention: str | None = None
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    attention: str | None = None,
+    *,
+    lazy_head: bool = False,
 ) -> Any:
     """The model on a batch without its labels or a KV cache. Packed rows (``position_ids``)
     get their block-diagonal mask, or under a variable-length kernel run as one row
     (:func:`padding_free`); ``attention``: the model's attention implementation (read from
-    its config by default)."""
+    its config by default).
+
+    ``lazy_head``: the caller passes the logits only to the chunked losses (:func:`token_losses`,
+    :func:`sequence_losses`, :mod:`recipes.losses.linear_ce`); where the run computes them so
+    (``trainer.fused_linear_loss``), ``logits`` is then a :class:`~recipes.losses.linear_ce.
+    HeadInput` (the output layer's input) and the full logits are never built. The other
+    outputs (``router_logits`` of a MoE model) are the model's own either way."""
+    call = lambda: _forward(model, batch, attention)  # noqa: E731
+    return lazy_forward(model, call, batch["input_ids"].shape) if lazy_head else call()
+
+
+def lazy_forward(model: torch.nn.Module, call: Callable[[], Any], shape: torch.Size) -> Any:
+    """``call()``, a forward of ``model`` on inputs of ``shape`` (rows, length), with its
+    ``logits`` a :class:`~recipes.losses.linear_ce.HeadInput` of that shape where the run
+    computes the losses a chunk at a time (``trainer.fused_linear_loss``): the output layer
+    then runs on no position. Elsewhere the plain ``call()``."""
+    if not linear_ce.enabled(model):
+        return call()
+    with linear_ce.CaptureHeadInput(model) as capture:
+        out = call()
+    project, vocab = linear_ce.output_head(model)
+    hidden = capture.hidden.view(*shape, -1)  # a padding-free row: back to the batch's rows
+    out.logits = linear_ce.HeadInput(hidden, capture.project(project), vocab)
+    return out
+
+
+def _forward(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], attention: str | None
+) -> Any:
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "sequence")}
     if "position_ids" not in inputs:
         return model(**inputs, use_cache=False)
@@ -238,7 +300,8 @@ def forward(
     if reads_packed_positions(attention):
         rows, length = inputs["input_ids"].shape
         out = model(**padding_free(inputs), use_cache=False)
-        out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
+        if out.logits.shape[1]:  # not under linear_ce.CaptureHeadInput
+            out.logits = out.logits.view(rows, length, -1)  # back to the batch's rows
         return out
     dtype = next(model.parameters()).dtype
     inputs["attention_mask"] = block_causal_mask(inputs["position_ids"], attention, dtype)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from recipes.losses import linear_ce
+from recipes.losses.linear_ce import HeadInput
 from recipes.tasks.chat.template import IGNORE_INDEX
 
 # fp32 logits per chunk (64 MiB: 341 positions of a 49k vocabulary, 128 of a 128k one): the
@@ -23,7 +25,7 @@ CHUNK_ELEMENTS = 2**24
 
 
 def token_losses(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadInput,
     labels: torch.Tensor,
     *,
     positions: torch.Tensor | None = None,
@@ -37,12 +39,20 @@ def token_losses(
     ``groups``: each token's group (the shape of ``labels``) and how many there are, to sum per
     group rather than per row (the sequences of a padding-free row); a label's group is its
     token's.
+
+    ``logits`` may be a :class:`~recipes.losses.linear_ce.HeadInput` (the output layer's
+    input): the labelled positions' logits are then computed a chunk at a time in forward and
+    again in backward, and never all at once.
     """
     targets = labels[:, 1:] if positions is None else labels[:, positions + 1]
     labelled = targets != IGNORE_INDEX
     rows, columns = labelled.nonzero(as_tuple=True)
-    flat = logits.reshape(-1, logits.shape[-1])  # a view: a model's logits are contiguous
-    nll = _LabelledCrossEntropy.apply(flat, rows * logits.shape[1] + columns, targets[labelled])
+    index = rows * logits.shape[1] + columns
+    if isinstance(logits, HeadInput):
+        (nll,) = linear_ce.per_chunk(_chunk_nll, logits, logits.rows(index), targets[labelled])
+    else:
+        flat = logits.reshape(-1, logits.shape[-1])  # a view: a model's logits are contiguous
+        nll = _LabelledCrossEntropy.apply(flat, index, targets[labelled])
     if groups is None:
         owner, size, counts = rows, len(labels), labelled.sum(dim=1).float()
     else:
@@ -52,6 +62,13 @@ def token_losses(
         counts = counts.index_add(0, owner, torch.ones_like(nll))
     sums = torch.zeros(size, dtype=torch.float32, device=logits.device)
     return sums.index_add(0, owner, nll), counts
+
+
+def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
+    """One chunk's cross-entropy through the unfused path's own function (the same fp32 ops
+    and the same gradient formula, so the fused loss equals it row for row)."""
+    index = torch.arange(len(logits), device=logits.device)
+    return (_LabelledCrossEntropy.apply(logits, index, targets),)
 
 
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
