@@ -28,6 +28,24 @@ def sizes(environ: Mapping[str, str]) -> dict[str, int] | None:
     return {d: int(environ.get(f"PARALLELISM_CONFIG_{d.upper()}_SIZE", "1")) for d in DIMENSIONS}
 
 
+def single_process_note(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The line that says an HSDP mesh of 1 x 1 in one process makes a plain run (logged with
+    the run's device lines, so train.log has it), or None."""
+    mesh = sizes(environ)
+    if mesh is None or math.prod(mesh.values()) != 1 or int(environ.get("WORLD_SIZE", "1")) != 1:
+        return None
+    return (
+        f"the accelerate config's parallelism_config mesh is {_shown(mesh)}: HSDP is off, this "
+        "is a plain single-process run"
+    )
+
+
+def _shown(mesh: Mapping[str, int]) -> str:
+    """``2 x 8 (dp_replicate x dp_shard)``: HSDP's two dimensions always, the others if used."""
+    used = [d for d in DIMENSIONS if d in DIMENSIONS[:2] or mesh[d] > 1]
+    return f"{' x '.join(str(mesh[d]) for d in used)} ({' x '.join(used)})"
+
+
 def check(environ: Mapping[str, str] = os.environ) -> None:
     """Refuse a mesh whose size is not the number of processes launched (``WORLD_SIZE``, 1 for a
     plain ``python train.py``); say so when an HSDP mesh of 1 x 1 makes a single-process run."""
@@ -36,15 +54,8 @@ def check(environ: Mapping[str, str] = os.environ) -> None:
         return
     world = int(environ.get("WORLD_SIZE", "1"))
     total = math.prod(mesh.values())
-    # dp_replicate x dp_shard always (HSDP's two), the others where they are used
-    used = [d for d in DIMENSIONS if d in DIMENSIONS[:2] or mesh[d] > 1]
-    shown = f"{' x '.join(str(mesh[d]) for d in used)} ({' x '.join(used)})"
+    shown = _shown(mesh)
     if total == 1 and world == 1:
-        log.info(
-            "the accelerate config's parallelism_config mesh is %s: HSDP is off, this is a "
-            "plain single-process run",
-            shown,
-        )
         return
     if total > 1 and total != world:
         # deepspeed's sequence parallelism (sp) keeps its own groups; accelerate skips the check

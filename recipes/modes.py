@@ -18,7 +18,7 @@ from typing import Any
 
 from accelerate.utils import parse_flag_from_env
 
-from recipes import checkpoint, device, evaluation, memory, runs, tracking
+from recipes import checkpoint, device, evaluation, memory, mesh, runs, tracking
 from recipes import data as data_lib
 from recipes.config import ConfigError, Settings
 from recipes.faults import StopRequest, TrainingError, disk_full_stop, peer_failures_reported
@@ -100,6 +100,8 @@ def with_device_defaults(settings: Settings, task: Task) -> tuple[Settings, list
         musa_version=device.torch_musa_info()["version"] if kind == device.MUSA else None,
     )
     decided, lines = {}, settled
+    if note := mesh.single_process_note():
+        lines.append(note)
     for default in defaults:
         value = getattr(trainer_cfg, default.name)
         if value is None:

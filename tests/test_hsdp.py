@@ -121,11 +121,15 @@ def test_a_mesh_bigger_than_the_launch_is_refused_in_one_line() -> None:
 
 
 @accelerate_nd
-def test_a_1x1_mesh_says_hsdp_is_off(caplog) -> None:
+def test_a_1x1_mesh_says_hsdp_is_off() -> None:
+    """Said with the run's device lines (modes.with_device_defaults), so train.log has it."""
     from recipes import mesh
 
     sizes = ("--parallelism_config_dp_replicate_size", "1", "--parallelism_config_dp_shard_size")
-    one = launcher_env("--num_machines", "1", "--num_processes", "1", *sizes, "1")
-    with caplog.at_level("INFO", logger="recipes.mesh"):
-        mesh.check({**one, "WORLD_SIZE": "1"})
-    assert "mesh is 1 x 1 (dp_replicate x dp_shard): HSDP is off" in caplog.text
+    one = {**launcher_env("--num_machines", "1", "--num_processes", "1", *sizes, "1")}
+    mesh.check({**one, "WORLD_SIZE": "1"})  # accepted
+    note = mesh.single_process_note({**one, "WORLD_SIZE": "1"})
+    assert note is not None and "mesh is 1 x 1 (dp_replicate x dp_shard): HSDP is off" in note
+    assert mesh.single_process_note({"WORLD_SIZE": "1"}) is None  # no parallelism_config
+    two = launcher_env("--num_machines", "1", "--num_processes", "2", *sizes, "2")
+    assert mesh.single_process_note({**two, "WORLD_SIZE": "2"}) is None
