@@ -759,6 +759,15 @@ def train_metrics(job: Path) -> dict[str, Any]:
     if (job / "profile.json").exists():  # the step profiler's (profile rows)
         found["profile"] = profile = _read_json(job / "profile.json")
         notes.append(profile_note(profile))
+    # The memory plan's estimate of the run (recipes.plan, logged at its end beside the peak).
+    planned = [r["memory/plan_gib"] for r in records if "memory/plan_gib" in r]
+    if planned:
+        found["plan_gib"] = planned[-1]
+        peak = found["peak_memory_gib"]
+        notes.append(
+            f"plan {planned[-1]:.2f} GiB"
+            + (f" ({peak / planned[-1]:.2f}x measured / plan)" if peak else "")
+        )
     if (job / "gpu_check_job.json").exists():
         allocated = _read_json(job / "gpu_check_job.json").get("allocated_at_start")
         if allocated is not None:  # not the first job of its process

@@ -573,4 +573,6 @@ def test_gpu_check_dry_run_on_the_device(tmp_path, cache_dir):
         assert row["status"] == "ok", row
         if row.get("kind") in ("train", "launch"):
             assert row["mfu"] is not None and row["peak_memory_gib"] is not None, row
+    # The plan's estimate next to the card's measured peak (issue 56).
+    assert "measured / plan" in found["llama135m/unpacked"]["note"], found["llama135m/unpacked"]
     assert "MTT S4000 (musa)" in (out / "table.md").read_text()

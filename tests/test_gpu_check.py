@@ -276,6 +276,8 @@ def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) 
     rows = {r["row"]: r for r in _rows(out)}
     assert set(rows) == on_cpu | {"setup/models"}, set(rows) ^ on_cpu
     assert {f"smoke/{r}" for r in RECIPES} <= set(rows)
+    # The memory plan's estimate beside a causal LM's row (recipes.plan, logged by the run).
+    assert rows["smoke/llama_sft"]["plan_gib"] > 0 and "plan " in rows["smoke/llama_sft"]["note"]
     for name, row in rows.items():
         assert row["status"] == "ok", row
         if row.get("kind") in ("train", "launch"):
