@@ -68,7 +68,7 @@ def run_plan(settings: Settings, accelerator: Accelerator) -> planning.Plan | No
             mixed_precision=accelerator.mixed_precision,
             labelled=labelled_fraction(settings),
             fsdp_offload=bool(fsdp_offload),
-            device_kind=accelerator.device.type,
+            moore_threads=accelerator.device.type == device.MUSA,
         )
     except planning.PlanError as err:
         log.info("memory plan: none (%s)", err)

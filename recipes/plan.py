@@ -701,10 +701,9 @@ def card_memory(name: str) -> int:
     raise PlanError(f"--card {name}: not a known card; choose one of {', '.join(CARDS)}.")
 
 
-def kind_of_card(card: str | None) -> str:
-    """musa for Moore Threads' cards (and when no card is named: the project's target), else
-    cuda."""
-    return "musa" if card is None or card.upper().startswith(("S4000", "S5000", "MTT")) else "cuda"
+def moore_threads_card(card: str | None) -> bool:
+    """Whether ``card`` is one of Moore Threads' (so is no card named: the project's target)."""
+    return card is None or card.upper().startswith(("S4000", "S5000", "MTT"))
 
 
 def card_of_device_name(device_name: str | None) -> str | None:
@@ -781,14 +780,14 @@ def run_shape(
     mixed_precision: str | None = None,
     labelled: float | None = None,
     fsdp_offload: bool | None = None,
-    device_kind: str = "musa",
+    moore_threads: bool = True,
 ) -> RunShape:
     """A run's :class:`RunShape` from its validated settings (:func:`recipes.config.validate`).
 
     ``mixed_precision``: what ``trainer.mixed_precision=auto`` resolves to (bf16 on the cards
     in :data:`CARDS`). ``labelled``: the share of positions whose logits the loss needs; null:
     all of them (the bound for long replies; with ``task.train_on_prompt=false`` the prompt's
-    positions need none). ``device_kind``: musa, cuda or cpu (which attention kernels run)."""
+    positions need none). ``moore_threads``: a Moore Threads card (its attention kernels)."""
     trainer, task = settings.trainer, settings.task
     precision = mixed_precision or str(trainer.mixed_precision)
     if precision == "auto":
@@ -814,7 +813,7 @@ def run_shape(
     masked = bool(getattr(task, "packing", False)) and attention in ("eager", "sdpa")
     # torch_musa's flash kernels take no arbitrary mask (MUSA.md): its SDPA then runs the math
     # path; CUDA's memory-efficient kernel and the CPU's flash kernel take the mask.
-    math_attention = attention == "eager" or (masked and device_kind == "musa")
+    math_attention = attention == "eager" or (masked and moore_threads)
     if name == "grpo":
         num_generations = rows * task.num_generations
     return RunShape(
@@ -865,15 +864,16 @@ def plan_settings(
     *,
     card: str | None = None,
     card_bytes: int | None = None,
-    device_kind: str | None = None,
+    moore_threads: bool | None = None,
     **options: Any,
 ) -> Plan:
     """The plan of a validated run's settings on ``card`` (or ``card_bytes``); ``options`` as
-    :func:`run_shape` takes them. The device's kind (musa, cuda, cpu) follows the card unless
-    given."""
+    :func:`run_shape` takes them. Whether the device is a Moore Threads card follows the card
+    unless given."""
     on_cpu = options.get("on_cpu", False)
-    kind = device_kind or ("cpu" if on_cpu else kind_of_card(card))
-    run = run_shape(settings, device_kind=kind, **options)
+    if moore_threads is None:
+        moore_threads = not on_cpu and moore_threads_card(card)
+    run = run_shape(settings, moore_threads=moore_threads, **options)
     if card is not None and card_bytes is None:
         card_bytes = card_memory(card)
     return plan(model_shape(settings.model.name_or_path), run, card, card_bytes)
