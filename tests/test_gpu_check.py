@@ -228,7 +228,6 @@ def test_failed_and_timed_out_jobs_of_a_shared_process_leave_the_rest_running(
     assert "| smoke/gpt2_clm | FAILED |" in (out / "table.md").read_text()
 
 
-@pytest.mark.slow
 def _every_row() -> set[str]:
     """Every row, comparison and summary of ``--only '*'``."""
     plan = _check("--plan", "--only", "*").stdout
@@ -247,6 +246,7 @@ def rows_on_the_cpu(rows: set[str]) -> set[str]:
     }
 
 
+@pytest.mark.slow
 def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) -> None:
     """Every row but those the emulated card's dry run runs (tests/test_emulated_runs.py): each
     row runs once in CI, on the device path where the card can run it."""
