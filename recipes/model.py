@@ -143,12 +143,16 @@ def load_model(
     if cfg.ignore_mismatched_sizes:
         kwargs["ignore_mismatched_sizes"] = True
     kwargs["output_loading_info"] = True  # reported in one line (weights_report), not a table
+
+    def load(attention: str) -> tuple[torch.nn.Module, dict]:
+        with _library_report_left_out():
+            return auto_class.from_pretrained(
+                cfg.name_or_path, attn_implementation=attention, **kwargs
+            )
+
     try:
         try:
-            with _library_report_left_out():
-                model, info = auto_class.from_pretrained(
-                    cfg.name_or_path, attn_implementation=attn, **kwargs
-                )
+            model, info = load(attn)
         except ValueError as err:
             if cfg.attn_implementation != "auto" or "attention" not in str(err).lower():
                 raise
@@ -157,31 +161,13 @@ def load_model(
             log.warning(
                 "%s does not support %s attention; using %s", cfg.name_or_path, attn, fallback
             )
-            with _library_report_left_out():
-                model, info = auto_class.from_pretrained(
-                    cfg.name_or_path, attn_implementation=fallback, **kwargs
-                )
+            model, info = load(fallback)
     except (OSError, ValueError, ImportError) as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: cannot load the model ({first_line(err)})."
         ) from None
     if trained_for and (info.get("missing_keys") or info.get("mismatched_keys")):
-        if (Path(cfg.name_or_path).expanduser() / "trainer_state.json").is_file():
-            why = (
-                "it is a checkpoint, which holds what trains (a LoRA run's adapter) in "
-                "accelerate's files: give it as resume=<that folder> instead"
-            )
-        else:
-            # What its config.json says it is (``BertForQuestionAnswering``, say).
-            saved_as = ", ".join(model.config.architectures or [type(model.config).__name__])
-            why = (
-                f"it was trained for another task ({saved_as}), and a random head gives "
-                "meaningless results. Give a final/ of this recipe, or train one first"
-            )
-        raise ConfigError(
-            f"mode={trained_for}: model.name_or_path={cfg.name_or_path} lacks weights this task "
-            f"needs ({weights_report(info)}): {why}."
-        )
+        _refuse_missing_weights(cfg, model, info, trained_for)
     if line := weights_report(info):
         log.info("%s: %s", cfg.name_or_path, line)
     if cfg.gguf_file:
@@ -190,6 +176,29 @@ def load_model(
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
+
+
+def _refuse_missing_weights(
+    cfg: ModelConfig, model: torch.nn.Module, info: dict, trained_for: str
+) -> None:
+    """mode=eval / predict of a folder that lacks weights the task's head needs: one line
+    saying why (a checkpoint to resume, or another task's model) and what to give instead."""
+    if (Path(cfg.name_or_path).expanduser() / "trainer_state.json").is_file():
+        why = (
+            "it is a checkpoint, which holds what trains (a LoRA run's adapter) in "
+            "accelerate's files: give it as resume=<that folder> instead"
+        )
+    else:
+        # What its config.json says it is (``BertForQuestionAnswering``, say).
+        saved_as = ", ".join(model.config.architectures or [type(model.config).__name__])
+        why = (
+            f"it was trained for another task ({saved_as}), and a random head gives "
+            "meaningless results. Give a final/ of this recipe, or train one first"
+        )
+    raise ConfigError(
+        f"mode={trained_for}: model.name_or_path={cfg.name_or_path} lacks weights this task "
+        f"needs ({weights_report(info)}): {why}."
+    )
 
 
 # The transformers auto classes of the tasks' heads, and where transformers lists, per model

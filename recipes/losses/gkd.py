@@ -13,8 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from recipes.losses import linear_ce
-from recipes.losses.linear_ce import HeadInput
+from recipes.losses.linear_ce import HeadInput, per_chunk
 
 
 def generalized_jsd(
@@ -84,6 +83,6 @@ def chunked_distillation_loss(
                 theirs = teacher.project(theirs)
         return (generalized_jsd(logits, theirs, beta, teacher_is_logps),)
 
-    (per_token,) = linear_ce.per_chunk(chunk, student, student.rows(index), other)
+    (per_token,) = per_chunk(chunk, student, student.rows(index), other)
     sums = per_token.new_zeros(len(mask)).index_add(0, index // mask.shape[1], per_token)
     return sums, mask.sum(1)
