@@ -24,16 +24,9 @@ from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.metrics.classification import classification_scores, regression_scores
-from recipes.tasks.base import (
-    Averaging,
-    LossShape,
-    RunContext,
-    Task,
-    TaskData,
-    row_ids,
-    write_predictions,
-)
+from recipes.tasks.base import Averaging, LossShape, RunContext, Task, TaskData
 from recipes.tasks.configs.classification import ClassificationConfig
+from recipes.tasks.outputs import row_ids, write_predictions
 
 log = get_logger(__name__)
 
@@ -78,7 +71,7 @@ class ClassificationData(TaskData):
     """Features plus the label names, in id order (None: a regression target)."""
 
     label_names: list[str] | None = None
-    row_ids: list[Any] | None = None  # mode=predict: each row's id (base.row_ids)
+    row_ids: list[Any] | None = None  # mode=predict: each row's id (outputs.row_ids)
 
 
 def glue_task(name: str | None) -> GlueTask | None:

@@ -41,13 +41,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import moe
 from recipes.config import DataConfig
 from recipes.log import get_logger
 from recipes.losses.preference import preference_loss, stat_names
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
+from recipes.tasks.chat import PreferenceData, token_losses
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
 
 log = get_logger(__name__)
@@ -80,8 +79,6 @@ class DirectPreference(Task[PreferenceData]):
 
     def __init__(self, args: DpoConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures.of(args, "dpo", FEATURES_VERSION, ("pair", "both its replies"))
-        self.predictor = PromptAnswers(self.chat, args.format)
         self.against_reference = chat.AgainstReference(
             args,
             "dpo",
@@ -92,6 +89,8 @@ class DirectPreference(Task[PreferenceData]):
                 "training), or train LoRA adapters (peft=lora)."
             ),
         )
+        self.chat = self.against_reference.features(("pair", "both its replies"))
+        self.predictor = self.against_reference.predictor(self.chat)
         loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);
@@ -261,11 +260,9 @@ class DirectPreference(Task[PreferenceData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The pairs' summed loss and their count; TRL's metrics summed over them."""
-        with moe.router_loss(model) as router:
-            losses, stats = self._batch_losses(model, batch)
-        count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
-        summed = dict(zip(self.stats, stats.sum(0), strict=True))
-        return router.added(SummedLoss(losses.sum(), count, summed))
+        return chat.reference.summed_loss(
+            model, self.stats, lambda: self._batch_losses(model, batch)
+        )
 
     def _batch_losses(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

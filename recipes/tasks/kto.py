@@ -68,13 +68,12 @@ from accelerate.utils import gather
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from recipes import moe
 from recipes.config import ConfigError, DataConfig
 from recipes.log import get_logger
 from recipes.losses.kto import STATS, kl_estimate, kto_loss
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import ChatFeatures, PreferenceData, PromptAnswers, token_losses
+from recipes.tasks.chat import PreferenceData, token_losses
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
 
 log = get_logger(__name__)
@@ -102,8 +101,6 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def __init__(self, args: KtoConfig) -> None:
         super().__init__(args)
-        self.chat = ChatFeatures.of(args, "kto", FEATURES_VERSION, ("row", "its completion"))
-        self.predictor = PromptAnswers(self.chat, args.format)
         self.against_reference = chat.AgainstReference(
             args,
             "kto",
@@ -114,6 +111,8 @@ class KahnemanTversky(Task[PreferenceData]):
                 "task.precompute_reference=true."
             ),
         )
+        self.chat = self.against_reference.features(("row", "its completion"))
+        self.predictor = self.against_reference.predictor(self.chat)
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = chat.reference.Reference.from_batches()
 
@@ -321,11 +320,7 @@ class KahnemanTversky(Task[PreferenceData]):
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> SummedLoss:
         """The rows' summed weighted loss and their count; :data:`STATS` summed over them."""
-        with moe.router_loss(model) as router:
-            losses, stats = self._row_terms(model, batch)
-        count = losses.new_full((), float(len(losses)))  # filled on the device: no copy
-        summed = dict(zip(STATS, stats.sum(0), strict=True))
-        return router.added(SummedLoss(losses.sum(), count, summed))
+        return chat.reference.summed_loss(model, STATS, lambda: self._row_terms(model, batch))
 
     def eval_step(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

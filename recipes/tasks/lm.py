@@ -31,13 +31,13 @@ from recipes import generation as generation_lib
 from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.base import Batches, Report, RunContext, Seeding, Task, TaskData, write_jsonl
+from recipes.tasks.base import IGNORE_INDEX, Batches, Report, RunContext, Seeding, Task, TaskData
 from recipes.tasks.configs.lm import ClmConfig, MlmConfig
+from recipes.tasks.outputs import write_jsonl
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
-IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
 
 
 @dataclass

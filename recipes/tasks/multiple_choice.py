@@ -34,7 +34,7 @@ from recipes.config import DataConfig
 from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
-from recipes.tasks import base
+from recipes.tasks import outputs
 from recipes.tasks.base import RunContext, Task, TaskData
 from recipes.tasks.configs.multiple_choice import MultipleChoiceConfig
 
@@ -45,7 +45,7 @@ LABEL_COLUMNS = ("label", "labels")
 CONTEXT_COLUMNS = ("context",)
 QUESTION_COLUMNS = ("question",)
 # A row's own id (SWAG's fold-ind; not its video-id, which many rows share), kept in the output.
-ID_COLUMNS = (*base.ID_COLUMNS, "ind", "fold-ind")
+ID_COLUMNS = (*outputs.ID_COLUMNS, "ind", "fold-ind")
 # The loss and the argmax never pick a padding choice.
 MASKED = float("-inf")
 
@@ -289,7 +289,7 @@ class MultipleChoice(Task[ChoiceData]):
             features.select([]),
             features,
             tokenizer,
-            row_ids=base.row_ids(examples, ID_COLUMNS),
+            row_ids=outputs.row_ids(examples, ID_COLUMNS),
             choice_texts=texts,
         )
 
@@ -308,7 +308,7 @@ class MultipleChoice(Task[ChoiceData]):
 
         rows = gather_rows(step, model, loader, run.accelerator)
         if rows is None:
-            return base.write_predictions(run, len(data.eval), None)
+            return outputs.write_predictions(run, len(data.eval), None)
         records = []
         for row, texts, padded in zip(
             data.row_ids or [], data.choice_texts or [], rows["probs"].tolist(), strict=True
@@ -318,7 +318,7 @@ class MultipleChoice(Task[ChoiceData]):
             records.append(
                 {"id": row, "label": best, "choice": texts[best], "probabilities": probs}
             )
-        return base.write_predictions(run, len(data.eval), records)
+        return outputs.write_predictions(run, len(data.eval), records)
 
     # ----------------------------------------------------------------------------- training
 

@@ -24,8 +24,9 @@ from recipes.config import ConfigError, DataConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import squad_v1, squad_v2
-from recipes.tasks.base import Averaging, LossShape, RunContext, Task, TaskData, write_json
+from recipes.tasks.base import Averaging, LossShape, RunContext, Task, TaskData
 from recipes.tasks.configs.qa import QaConfig
+from recipes.tasks.outputs import write_json
 from recipes.tasks.qa_answers import AnswerCollector, top_candidates
 from recipes.tasks.qa_examples import check_disjoint, check_examples, read_squad_json
 

@@ -47,18 +47,10 @@ from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.losses.reward import STATS, bradley_terry_loss
 from recipes.tasks import chat
-from recipes.tasks.base import (
-    Averaging,
-    LossShape,
-    RunContext,
-    SummedLoss,
-    Task,
-    TaskData,
-    row_ids,
-    write_predictions,
-)
+from recipes.tasks.base import Averaging, LossShape, RunContext, SummedLoss, Task, TaskData
 from recipes.tasks.chat import ChatFeatures
 from recipes.tasks.configs.reward_model import RewardModelConfig
+from recipes.tasks.outputs import row_ids, write_predictions
 
 log = get_logger(__name__)
 

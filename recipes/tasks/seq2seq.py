@@ -37,6 +37,7 @@ from recipes.log import get_logger
 from recipes.metrics.seq2seq import bleu_scores, rouge_scores
 from recipes.metrics.squad import squad_v1
 from recipes.tasks.base import (
+    IGNORE_INDEX,
     Averaging,
     Batches,
     LossShape,
@@ -46,17 +47,14 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
     TaskData,
-    row_ids,
-    write_jsonl,
-    write_predictions,
 )
 from recipes.tasks.configs.seq2seq import METRICS, Seq2SeqConfig
+from recipes.tasks.outputs import row_ids, write_jsonl, write_predictions
 from recipes.tasks.qa_examples import check_examples, read_squad_json
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1  # bump when feature building changes, to invalidate cached features
-IGNORE_INDEX = -100
 TIE_METRICS = {"rouge": "loss", "bleu": "chrf", "squad": "exact_match"}
 # The decoding settings final/generation_config.json carries (generation.* names them alike).
 DECODING = ("max_new_tokens", "do_sample", "num_beams", "length_penalty", "temperature", "top_p")

@@ -36,6 +36,7 @@ from recipes.data import DataError
 from recipes.evaluation import gather_rows
 from recipes.log import get_logger
 from recipes.tasks.base import (
+    IGNORE_INDEX,
     Averaging,
     Batches,
     LossShape,
@@ -44,19 +45,17 @@ from recipes.tasks.base import (
     SummedLoss,
     Task,
     TaskData,
-    row_ids,
-    write_predictions,
 )
 from recipes.tasks.configs.token_classification import (
     SCHEME_PREFIXES,
     TokenClassificationConfig,
     prefix_error,
 )
+from recipes.tasks.outputs import row_ids, write_predictions
 
 log = get_logger(__name__)
 
 FEATURES_VERSION = 1
-IGNORE = -100
 TOKEN_COLUMNS = ("tokens", "words")
 TAG_COLUMNS = ("ner_tags", "tags", "labels")
 # Words of a raw ``text`` to predict on: @mentions, #tags and words (with inner ' - .), and each
@@ -141,7 +140,7 @@ class TokenClassification(Task[NerData]):
     def _collator(self, tokenizer: PreTrainedTokenizerBase) -> DataCollatorForTokenClassification:
         # Pads labels with -100 (the loop sets pad_to_multiple_of, padding and max_length from
         # trainer.*).
-        return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE)
+        return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
     def _model_order(self, names: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
         """The model's own labels, in its order, where they hold every label of the data (a
@@ -368,9 +367,12 @@ class TokenClassification(Task[NerData]):
         # ignore_index rather than boolean indexing, whose output size the host would have to
         # read from the device (a sync every step).
         nll = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
-        return SummedLoss(nll, (labels != IGNORE).sum().float())
+        return SummedLoss(nll, (labels != IGNORE_INDEX).sum().float())
 
     # ----------------------------------------------------------------------------- evaluation
 
@@ -383,7 +385,7 @@ class TokenClassification(Task[NerData]):
         cross-entropy of the labelled positions and their count."""
         labels = batch["labels"]
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-        labelled = labels != IGNORE
+        labelled = labels != IGNORE_INDEX
         nll = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
         )
@@ -394,7 +396,7 @@ class TokenClassification(Task[NerData]):
         pad = (0, width - kept.shape[1])
         return {
             "best": torch.nn.functional.pad(
-                best.gather(1, first).masked_fill(~kept, IGNORE), pad, value=IGNORE
+                best.gather(1, first).masked_fill(~kept, IGNORE_INDEX), pad, value=IGNORE_INDEX
             ),
             "prob": torch.nn.functional.pad(prob.gather(1, first) * kept, pad),
             "nll": (nll * labelled).sum(1).double(),
@@ -451,7 +453,7 @@ def _word_outputs(
     words = [[-1] * len(w) for w in data.words]
     scores = [[0.0] * len(w) for w in data.words]
     for f, (best, prob) in enumerate(zip(rows["best"], rows["prob"], strict=True)):
-        keep, row = best != IGNORE, data.feature_rows[f]
+        keep, row = best != IGNORE_INDEX, data.feature_rows[f]
         labels, probs = best[keep].tolist(), prob[keep].tolist()
         for w, label, p in zip(data.feature_words[f], labels, probs, strict=True):
             words[row][w], scores[row][w] = label, p
@@ -685,14 +687,14 @@ def window_labels(
     for p in window.positions:
         word = word_ids[p]
         if word is None or word not in window.owned:
-            labels.append(IGNORE)
+            labels.append(IGNORE_INDEX)
         elif p == 0 or word_ids[p - 1] != word:
             labels.append(tags[word])
             owned.append(word)
         elif b_to_i is not None:
             labels.append(b_to_i[tags[word]])
         else:
-            labels.append(IGNORE)
+            labels.append(IGNORE_INDEX)
     return labels, owned
 
 

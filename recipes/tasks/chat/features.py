@@ -36,7 +36,7 @@ from recipes.config import ConfigError, DataConfig, GenerationConfig
 from recipes.data import DataError
 from recipes.log import get_logger
 from recipes.metrics.squad import exact_match_score, f1_score
-from recipes.tasks.base import RunContext, TaskData, write_jsonl
+from recipes.tasks.base import RunContext, TaskData
 from recipes.tasks.chat.batches import attention_of, fit_length, packing_unsupported_reason
 from recipes.tasks.chat.rows import FORMATS, normalise, read_conversations
 from recipes.tasks.chat.template import (
@@ -46,6 +46,7 @@ from recipes.tasks.chat.template import (
     tokenize_text,
     use_template,
 )
+from recipes.tasks.outputs import write_jsonl
 
 log = get_logger(__name__)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +36,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from datasets import Dataset
 
-from recipes import adapters
+from recipes import adapters, moe
 from recipes import data as data_lib
 from recipes.config import ConfigError, DataConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
-from recipes.tasks.base import Layout
-from recipes.tasks.chat.features import ChatData
+from recipes.tasks.base import Layout, SummedLoss
+from recipes.tasks.chat.features import ChatData, ChatFeatures, PromptAnswers
 
 log = get_logger(__name__)
 
@@ -150,6 +150,16 @@ class AgainstReference:
     version: int
     rows: str
     fsdp_fix: str
+
+    def features(self, row_words: tuple[str, str]) -> ChatFeatures:
+        """The task's chat features (:meth:`ChatFeatures.of`), under the same kind and version
+        as the reference's cached table."""
+        return ChatFeatures.of(self.args, self.kind, self.version, row_words)
+
+    @staticmethod
+    def predictor(features: ChatFeatures) -> PromptAnswers:
+        """mode=predict of both: the prompts answered in the task's template and format."""
+        return PromptAnswers(features, features.format)
 
     def data(
         self,
@@ -362,3 +372,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 count += 1
     if count:
         log.info("task.disable_dropout: %d dropout module(s) and setting(s) set to 0", count)
+
+
+def summed_loss(
+    model: torch.nn.Module,
+    stats: Sequence[str],
+    terms: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> SummedLoss:
+    """What the loss of a task against its reference hands the loop: ``terms()`` gives each
+    row's loss, (rows,), and its ``stats``, (rows, len(stats)); their sums and the row count
+    (filled on the device: no copy), a MoE model's router loss added
+    (:func:`recipes.moe.router_loss`)."""
+    with moe.router_loss(model) as router:
+        losses, values = terms()
+    count = losses.new_full((), float(len(losses)))
+    summed = dict(zip(stats, values.sum(0), strict=True))
+    return router.added(SummedLoss(losses.sum(), count, summed))

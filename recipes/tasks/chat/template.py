@@ -33,11 +33,11 @@ from transformers import PreTrainedTokenizerBase
 from recipes.config import ASSETS, ConfigError, first_line
 from recipes.data import DataError
 from recipes.log import get_logger
+from recipes.tasks.base import IGNORE_INDEX
 from recipes.tasks.chat.rows import REASONING_FIELDS, Message
 
 log = get_logger(__name__)
 
-IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
 # The row fields a template may read, as whole names (``enable_thinking`` is not ``thinking``).
 _FIELD_NAMES = re.compile(r"(?<!\w)(tool_calls|tools|reasoning_content|reasoning|thinking)(?!\w)")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as TRL's has_generation_markers

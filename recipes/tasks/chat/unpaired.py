@@ -32,20 +32,9 @@ from typing import Any
 from datasets import Dataset
 
 import recipes.tasks.chat.preference as preference
+import recipes.tasks.chat.rows as row_lib
 from recipes.data import DataError
 from recipes.log import get_logger
-from recipes.tasks.chat.rows import (
-    Message,
-    check_roles,
-    has_reply,
-    json_list,
-    kind_of,
-    layout_of,
-    parse_message,
-    read_rows,
-    rows_dataset,
-    turns_of,
-)
 from recipes.tasks.configs.kto import UNPAIRED_FORMATS
 
 log = get_logger(__name__)
@@ -68,10 +57,10 @@ def detect_format(row: Mapping[str, Any]) -> str | None:
 
 def to_rows(
     row: Mapping[str, Any], fmt: str = "auto"
-) -> list[tuple[list[Message], list[Message], bool, bool]]:
+) -> list[tuple[list[row_lib.Message], list[row_lib.Message], bool, bool]]:
     """``row`` as checked (prompt, completion, label, text) rows: one for an unpaired row, two
     for a pair (chosen, then rejected), none for a pair of ties. ValueError names the field."""
-    layout = layout_of(row, fmt, detect_format, LAYOUTS)
+    layout = row_lib.layout_of(row, fmt, detect_format, LAYOUTS)
     if layout != "unpaired":
         pair = preference.to_pair(row, layout)
         if pair is None:
@@ -87,16 +76,16 @@ def to_rows(
         raise ValueError("field 'completion' is missing (text or a list of messages)")
     if (isinstance(completion, str) and not completion.strip()) or completion == []:
         raise ValueError("field 'completion' is empty, so there is nothing to judge")
-    prompt = turns_of(row, "prompt", "user")
-    turns = preference._after(prompt, turns_of(row, "completion", "assistant"))
-    check_roles(prompt, "prompt")
-    check_roles(turns, "completion")
+    prompt = row_lib.turns_of(row, "prompt", "user")
+    turns = preference._after(prompt, row_lib.turns_of(row, "completion", "assistant"))
+    row_lib.check_roles(prompt, "prompt")
+    row_lib.check_roles(turns, "completion")
     if prompt[-1]["role"] == "assistant":
         raise ValueError(
             "the prompt ends with an assistant turn; the completion must start with the reply "
             "that is judged"
         )
-    if turns[0]["role"] != "assistant" or not has_reply(turns[0]):
+    if turns[0]["role"] != "assistant" or not row_lib.has_reply(turns[0]):
         raise ValueError(
             "field 'completion' does not start with an assistant reply (text or tool calls)"
         )
@@ -112,7 +101,7 @@ def _label(row: Mapping[str, Any]) -> bool:
         return label
     hint = " (a number may be a score or a class id; write true or false)"
     raise ValueError(
-        f"field 'label' is {kind_of(label)} {label!r}, not a boolean: true (desirable) or "
+        f"field 'label' is {row_lib.kind_of(label)} {label!r}, not a boolean: true (desirable) or "
         f"false (undesirable){hint if isinstance(label, (int, float)) else ''}"
     )
 
@@ -125,17 +114,17 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
     groups: list[tuple[list[tuple], str | None]] = []  # each source row's rows, and its tools
 
     def convert(row: Mapping[str, Any]) -> tuple:
-        tools = json_list(row.get("tools"), "field 'tools'", "JSON schemas")
+        tools = row_lib.json_list(row.get("tools"), "field 'tools'", "JSON schemas")
         if normalised:
-            prompt = [parse_message(m, "prompt") for m in row["prompt"]]
-            completion = [parse_message(m, "completion") for m in row["completion"]]
+            prompt = [row_lib.parse_message(m, "prompt") for m in row["prompt"]]
+            completion = [row_lib.parse_message(m, "completion") for m in row["completion"]]
             found = [(prompt, completion, bool(row["label"]), bool(row["text"]))]
         else:
             found = to_rows(row, fmt)
         groups.append((found, tools))
         return (len(groups) - 1,)
 
-    kept = rows_dataset(
+    kept = row_lib.rows_dataset(
         rows,
         convert,
         ("group", "place"),
@@ -159,7 +148,7 @@ def unpaired_dataset(rows: Iterator[tuple[str, Any]], fmt: str, source: str) -> 
 
 def read_unpaired(path: Path, fmt: str = "auto") -> Dataset | None:
     """A JSON lines or JSON file of rows (None for other files, read by ``datasets``)."""
-    return read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
+    return row_lib.read_rows(path, lambda rows: unpaired_dataset(rows, fmt, str(path)))
 
 
 def normalise(dataset: Dataset, fmt: str, source: str) -> Dataset:
