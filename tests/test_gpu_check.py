@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GPU_CHECK_ALSO_ON_THE_CPU, GPU_CHECK_ON_THE_CARD
+from in_process import run_here
 
 from recipes import device
 
@@ -63,6 +64,9 @@ COMPARISONS = (
 
 
 def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The script with ``args``; a ``--plan`` (it only prints) in this process."""
+    if "--plan" in args:
+        return run_here([str(SCRIPT), *args], cwd=ROOT)
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
     )

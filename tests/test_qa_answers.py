@@ -69,19 +69,24 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(ASSETS / "tiny-bert")
 
 
-def _data(tokenizer, tmp_path_factory, version, **task_kwargs):
-    task = make_task(
-        "qa",
-        max_seq_length=96,
-        doc_stride=32,
-        max_query_length=32,
-        version_2_with_negative=version == 2,
-        **task_kwargs,
-    )
-    cfg = DataConfig(
-        path=str(ASSETS / "squad" / f"v{version}"), cache_dir=str(tmp_path_factory.mktemp("cache"))
-    )
-    return task, task.build_data(cfg, tokenizer)
+_BUILT: dict[int, tuple] = {}
+
+
+def _data(tokenizer, tmp_path_factory, version):
+    """The bundled SQuAD v1 / v2 slice's task and data, built once per version for the module
+    (the tests read its windows and examples, and change neither)."""
+    if version not in _BUILT:
+        task = make_task(
+            "qa",
+            max_seq_length=96,
+            doc_stride=32,
+            max_query_length=32,
+            version_2_with_negative=version == 2,
+        )
+        cache = tmp_path_factory.mktemp("cache")
+        cfg = DataConfig(path=str(ASSETS / "squad" / f"v{version}"), cache_dir=str(cache))
+        _BUILT[version] = task, task.build_data(cfg, tokenizer)
+    return _BUILT[version]
 
 
 @pytest.mark.parametrize("n_best,max_len,batch_size", [(20, 30, 16), (5, 8, 7)])

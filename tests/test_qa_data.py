@@ -104,15 +104,28 @@ def test_missing_columns_and_empty_data(tmp_path):
         )
 
 
-def _build(tokenizer, tmp_path, version=1, **kwargs):
+def _build(tokenizer, tmp_path, version=1, rows=None, **kwargs):
     task = make_task("qa", version_2_with_negative=version == 2, **kwargs)
-    cfg = DataConfig(path=str(ASSETS / "squad" / f"v{version}"), cache_dir=str(tmp_path))
+    cfg = DataConfig(
+        path=str(ASSETS / "squad" / f"v{version}"),
+        cache_dir=str(tmp_path),
+        max_train_examples=rows,
+        max_eval_examples=rows,
+    )
     return task, task.build_data(cfg, tokenizer)
 
 
-def test_train_labels_cover_the_answer_text(tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def short_windows(tokenizer, tmp_path_factory):
+    """The bundled v1 slice in windows of 128 tokens, stride 48 (many windows per question),
+    built once for the tests that read it."""
+    cache = tmp_path_factory.mktemp("cache")
+    return _build(tokenizer, cache, max_seq_length=128, doc_stride=48, max_query_length=32)[1]
+
+
+def test_train_labels_cover_the_answer_text(tokenizer, short_windows):
     """Decoding the labelled span gives back the answer (modulo the uncased normaliser)."""
-    _, data = _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
+    data = short_windows
     examples = read_squad_json(V1 / "train.json")
     answers = {a["text"][0] for a in examples["answers"]}
     normalise = tokenizer.backend_tokenizer.normalizer.normalize_str
@@ -136,8 +149,8 @@ def test_train_labels_cover_the_answer_text(tokenizer, tmp_path):
     assert matched >= checked * 0.97
 
 
-def test_eval_windows_keep_ids_and_context_offsets(tokenizer, tmp_path):
-    _, data = _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
+def test_eval_windows_keep_ids_and_context_offsets(short_windows):
+    data = short_windows
     windows, examples = data.eval_windows, data.eval_examples
     assert len(windows) > len(examples)
     assert sorted(set(windows["example_index"])) == list(range(len(examples)))
@@ -151,15 +164,16 @@ def test_eval_windows_keep_ids_and_context_offsets(tokenizer, tmp_path):
 
 
 def test_features_are_cached_by_content(tokenizer, tmp_path, caplog):
-    _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
+    settings = {"rows": 64, "max_seq_length": 128, "max_query_length": 32}
+    _build(tokenizer, tmp_path, doc_stride=48, **settings)
     folders = sorted(p.name for p in tmp_path.iterdir())
     # A call with other truncation and padding changes the fast tokenizer's state, not its
     # features: the same key.
     tokenizer("a question", "a context", truncation="only_second", max_length=16, padding=True)
     with caplog.at_level("INFO", logger="recipes"):
-        _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=48, max_query_length=32)
+        _build(tokenizer, tmp_path, doc_stride=48, **settings)
     assert sorted(p.name for p in tmp_path.iterdir()) == folders
-    _build(tokenizer, tmp_path, max_seq_length=128, doc_stride=64, max_query_length=32)
+    _build(tokenizer, tmp_path, doc_stride=64, **settings)
     assert len(list(tmp_path.iterdir())) == len(folders) + 2  # new settings, new features
 
 
