@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
+from emulator_build import CARDS, build_dir, built, cache_root  # noqa: E402
 from fake_torch_musa import NEWEST, RELEASES, write_release  # noqa: E402
-from musa_emulator import CARDS, build_dir, cache_root, extension  # noqa: E402
 
 DEFAULT_RELEASE = NEWEST
 
@@ -105,7 +105,10 @@ def environment(release: str, card: str, cards: int, env: dict[str, str]) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     args, command = parse(sys.argv[1:] if argv is None else argv)
-    extension()  # compile here, once, rather than in each process of a launch
+    if not built():  # compile here, once, rather than in each process of a launch
+        from musa_emulator import extension
+
+        extension()
     if args.build:
         return 0
     card = CARDS[args.card]

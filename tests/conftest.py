@@ -67,6 +67,9 @@ GPU_CHECK_ON_THE_CARD = (
 )
 # Of those, the ones the CPU dry run runs as well: the smoke rows share one sweep process there.
 GPU_CHECK_ALSO_ON_THE_CPU = ("smoke/*",)
+# Rows whose dry run is another row's to the setting, left out of both dry runs: the dry run cuts
+# every large row to 128 tokens, so the 8,192-token rows would run the 4,096-token rows' jobs.
+GPU_CHECK_DRY_RUN_REPEATS = ("large/qwen3_8b_8192_*",)
 
 
 # The slow set's longest modules, longest first (seconds of one worker, pytest -m slow -n 2

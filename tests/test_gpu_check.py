@@ -11,10 +11,11 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import GPU_CHECK_ALSO_ON_THE_CPU, GPU_CHECK_ON_THE_CARD
+from conftest import GPU_CHECK_ALSO_ON_THE_CPU, GPU_CHECK_DRY_RUN_REPEATS, GPU_CHECK_ON_THE_CARD
 from in_process import run_here
 
 from recipes import device
@@ -239,21 +240,31 @@ def _every_row() -> set[str]:
     return set(planned) | set(COMPARISONS) | {"profile/sub_batches"}
 
 
+def _matches(row: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(row, p) for p in patterns)
+
+
+def dry_run_repeats(rows: set[str]) -> set[str]:
+    """Of ``rows``, those no dry run runs: another row's job in a dry run (conftest)."""
+    return {r for r in rows if _matches(r, GPU_CHECK_DRY_RUN_REPEATS)}
+
+
 def rows_on_the_cpu(rows: set[str]) -> set[str]:
-    """Of ``rows``, those the CPU dry run runs: all but the emulated card's (conftest)."""
+    """Of ``rows``, those the CPU dry run runs: all but the emulated card's and the repeats
+    (conftest)."""
     card = [p for p in GPU_CHECK_ON_THE_CARD if p not in GPU_CHECK_ALSO_ON_THE_CPU]
     return {
         r
-        for r in rows
-        if not any(fnmatch.fnmatchcase(r, p) for p in card)
-        or any(fnmatch.fnmatchcase(r, p) for p in GPU_CHECK_ALSO_ON_THE_CPU)
+        for r in rows - dry_run_repeats(rows)
+        if not _matches(r, card) or _matches(r, GPU_CHECK_ALSO_ON_THE_CPU)
     }
 
 
 @pytest.mark.slow
 def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) -> None:
-    """Every row but those the emulated card's dry run runs (tests/test_emulated_runs.py): each
-    row runs once in CI, on the device path where the card can run it."""
+    """Every row but those the emulated card's dry run runs (tests/test_emulated_runs.py) and
+    the repeats (another row's job once shrunk): each row runs once in CI, on the device path
+    where the card can run it."""
     out = tmp_path / "out"
     every_row = _every_row()
     on_cpu = rows_on_the_cpu(every_row)

@@ -22,60 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "emulator.cpp"
-NAME = "musa_emulator_ext"
-
-
-@dataclass(frozen=True)
-class Card:
-    """A MUSA card as its driver reports it."""
-
-    name: str
-    capability: tuple[int, int]
-    memory_gib: int
-    mccl: bool  # S80 / S3000 builds of torch_musa ship without MCCL
-
-
-# The S5000 (MUSA 3.1, 80 GB; press figures, tests/test_device_env.py cites them) carries the
-# driver's name by analogy with the S4000's; MCCL as in the S4000's builds (multi-card training
-# on S5000 clusters is what Moore Threads sells it for).
-CARDS = {
-    "S5000": Card("MTT S5000", (3, 1), 80, True),
-    "S4000": Card("MTT S4000", (2, 2), 48, True),
-    "S3000": Card("MTT S3000", (2, 1), 32, False),
-    "S80": Card("MTT S80", (2, 1), 16, False),
-}
-
-
-def cache_root() -> Path:
-    found = os.environ.get("MUSA_EMULATOR_CACHE")
-    if found:
-        return Path(found)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "musa-recipes" / "emulated-musa"
-
-
-def build_dir() -> Path:
-    """Where this torch build's compiled extension lives: one folder per torch, Python and source
-    (a changed source or another torch builds anew, never loads a stale library)."""
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(NAME.encode())
-    key.update(torch.__version__.encode())
-    key.update(sys.version.encode())
-    key.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
-    return cache_root() / f"torch-{torch.__version__}-{key.hexdigest()[:16]}"
+from emulator_build import CARDS, NAME, SOURCE, Card, build_dir
 
 
 @functools.cache
