@@ -31,7 +31,9 @@ def test_the_exit_trap_keeps_the_runs_status_and_stops_the_background_job(last, 
     script = "\n".join(
         [
             "set -euo pipefail",
-            f"(sleep 30; touch {marker}) &",
+            # Its output away from the test's pipes: a `sleep` forked after the trap's pkill
+            # would keep them open (the test waits for the shell, not for it).
+            f"(sleep 30; touch {marker}) >/dev/null 2>&1 &",
             "later_pid=$!",
             _trap_line(),
             last,
