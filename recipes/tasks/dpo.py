@@ -46,7 +46,7 @@ from recipes.log import get_logger
 from recipes.losses.preference import preference_loss, stat_names
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import PreferenceData, token_losses
+from recipes.tasks.chat import PreferenceData, PromptAnswers, token_losses
 from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # noqa: F401
 
 log = get_logger(__name__)
@@ -90,7 +90,7 @@ class DirectPreference(Task[PreferenceData]):
             ),
         )
         self.chat = self.against_reference.features(("pair", "both its replies"))
-        self.predictor = self.against_reference.predictor(self.chat)
+        self.predictor = PromptAnswers(self.chat, args.format)
         loss_type = args.loss_type
         self.reference_free = loss_type in REFERENCE_FREE
         # The chosen side's NLL: ORPO's, over the whole chosen row (prompt included, as TRL);

@@ -73,7 +73,7 @@ from recipes.log import get_logger
 from recipes.losses.kto import STATS, kl_estimate, kto_loss
 from recipes.tasks import chat
 from recipes.tasks.base import Averaging, Layout, LossShape, RunContext, SummedLoss, Task
-from recipes.tasks.chat import PreferenceData, token_losses
+from recipes.tasks.chat import PreferenceData, PromptAnswers, token_losses
 from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-exported)
 
 log = get_logger(__name__)
@@ -112,7 +112,7 @@ class KahnemanTversky(Task[PreferenceData]):
             ),
         )
         self.chat = self.against_reference.features(("row", "its completion"))
-        self.predictor = self.against_reference.predictor(self.chat)
+        self.predictor = PromptAnswers(self.chat, args.format)
         # Chosen in before_training; until then, batches carry their reference's log-probs.
         self.reference = chat.reference.Reference.from_batches()
 

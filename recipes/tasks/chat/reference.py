@@ -42,7 +42,7 @@ from recipes.config import ConfigError, DataConfig
 from recipes.evaluation import eval_mode
 from recipes.log import get_logger
 from recipes.tasks.base import Layout, SummedLoss
-from recipes.tasks.chat.features import ChatData, ChatFeatures, PromptAnswers
+from recipes.tasks.chat.features import ChatData, ChatFeatures
 
 log = get_logger(__name__)
 
@@ -155,11 +155,6 @@ class AgainstReference:
         """The task's chat features (:meth:`ChatFeatures.of`), under the same kind and version
         as the reference's cached table."""
         return ChatFeatures.of(self.args, self.kind, self.version, row_words)
-
-    @staticmethod
-    def predictor(features: ChatFeatures) -> PromptAnswers:
-        """mode=predict of both: the prompts answered in the task's template and format."""
-        return PromptAnswers(features, features.format)
 
     def data(
         self,
