@@ -73,9 +73,13 @@ def run(settings: Settings) -> RunResult:
     finally:
         stop.restore()
         runs.release_all()
-        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang.
-        tracking.end_training(accelerator, settings.output_dir)  # wandb's report to a file
-        if tracking.hydra_context().get("sweep_dir"):
+        # Also on errors: with gloo / MCCL the process group must be destroyed or ranks hang;
+        # a sweep's jobs under a multi-process launch share one, destroyed when the sweep ends
+        # (recipes.sweep).
+        in_sweep = bool(tracking.hydra_context().get("sweep_dir"))
+        shared = in_sweep and accelerator.num_processes > 1
+        tracking.end_training(accelerator, settings.output_dir, keep_process_group=shared)
+        if in_sweep:
             _reset_accelerate()
 
 

@@ -17,6 +17,7 @@ import csv
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ class SweepSummary(Callback):
     """Writes the sweep's summary table when Hydra's multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # Under a multi-process launch the jobs shared one process group (recipes.modes.run);
+        # ended here, on every rank, as a single run's end_training ends its own.
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
         if int(os.environ.get("RANK", "0")) != 0:  # one writer under a multi-process launch
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))

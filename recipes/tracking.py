@@ -162,28 +162,40 @@ def finish_trackers(accelerator: Accelerator, cfg: LoggerConfig, final: dict[str
 WANDB_REPORT = "summary.log"
 
 
-def end_training(accelerator: Accelerator, output_dir: str | Path) -> None:
+def end_training(
+    accelerator: Accelerator, output_dir: str | Path, keep_process_group: bool = False
+) -> None:
     """``accelerator.end_training()`` (the trackers closed, the process group destroyed), with
     wandb's closing report (run history, summary, the ``wandb sync`` command of an offline run:
     about 30 lines) written to ``<output_dir>/wandb/summary.log`` instead of the terminal,
     whose last line stays the run's own ``done:`` (or ``error:``). Redirecting the report, not
     silencing it (wandb's ``quiet``), keeps it whole in every wandb release: wandb prints it to
-    the ``sys.stderr`` / ``sys.stdout`` of the moment."""
+    the ``sys.stderr`` / ``sys.stdout`` of the moment. ``keep_process_group``: only the trackers
+    are closed (a job of a sweep under a multi-process launch: the next job joins the same
+    group; a second rendezvous on the launcher's store would hang)."""
+
+    def end() -> None:
+        if not keep_process_group:
+            accelerator.end_training()
+            return
+        for tracker in accelerator.trackers:  # end_training's first half
+            tracker.finish()
+
     wandb_open = accelerator.is_main_process and any(
         getattr(tracker, "name", None) == "wandb" for tracker in accelerator.trackers
     )
     if not wandb_open:
-        accelerator.end_training()
+        end()
         return
     path = Path(output_dir) / "wandb" / WANDB_REPORT
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         report = path.open("a", encoding="utf-8")
     except OSError:  # a full disk: the report on the terminal rather than lost
-        accelerator.end_training()
+        end()
         return
     with report, redirect_stderr(report), redirect_stdout(report):
-        accelerator.end_training()
+        end()
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -99,17 +99,22 @@ def _extras(recipe: str) -> tuple[str, ...]:
 @functools.cache
 def _sweep(where: str, recipes: tuple[str, ...], extra: tuple[str, ...], cache_dir: Path) -> Sweep:
     """``recipes`` that share ``extra`` (their dropout and evaluation settings) as one Hydra
-    sweep (:func:`conftest.sweep_train`); ``where``: ``cpu``, ``one`` card or ``bf16`` (one
-    card, bf16 autocast, 2 steps)."""
+    sweep (:func:`conftest.sweep_train`); ``where``: ``cpu``, ``one`` card, ``two`` cards
+    (MULTI_MUSA, mccl, half the global batch each, the sweep's jobs in the same two ranks under
+    accelerate launch) or ``bf16`` (one card, bf16 autocast, 2 steps)."""
+    per_device = GLOBAL_BATCH // 2 if where == "two" else GLOBAL_BATCH
     overrides = [
         *EXACT,
         *extra,
-        f"trainer.per_device_train_batch_size={GLOBAL_BATCH}",
+        f"trainer.per_device_train_batch_size={per_device}",
         f"data.cache_dir={cache_dir}",
     ]
     if where == "bf16":
         overrides += ["trainer.mixed_precision=bf16", "trainer.max_steps=2"]
-    script = {} if where == "cpu" else {"script": on_musa()}
+    script = {
+        "cpu": {},
+        "two": {"script": musa_launch(2), "env": ONE_THREAD},
+    }.get(where, {"script": on_musa()})
     sweep = _runs() / f"{where}-{'-'.join(recipes)}"
     return sweep_train(recipes, *overrides, output_dir=sweep, **script)
 
@@ -129,20 +134,11 @@ def _one_card(recipe: str, cache_dir: Path) -> Path:
 
 
 def _two_cards(recipe: str, cache_dir: Path) -> Path:
-    """Two cards (MULTI_MUSA, mccl), half the global batch each, under accelerate launch."""
-    run = _runs() / f"{recipe}-two"
-    done = run_train(
-        f"recipe={recipe}",
-        *EXACT,
-        *_extras(recipe),
-        f"data.cache_dir={cache_dir}",
-        f"output_dir={run}",
-        f"trainer.per_device_train_batch_size={GLOBAL_BATCH // 2}",
-        script=musa_launch(2),
-        env=ONE_THREAD,
-    )
-    assert "device musa:0, 2 process(es)" in done.stderr
-    assert "DistributedType.MULTI_MUSA" in done.stderr
+    """Two cards (MULTI_MUSA, mccl), half the global batch each, under accelerate launch: the
+    recipes that share their settings as one sweep in the same two ranks."""
+    run = _in_sweep(recipe, "two", TWO_CARDS, cache_dir)
+    log = (run / "train.log").read_text()
+    assert "device musa:0, 2 process(es)" in log and "DistributedType.MULTI_MUSA" in log
     return run
 
 
