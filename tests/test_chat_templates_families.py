@@ -14,7 +14,11 @@ rows (TRL's completion mask): equal token for token, but for the newline Gemma 3
 template against TRL: tests/test_chat_labels.py's
 test_qwen3_rows_differ_from_trls_only_where_documented.
 DeepSeek-R1-Distill's own template is refused (its generation prompt opens a think block its
-replies never have); with TRL's training variant of it the labels are TRL's.
+replies never have); with TRL's training variant of it the labels are TRL's. GLM-4's writes no
+token after a reply (the model stops by writing ``<|user|>``): that token is labelled after each
+reply and written after the last one, as ms-swift's GLM-4 template labels its suffix (TRL refuses
+``assistant_only_loss`` on a template without generation markers, and has no GLM-4 training
+template).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import copy
 from pathlib import Path
 
 import pytest
-from family_templates import GEMMA3, LLAMA3_1, QWEN3, family_tokenizer
+from family_templates import GEMMA3, GLM4, LLAMA3_1, QWEN3, family_tokenizer
 from test_chat_labels import (
     TRL_1_16,
     conversations,
@@ -124,6 +128,39 @@ def test_llama3_1_date_header_and_gemma3_system_turn_are_context(tmp_path):
                 system = raw["messages"][0]["content"]
                 assert "<start_of_turn>user\n" + system + "\n\n" in text
                 assert "<start_of_turn>system" not in text
+
+
+# THUDM/glm-4-9b-chat-hf's template with its tool branch left out (the template as llama.cpp's
+# tests/test-chat-template.cpp and Berkeley's function-calling leaderboard quote it).
+GLM4_REAL = (
+    "[gMASK]<sop>{% for item in messages %}{% if item['content'] %}<|{{ item['role'] }}|>"
+    "{{ item['metadata'] }}\n{{ item['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_glm4_labels_the_token_that_stops_each_reply(tmp_path):
+    """GLM-4 ends no reply with a token of its own: the next turn's ``<|user|>`` is what the
+    model writes to stop (its generation config lists it as an end of generation). It is
+    labelled after every reply and written after the last, and it is the task's stop token;
+    without it an SFT'd GLM-4 would never learn to stop."""
+    tokenizer = family_tokenizer("glm4")
+    raw = rows("glm4")
+    for row in raw:
+        assert chat.render_text(tokenizer, GLM4, row["messages"]) == chat.render_text(
+            tokenizer, GLM4_REAL, row["messages"]
+        )
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    assert chat.template.turn_ender(tokenizer, GLM4) == user
+    assert chat.template.end_of_turn(tokenizer, GLM4) == [user]
+    for raw_row, row in zip(raw, read(tmp_path, raw), strict=True):
+        features = ours(tokenizer, GLM4, row)
+        replies = [m["content"] for m in raw_row["messages"] if m["role"] == "assistant"]
+        assert labelled_runs(tokenizer, features) == [f"\n{r}<|user|>" for r in replies]
+        assert features["input_ids"][-1] == user == features["labels"][-1]
+    # Templates whose turns end with a token of their own are left as they were.
+    for family in ("qwen3", "llama3_1", "gemma3"):
+        assert chat.template.turn_ender(family_tokenizer(family), MINE[family]) is None
 
 
 @pytest.fixture(scope="module")

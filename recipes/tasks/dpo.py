@@ -51,7 +51,7 @@ from recipes.tasks.configs.dpo import LOSS_TYPES, REFERENCE_FREE, DpoConfig  # n
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 2
+FEATURES_VERSION = 3
 # The losses (recipes.losses.preference, as TRL defines them): per pair, from the summed
 # log-probabilities this task gathers. ORPO's NLL is the chosen row's cross-entropy over its
 # whole sequence, prompt included, every token but the first, as TRL's ("orpo chosen nll loss is

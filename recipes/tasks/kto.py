@@ -78,7 +78,7 @@ from recipes.tasks.configs.kto import LOSS_TYPES, KtoConfig  # noqa: F401  (re-e
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
+FEATURES_VERSION = 4  # bump when feature building changes, to invalidate cached features
 
 
 # TRL refuses per_device_train_batch_size=1 for the same reason. A last micro-batch of one row

@@ -54,7 +54,7 @@ from recipes.tasks.outputs import row_ids, write_predictions
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 SIDES = ("chosen", "rejected")
 # STATS: TRL's training metrics (RewardTrainer.compute_loss), summed per pair beside the loss.
 

@@ -27,7 +27,7 @@ from recipes.tasks.configs.sft import SftConfig
 
 log = get_logger(__name__)
 
-FEATURES_VERSION = 3  # bump when feature building changes, to invalidate cached features
+FEATURES_VERSION = 4  # bump when feature building changes, to invalidate cached features
 
 
 class SupervisedFineTuning(Task[ChatData]):

@@ -6,6 +6,10 @@
   whitespace inside the markers included);
 * a template without markers: each assistant turn from the end of its generation prompt to its
   end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, EOS) included, so the model learns to stop;
+  a template that ends a turn with no token of its own, the next turn's opening special token
+  being what stops the model (GLM-4: ``<|user|>``, which its generation config lists as an end
+  of generation), gets that token labelled after each reply, and written after the last one,
+  as ms-swift's GLM-4 template labels its ``<|user|>`` suffix;
   the template's whitespace after that token is not labelled, nor an empty reasoning block the
   template writes before a reply that has none (Qwen3's ``<think>\n\n</think>\n\n``). The
   conversation is rendered once, as at inference; a turn the template renders differently once
@@ -292,6 +296,10 @@ def _turn_labels(
     text = render_text(tokenizer, template, messages, tools=tools)
     ids = _encode(tokenizer, text)
     labels = [IGNORE_INDEX] * len(ids)
+    ender = turn_ender(tokenizer, template)
+    if ender is not None and messages and messages[-1]["role"] == "assistant":
+        ids.append(ender)  # what the model writes after its last reply, as after the others
+        labels.append(IGNORE_INDEX)
     offsets: list[tuple[int, int]] = []
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= label_from]
     for i in replies:
@@ -306,8 +314,33 @@ def _turn_labels(
         if start is None or stop is None:  # the tokenizer merged text across a boundary
             offsets = offsets or _offsets(tokenizer, text, i)
             start, stop = _token_span(offsets, head, end)
+        if ender is not None and stop < len(ids) and ids[stop] in _special_ids(tokenizer):
+            stop += 1  # the special token that opens the next turn ends this one
         labels[start:stop] = ids[start:stop]
     return ids, labels
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+
+
+def turn_ender(tokenizer: PreTrainedTokenizerBase, template: str) -> int | None:
+    """For a template that writes nothing of its own after a reply (GLM-4's), the special token
+    that opens the next user turn right after it: what the model writes to stop. None where a
+    turn has an end-of-turn token (ChatML's ``<|im_end|>``...) or what follows is not a special
+    token written at once (a plain-text template): nothing is added then."""
+    user = {"role": "user", "content": "Hi"}
+    reply = {"role": "assistant", "content": "Hello"}
+    try:
+        alone = render_text(tokenizer, template, [user, reply])
+        followed = render_text(tokenizer, template, [user, reply, {**user, "content": "Again"}])
+    except (TemplateMismatch, RowError):
+        return None
+    if not alone.endswith("Hello") or not followed.startswith(alone):
+        return None  # the reply is followed by the template's own text (an end-of-turn token)
+    after = _encode(tokenizer, followed[len(alone) :])
+    return after[0] if after and after[0] in _special_ids(tokenizer) else None
 
 
 def _reply_span(
@@ -596,9 +629,7 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str | None) -> lis
     labelled = [t for t in labels if t != IGNORE_INDEX]
     while labelled and not tokenizer.decode(labelled[-1]).strip():
         labelled.pop()
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
-    return [labelled[-1]] if labelled and labelled[-1] in special else []
+    return [labelled[-1]] if labelled and labelled[-1] in _special_ids(tokenizer) else []
 
 
 def require_template(template: str | None, place: str) -> None:
