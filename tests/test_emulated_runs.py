@@ -419,6 +419,54 @@ def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     assert answers[1] == answers[0] and len(answers[0]) == 3
 
 
+def test_gkd_teacher_sharded_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
+    """GKD's frozen teacher under FSDP2 (issue 56: an 8B student from a 32B teacher on cards
+    that hold neither whole) is sharded like the student (accelerate's own FSDP2 preparation,
+    never given to the optimizer nor checkpointed): full fine-tuning of the student from a
+    teacher that is not it trains on two cards as on one card with the same global batch. The
+    teacher: the tiny Llama with its weights perturbed (same vocabulary, other logits)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = ROOT / "recipes" / "assets" / "tiny-llama"
+    teacher = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
+    model.save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(teacher)
+    common = (
+        "recipe=llama_gkd",
+        "debug=smoke",
+        "peft=none",
+        "task.lmbda=0",
+        f"task.teacher_model={teacher}",
+        *QUIET,
+        f"data.cache_dir={cache_dir}",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+    )
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(
+        *common, "trainer.per_device_train_batch_size=8", f"output_dir={one}", script=on_musa()
+    )
+    done = run_train(
+        *common,
+        "trainer.per_device_train_batch_size=4",
+        f"output_dir={two}",
+        script=_fsdp_launch("fsdp2.yaml"),
+        env=ONE_THREAD,
+    )
+    assert "DistributedType.FSDP" in done.stderr
+    assert "teacher: sharded like the policy" in (two / "train.log").read_text()
+    assert _losses(two) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(two)) == 3
+    assert all(loss > 0 for loss in _losses(one))  # the teacher is not the student
+
+
 def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
     """conf/accelerate/hsdp_musa.yaml through accelerate's launcher on four cards, as 2 "nodes"
     of 2 (dp_replicate 2 x dp_shard 2): accelerate runs FSDP2 on the (replicate, shard) mesh it

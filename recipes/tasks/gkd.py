@@ -70,8 +70,10 @@ log = get_logger(__name__)
 IGNORE = chat.IGNORE_INDEX
 TEACHER_LOGPS = "teacher_logps"  # a batch's precomputed teacher log-probs (labelled tokens, V)
 FSDP_REFUSAL = (
-    "task=gkd under FSDP: the teacher cannot be sharded here, and each process samples its own "
-    "rows' completions; use DDP (conf/accelerate/multi_musa.yaml)."
+    "task=gkd under FSDP samples only with task.lmbda=0 and task.seq_kd=false (each process "
+    "would sample its own rows' completions from a sharded model) and needs a task.teacher_model "
+    "(the starting weights cannot be copied once sharded) under FSDP2 "
+    "(conf/accelerate/fsdp2.yaml); or use DDP (conf/accelerate/multi_musa.yaml)."
 )
 
 
@@ -277,7 +279,8 @@ class KnowledgeDistillation(Task[GkdData]):
         student's; with ``precompute_teacher`` its log-probs on both splits, handed to the
         collators."""
         accelerator = run.accelerator
-        if accelerator.distributed_type == DistributedType.FSDP:
+        sharded = accelerator.distributed_type == DistributedType.FSDP
+        if sharded and (self.args.lmbda > 0 or self.args.seq_kd or self.args.teacher_model is None):
             raise ConfigError(FSDP_REFUSAL)
         self.run = run
         student = accelerator.unwrap_model(model)
@@ -286,7 +289,11 @@ class KnowledgeDistillation(Task[GkdData]):
         if self.args.teacher_model is None:
             self.teacher = Reference.build(model, accelerator, FSDP_REFUSAL)
         else:
-            frozen = self._load_teacher(student, run.tokenizer).to(accelerator.device)
+            frozen = self._load_teacher(student, run.tokenizer)
+            if sharded:  # an 8B student from a 32B teacher: each card holds its share of both
+                frozen = chat.reference.shard_frozen(frozen, accelerator, FSDP_REFUSAL)
+            else:
+                frozen = frozen.to(accelerator.device)
             # Its logits a chunk at a time too where the student's are and it allows it.
             fused = linear_ce.enabled(student) and not linear_ce.unsupported_reason(frozen)
             linear_ce.mark(frozen, fused)

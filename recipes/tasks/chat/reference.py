@@ -352,6 +352,26 @@ def peft_model(model: torch.nn.Module) -> Any:
     return inner if hasattr(inner, "disable_adapter") else model
 
 
+def shard_frozen(model: torch.nn.Module, accelerator: Accelerator, refusal: str) -> torch.nn.Module:
+    """A frozen model (a teacher) sharded as the policy is under FSDP2: accelerate's own
+    preparation (its ``fsdp2_prepare_model``: the plugin's layer policy, device mesh, mixed
+    precision and offload; TRL's ``prepare_fsdp`` shards only the root, which gathers the whole
+    model at every forward), but not registered with the accelerator: no optimizer, no
+    checkpoint. Under FSDP1 refused with ``refusal``."""
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ConfigError(refusal)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    policy = plugin.auto_wrap_policy  # the policy's own, set from its layers: kept as it was
+    try:
+        model = fsdp2_prepare_model(accelerator, model.eval().requires_grad_(False))
+    finally:
+        plugin.auto_wrap_policy = policy
+    log.info("teacher: sharded like the policy (FSDP2, no optimizer, not checkpointed)")
+    return model.eval()
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Every dropout to 0 (TRL's ``disable_dropout``): the policy's log-probabilities are then
     those the reference sees, not a noisy draw of them."""
