@@ -50,6 +50,16 @@ GRID["full-nockpt-2048-offload"] = [
     *GRID["full-nockpt-2048"],
     "trainer.activation_offload=true",
 ]
+# Under accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on one and on two cards (the emulated
+# card only: accelerate refuses FSDP on CPU processes), each card's peak against the plan of its
+# share: the weights, gradients and optimizer state sharded, the activations whole.
+FSDP_POINTS = {
+    "full-ckpt-2048-fsdp2x1": 1,
+    "full-ckpt-2048-fsdp2x2": 2,
+    "lora-ckpt-2048-fsdp2x2": 2,
+}
+for _name in FSDP_POINTS:
+    GRID[_name] = list(GRID[_name.rsplit("-", 1)[0]])
 # Evaluation after training, 2 packed rows at once: its logits are the run's peak.
 GRID["lora-ckpt-2048-eval"] = [
     *GRID["lora-ckpt-2048"],
@@ -73,9 +83,14 @@ def build_model(folder: Path, layers: int = 2) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
-    for item in TOKENIZER.iterdir():
-        if item.name.startswith(("tokenizer", "vocab", "merges", "special")):
-            shutil.copy(item, folder / item.name)
+    from transformers import AutoTokenizer
+
+    # ChatML's turn markers already in the tokenizer, as in Qwen3's own: a run that had to add
+    # them would train their embedding rows, and with them the tied output layer (the unfused
+    # loss under LoRA), which no real Qwen3 run does.
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -109,14 +124,30 @@ def run_point(name: str, model: Path, out: Path, cpu: bool, reuse: bool) -> dict
     if (out / name).exists():
         shutil.rmtree(out / name)
     command = [sys.executable, "train.py", *overrides_of(name, model, out)]
+    processes = FSDP_POINTS.get(name)
+    if processes and cpu:
+        raise SystemExit(f"{name}: FSDP points run on the emulated card only (drop --cpu)")
+    if processes:
+        launch = ["-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/fsdp2.yaml"]
+        launch += ["--num_processes", str(processes), "--main_process_port", str(_free_port())]
+        command = [sys.executable, *launch, *command[1:]]
     if not cpu:
-        command = [sys.executable, "scripts/emulated_musa.py", "--", *command]
+        cards = f"--cards={processes or 1}"
+        command = [sys.executable, "scripts/emulated_musa.py", cards, "--", *command]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return _memory_metrics(metrics, time.monotonic() - start)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _memory_metrics(metrics: Path, seconds: float) -> dict[str, float]:
@@ -131,19 +162,25 @@ def planned(name: str, model: Path, out: Path, cpu: bool) -> tuple[float, str]:
     from recipes import plan
 
     settings = plan.compose(overrides_of(name, model, out))
+    processes = FSDP_POINTS.get(name, 1)
     found = plan.plan_settings(
         settings,
         card=None if cpu else "S4000",
         on_cpu=cpu,
         mixed_precision="bf16",
         labelled=1.0,
+        processes=processes,
+        shard=processes if name in FSDP_POINTS else 1,
     )
     return found.peak_bytes / plan.GIB, found.peak.name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", nargs="*", default=list(GRID), choices=list(GRID))
+    default = (
+        [p for p in GRID if p not in FSDP_POINTS] if "--cpu" in (argv or sys.argv) else list(GRID)
+    )
+    parser.add_argument("--points", nargs="*", default=default, choices=list(GRID))
     parser.add_argument("--cpu", action="store_true", help="measure peak RSS on this CPU")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and runs")
     parser.add_argument(
