@@ -35,10 +35,19 @@ from conftest import (
 )
 from fake_torch_musa import GEMM_TF32_REPORT
 from safetensors.torch import load_file
+from test_gkd import perturbed_teacher
 
 pytestmark = pytest.mark.slow
 
 QUIET = ("logger=none", "trainer.progress_bar=false")
+# Three logged steps, nothing evaluated or saved at the end.
+THREE_STEPS = (
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.eval_at_start=false",
+    "trainer.eval_at_end=false",
+    "trainer.save_final_model=false",
+)
 SQUAD_V2 = ("recipe=bert_squad_v2", "debug=smoke", *QUIET)
 DEV = ROOT / "recipes" / "assets" / "squad" / "v2" / "dev.json"
 SCORES = ("eval/exact_match", "eval/f1", "eval/HasAns_f1", "eval/NoAns_f1")
@@ -378,6 +387,23 @@ def test_torchada_imported_first_leaves_the_device_decisions_alone(tmp_path, cac
     assert len(_losses(tmp_path / "run")) == 2
 
 
+def _one_card_then_fsdp2(tmp_path: Path, common: tuple[str, ...], global_batch: int):
+    """``common`` on one card (``tmp_path/one``), then under accelerate's FSDP2 on two cards
+    with the same global batch (``tmp_path/two``); the two run folders."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    batch = "trainer.per_device_train_batch_size"
+    run_train(*common, f"{batch}={global_batch}", f"output_dir={one}", script=on_musa())
+    done = run_train(
+        *common,
+        f"{batch}={global_batch // 2}",
+        f"output_dir={two}",
+        script=_fsdp_launch("fsdp2.yaml"),
+        env=ONE_THREAD,
+    )
+    assert "DistributedType.FSDP" in done.stderr
+    return one, two
+
+
 def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
     """accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on two cards, which accelerate refuses on
     a CPU: LoRA trains as on one card with the same global batch, the checkpoints are sharded,
@@ -395,18 +421,7 @@ def test_lora_under_fsdp2_on_two_cards_equals_one_card(tmp_path, cache_dir):
         "trainer.log_every_n_steps=1",
         "trainer.eval_at_start=false",
     )
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train(
-        *common, "trainer.per_device_train_batch_size=16", f"output_dir={one}", script=on_musa()
-    )
-    done = run_train(
-        *common,
-        "trainer.per_device_train_batch_size=8",
-        f"output_dir={two}",
-        script=_fsdp_launch("fsdp2.yaml"),
-        env=ONE_THREAD,
-    )
-    assert "DistributedType.FSDP" in done.stderr
+    one, two = _one_card_then_fsdp2(tmp_path, common, global_batch=16)
     assert _losses(two) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(two)) == 4
     assert (two / "checkpoints" / "step-00000004" / "pytorch_model_fsdp_0").is_dir()
     merged = load_file(two / "final" / "model.safetensors")
@@ -425,17 +440,7 @@ def test_gkd_teacher_sharded_under_fsdp2_on_two_cards_equals_one_card(tmp_path, 
     never given to the optimizer nor checkpointed): full fine-tuning of the student from a
     teacher that is not it trains on two cards as on one card with the same global batch. The
     teacher: the tiny Llama with its weights perturbed (same vocabulary, other logits)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tiny = ROOT / "recipes" / "assets" / "tiny-llama"
-    teacher = tmp_path / "teacher"
-    model = AutoModelForCausalLM.from_pretrained(tiny)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * 0.05)
-    model.save_pretrained(teacher)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(teacher)
+    teacher = perturbed_teacher(tmp_path / "teacher")
     common = (
         "recipe=llama_gkd",
         "debug=smoke",
@@ -444,24 +449,9 @@ def test_gkd_teacher_sharded_under_fsdp2_on_two_cards_equals_one_card(tmp_path, 
         f"task.teacher_model={teacher}",
         *QUIET,
         f"data.cache_dir={cache_dir}",
-        "trainer.max_steps=3",
-        "trainer.log_every_n_steps=1",
-        "trainer.eval_at_start=false",
-        "trainer.eval_at_end=false",
-        "trainer.save_final_model=false",
+        *THREE_STEPS,
     )
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train(
-        *common, "trainer.per_device_train_batch_size=8", f"output_dir={one}", script=on_musa()
-    )
-    done = run_train(
-        *common,
-        "trainer.per_device_train_batch_size=4",
-        f"output_dir={two}",
-        script=_fsdp_launch("fsdp2.yaml"),
-        env=ONE_THREAD,
-    )
-    assert "DistributedType.FSDP" in done.stderr
+    one, two = _one_card_then_fsdp2(tmp_path, common, global_batch=8)
     assert "teacher: sharded like the policy" in (two / "train.log").read_text()
     assert _losses(two) == pytest.approx(_losses(one), abs=1e-5) and len(_losses(two)) == 3
     assert all(loss > 0 for loss in _losses(one))  # the teacher is not the student
@@ -479,11 +469,7 @@ def test_hsdp_on_four_cards_as_two_nodes_equals_one_card(tmp_path, cache_dir):
         "peft.dropout=0.0",
         *QUIET,
         f"data.cache_dir={cache_dir}",
-        "trainer.max_steps=3",
-        "trainer.log_every_n_steps=1",
-        "trainer.eval_at_start=false",
-        "trainer.eval_at_end=false",
-        "trainer.save_final_model=false",
+        *THREE_STEPS,
     )
     one, four = tmp_path / "one", tmp_path / "four"
     run_train(

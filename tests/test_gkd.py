@@ -12,6 +12,7 @@ import dataclasses
 import json
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,11 +205,14 @@ SMOKE = ("recipe=llama_gkd", "debug=smoke", "logger=none", "trainer.progress_bar
 
 @pytest.fixture
 def teacher(tmp_path):
+    return perturbed_teacher(tmp_path / "teacher")
+
+
+def perturbed_teacher(folder: Path) -> Path:
     """A teacher of the tiny Llama's vocabulary that is not the student: its weights perturbed,
-    saved with its tokenizer."""
+    saved with its tokenizer in ``folder``."""
     from transformers import AutoTokenizer
 
-    folder = tmp_path / "teacher"
     model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
