@@ -99,9 +99,9 @@ COPY scripts ./scripts
 #   flash-attention, TransformerEngine: the training image's MUSA builds) are pinned at their
 #   installed versions as pip constraints: a dependency that wants another fails the build (or
 #   picks an older release) instead of replacing it;
-# - peft is held below 0.19 where the image's torchao is older than 0.16 (peft 0.19 and later
-#   refuse such a torchao when LoRA loads; the training image has 0.9.0, and ms-swift pins peft
-#   0.18.1 there);
+# - peft is held below 0.19 where the image's torchao is older than 0.16 (peft 0.19 to 0.21
+#   refuse such a torchao when LoRA loads, 0.22 and later only warn; the training image has
+#   0.9.0, and ms-swift pins peft 0.18.1 there);
 # - the project goes in with --no-deps, then its requirements other than torch under the pins,
 #   so pip never weighs torch itself (vendor builds carry versions like 2.2.0a0+git8ac9b20);
 # - the floor is checked on the release number instead (2.2.0a0 passes, 2.0.0 fails the build),

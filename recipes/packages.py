@@ -17,11 +17,15 @@ from packaging.version import InvalidVersion, Version
 # incompatible version of torchao") when it builds LoRA layers (``dispatch_torchao``). The
 # minimum is 0.4.0 up to peft 0.18.1 and 0.16.0 from peft 0.19.0 (huggingface/peft PR #3101,
 # "FIX Broken tests with torchao >= 0.16"). The vendor's training image ships torchao 0.9.0,
-# so any LoRA run there fails with peft >= 0.19 (ms-swift pins peft 0.18.1).
+# so any LoRA run there fails with peft 0.19-0.21 (ms-swift pins peft 0.18.1). From peft 0.22.0
+# the same check warns instead ("torchao support in PEFT is disabled") and returns False: LoRA
+# trains, only torchao-quantized models lose peft's torchao layers (its import_utils: "Raising
+# would break PEFT for all models, not just torchao-quantized ones").
 _PEFT_TORCHAO_MINIMUM: tuple[tuple[Version, Version], ...] = (
     (Version("0.19.0"), Version("0.16.0")),
     (Version("0"), Version("0.4.0")),
 )
+PEFT_WARNS_FROM = Version("0.22.0")
 
 
 def installed_version(name: str) -> str | None:
@@ -45,15 +49,15 @@ def peft_torchao_conflict(peft: str | None, torchao: str | None) -> str | None:
         return None
     try:
         minimum = torchao_minimum_for_peft(peft)
-        if Version(torchao) >= minimum:
+        if Version(torchao) >= minimum or Version(peft) >= PEFT_WARNS_FROM:
             return None
     except InvalidVersion:  # a version peft could not parse either: not this check's to judge
         return None
     return (
         f"peft {peft} needs torchao >= {minimum} and torchao {torchao} is installed, so LoRA "
         f'stops with an ImportError at its first layer: pip install "peft<0.19" (as ms-swift '
-        f'pins 0.18.1), or install a newer torchao (pip install "torchao>={minimum}", one built '
-        "for this torch)"
+        f'pins 0.18.1) or "peft>={PEFT_WARNS_FROM}" (which only turns its torchao support off), '
+        f'or install a newer torchao (pip install "torchao>={minimum}", one built for this torch)'
     )
 
 

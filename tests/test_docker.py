@@ -397,7 +397,7 @@ def test_install_step_on_the_training_image_keeps_its_stack_and_holds_peft(
         fake_installed(throwaway.site, name, version)
     _offer_older_releases(throwaway.links, stack["torch"])
     # Newer releases within reach: the install must take none of them, and peft below 0.19
-    # (0.19 and later refuse a torchao older than 0.16 when LoRA loads).
+    # (0.19 to 0.21 refuse a torchao older than 0.16 when LoRA loads).
     for name, version in (("deepspeed", "0.20.0"), ("flash_attn", "2.8.3"), ("peft", "0.21.2")):
         write_wheel(throwaway.links, name, version)
     write_wheel(throwaway.links, "peft", "0.18.1")

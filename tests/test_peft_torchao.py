@@ -1,5 +1,6 @@
-"""peft >= 0.19 with an older torchao (the vendor's training image ships 0.9.0): one line at
-start, exit 2, never peft's ImportError at the first LoRA layer (recipes/packages.py).
+"""peft 0.19-0.21 with an older torchao (the vendor's training image ships 0.9.0): one line at
+start, exit 2, never peft's ImportError at the first LoRA layer (recipes/packages.py). peft 0.22
+and later only warn and turn their torchao support off: LoRA trains, nothing is refused.
 
 A torchao of a given version is made visible as peft's check reads it: a package folder and its
 distribution metadata on ``sys.path``.
@@ -12,6 +13,7 @@ from pathlib import Path
 import peft
 import pytest
 from conftest import run_train
+from packaging.version import Version
 from peft import import_utils
 
 from recipes import env, packages
@@ -35,6 +37,7 @@ def _torchao(root: Path, version: str) -> Path:
         ("0.21.2", "0.15.1", True),
         ("0.21.2", "0.16.0", False),
         ("0.21.2", None, False),  # no torchao: peft never asks
+        ("0.22.0", "0.9.0", False),  # warns and turns its torchao support off
         (None, "0.9.0", False),
     ],
 )
@@ -46,18 +49,27 @@ def test_peft_torchao_rule(peft_version: str | None, torchao: str | None, refuse
         assert 'pip install "peft<0.19"' in line and "newer torchao" in line
 
 
-@pytest.mark.parametrize(("torchao", "refused"), [("0.9.0", True), ("0.16.0", False)])
+# The installed peft raises on an old torchao (0.19-0.21), or only warns (0.22 and later).
+PEFT_RAISES = Version(peft.__version__) < packages.PEFT_WARNS_FROM
+
+
+@pytest.mark.parametrize(("torchao", "old"), [("0.9.0", True), ("0.16.0", False)])
 def test_the_check_agrees_with_peft_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torchao: str, refused: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torchao: str, old: bool
 ) -> None:
     monkeypatch.syspath_prepend(str(_torchao(tmp_path, torchao)))
     line = packages.installed_peft_torchao_conflict()
+    refused = old and PEFT_RAISES
     assert (line is not None) is refused
-    # peft's own check (uncached), reading the same torchao: the ImportError LoRA would raise.
+    # peft's own check (uncached), reading the same torchao: the ImportError LoRA would raise,
+    # or (peft >= 0.22) a warning and its torchao support off.
     if refused:
         with pytest.raises(ImportError, match=f"Found version {torchao}"):
             import_utils.is_torchao_available.__wrapped__()
         assert f"peft {peft.__version__}" in line
+    elif old:
+        with pytest.warns(UserWarning, match=f"Found version {torchao}"):
+            assert import_utils.is_torchao_available.__wrapped__() is False
     else:
         assert import_utils.is_torchao_available.__wrapped__() is True
     # The doctor reports the same, and advises the fix.
@@ -70,6 +82,7 @@ def test_the_check_agrees_with_peft_itself(
     assert bool(env._advice_packages({"peft_torchao": found})) is refused
 
 
+@pytest.mark.skipif(not PEFT_RAISES, reason="peft >= 0.22 trains beside an old torchao (below)")
 def test_lora_run_stops_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(_torchao(tmp_path / "site", "0.9.0")))
     run = tmp_path / "run"
@@ -78,3 +91,22 @@ def test_lora_run_stops_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: peft=lora: peft ") and "torchao 0.9.0" in line
     assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.skipif(PEFT_RAISES, reason="this peft refuses an old torchao (above)")
+def test_lora_trains_beside_an_old_torchao_with_a_peft_that_only_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """peft >= 0.22 beside the training image's torchao 0.9.0: not refused, LoRA trains."""
+    monkeypatch.syspath_prepend(str(_torchao(tmp_path / "site", "0.9.0")))
+    run = tmp_path / "run"
+    done = run_train(
+        "recipe=llama_dpo",
+        "debug=smoke",
+        "trainer.max_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_at_end=false",
+        "trainer.save_final_model=false",
+        f"output_dir={run}",
+    )
+    assert "error:" not in done.stderr and (run / "metrics.jsonl").is_file()
