@@ -53,13 +53,8 @@ GRID["full-nockpt-2048-offload"] = [
 # Under accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on one and on two cards (the emulated
 # card only: accelerate refuses FSDP on CPU processes), each card's peak against the plan of its
 # share: the weights, gradients and optimizer state sharded, the activations whole.
-FSDP_POINTS = {
-    "full-ckpt-2048-fsdp2x1": 1,
-    "full-ckpt-2048-fsdp2x2": 2,
-    "lora-ckpt-2048-fsdp2x2": 2,
-}
-for _name in FSDP_POINTS:
-    GRID[_name] = list(GRID[_name.rsplit("-", 1)[0]])
+FSDP_POINTS = {"full-ckpt-2048-fsdp2x1": 1, "full-ckpt-2048-fsdp2x2": 2}  # name -> processes
+GRID["full-ckpt-2048-fsdp2x1"] = GRID["full-ckpt-2048-fsdp2x2"] = GRID["full-ckpt-2048"]
 # Evaluation after training, 2 packed rows at once: its logits are the run's peak.
 GRID["lora-ckpt-2048-eval"] = [
     *GRID["lora-ckpt-2048"],
@@ -177,16 +172,16 @@ def planned(name: str, model: Path, out: Path, cpu: bool) -> tuple[float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = (
-        [p for p in GRID if p not in FSDP_POINTS] if "--cpu" in (argv or sys.argv) else list(GRID)
+    parser.add_argument(
+        "--points", nargs="*", choices=list(GRID), help="default: the grid (no FSDP with --cpu)"
     )
-    parser.add_argument("--points", nargs="*", default=default, choices=list(GRID))
     parser.add_argument("--cpu", action="store_true", help="measure peak RSS on this CPU")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and runs")
     parser.add_argument(
         "--reuse", action="store_true", help="read the measured peaks of runs already there"
     )
     args = parser.parse_args(argv)
+    points = args.points or [p for p in GRID if not (args.cpu and p in FSDP_POINTS)]
     work = args.work or Path(tempfile.gettempdir()) / "plan_check"
     model = build_model(work / "qwen3-0.6b-2-layers")
     where = "peak RSS, CPU" if args.cpu else "max_memory_allocated, emulated MUSA S4000"
@@ -194,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| point | plan (GiB) | its peak phase | measured (GiB, {where}) | plan error |")
     print("|---|---|---|---|---|")
     worst = 0.0
-    for name in args.points:
+    for name in points:
         measured = run_point(name, model, runs, args.cpu, args.reuse)["memory/peak_gib"]
         estimate, phase = planned(name, model, runs, args.cpu)
         error = 100 * (estimate - measured) / measured

@@ -297,6 +297,7 @@ def _turn_labels(
     ids = _encode(tokenizer, text)
     labels = [IGNORE_INDEX] * len(ids)
     ender = turn_ender(tokenizer, template)
+    special = _special_ids(tokenizer) if ender is not None else set()
     if ender is not None and messages and messages[-1]["role"] == "assistant":
         ids.append(ender)  # what the model writes after its last reply, as after the others
         labels.append(IGNORE_INDEX)
@@ -314,7 +315,7 @@ def _turn_labels(
         if start is None or stop is None:  # the tokenizer merged text across a boundary
             offsets = offsets or _offsets(tokenizer, text, i)
             start, stop = _token_span(offsets, head, end)
-        if ender is not None and stop < len(ids) and ids[stop] in _special_ids(tokenizer):
+        if stop < len(ids) and ids[stop] in special:
             stop += 1  # the special token that opens the next turn ends this one
         labels[start:stop] = ids[start:stop]
     return ids, labels
