@@ -63,6 +63,7 @@ def test_benchmarks_after_training_a_model_that_is_no_language_model_are_refused
     assert not (run / "checkpoints").exists() and not (run / "final").exists()
 
 
+@pytest.mark.slow  # lm-eval indexes every task file it ships (about 7 s)
 def test_an_unknown_task_is_refused_with_the_setting_and_how_to_list_tasks(tmp_path):
     from recipes.benchmark import Benchmarks
 

@@ -175,6 +175,7 @@ def test_lookup_peak_rejects_unknown_dtype() -> None:
         device.peak_flops_by_name("MTT S4000", "int4")
 
 
+@pytest.mark.slow  # env_check.py in a Python of its own
 def test_env_json_subprocess() -> None:
     result = _run_doctor("--json")
     assert result.returncode == 0, result.stderr
@@ -823,6 +824,7 @@ def test_write_accelerate_config_refuses_to_overwrite(
     assert load_config_from_file(str(path)).num_processes >= 1
 
 
+@pytest.mark.slow  # env_check.py in a Python of its own
 def test_write_accelerate_config_refusal_exit_status(tmp_path: Path) -> None:
     path = tmp_path / "local.yaml"
     path.write_text("keep: me\n", encoding="utf-8")

@@ -93,6 +93,7 @@ def _eval_widths(monkeypatch) -> list[int]:
     return widths
 
 
+@pytest.mark.slow  # a training run, then mode=eval
 @pytest.mark.usefixtures("run_logging")
 def test_eval_mode_pads_as_evaluation_during_training(tmp_path, cache_dir, monkeypatch):
     cache = f"data.cache_dir={cache_dir}"

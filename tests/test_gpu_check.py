@@ -334,6 +334,7 @@ def test_dry_run_runs_every_row_and_writes_each_as_it_ends(tmp_path, cache_dir) 
     assert "bert_large-compile/metrics.jsonl" in files
 
 
+@pytest.mark.slow  # gpu_check.py in a Python of its own
 @pytest.mark.skipif(device.backend() != device.CPU, reason="a device is present")
 def test_refuses_without_a_device(tmp_path) -> None:
     done = _check("--out", str(tmp_path / "out"))
@@ -377,6 +378,7 @@ def test_the_sub_batches_summary_names_first_call_costs_from_the_numbers() -> No
     assert not missing["ok"] and "sub1" in missing["error"]
 
 
+@pytest.mark.slow  # throughput.py in a Python of its own
 def test_a_throughput_subcommand_not_merged_fails_its_row_in_one_line(tmp_path) -> None:
     sys.path.insert(0, str(ROOT))
     from scripts.gpu_check import child_llm_peer

@@ -285,6 +285,7 @@ def without_heavy(tmp_path_factory) -> dict:
     return report
 
 
+@pytest.mark.slow  # a Python of its own, torch made unimportable
 def test_bad_settings_are_refused_in_one_line_without_torch(without_heavy) -> None:
     for (args, key), result in zip(
         REFUSED_WITHOUT_TORCH.items(), without_heavy["refusals"], strict=True
@@ -296,6 +297,7 @@ def test_bad_settings_are_refused_in_one_line_without_torch(without_heavy) -> No
     assert without_heavy["folders"] == []  # a refused run leaves no folder
 
 
+@pytest.mark.slow  # the same Python of its own as above
 def test_composing_and_validating_a_config_imports_no_torch(without_heavy) -> None:
     """One recipe of every task (its typed config checked), with LoRA's settings."""
     assert without_heavy["failed"] == {}

@@ -254,6 +254,7 @@ NO_PEFT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a Python of its own, without peft
 def test_final_loads_without_peft(finals: dict, tmp_path: Path) -> None:
     ids = batch("llama", seed=7)["input_ids"]
     exchange = tmp_path / "io.pt"

@@ -93,6 +93,7 @@ def test_lora_run_stops_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert not (run / "checkpoints").exists()
 
 
+@pytest.mark.slow  # a training run
 @pytest.mark.skipif(PEFT_RAISES, reason="this peft refuses an old torchao (above)")
 def test_lora_trains_beside_an_old_torchao_with_a_peft_that_only_warns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
