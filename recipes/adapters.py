@@ -241,6 +241,30 @@ def _token_rows(model: torch.nn.Module, tokens: Sequence[int]) -> dict[str, list
     return rows
 
 
+@contextmanager
+def tie_seen_by_fsdp2(model: torch.nn.Module) -> Iterator[None]:
+    """peft's trainable token rows on a tied embedding answer ``.weight`` with a freshly merged
+    tensor, on the input embedding's wrapper and on its tied twin on the output layer alike.
+    accelerate's FSDP2 preparation (``fsdp2_prepare_model``, 1.16) tells a tied model by
+    ``input_embed.weight is output_embed.weight``, so it misses the tie: it shards the embedding
+    in a group of its own, then the output layer, whose twin holds the same, already sharded
+    rows, and torch stops ("Invariant encountered: value was None"). While this is open, both
+    wrappers answer ``.weight`` with the embedding's own parameter, and accelerate puts the
+    two into one group, as for any tied model; outside peft's wrappers nothing changes."""
+    ends = [model.get_input_embeddings(), model.get_output_embeddings()]
+    shared = [getattr(getattr(m, "original_module", None), "weight", None) for m in ends]
+    wrappers = [m for m in ends if m is not None and hasattr(m, "token_adapter")]
+    tied = len(wrappers) == 2 and shared[0] is not None and shared[0] is shared[1]
+    if tied:
+        for wrapper in wrappers:  # an instance entry shadows peft's __getattr__ for "weight"
+            wrapper.__dict__["weight"] = shared[0]
+    try:
+        yield
+    finally:
+        for wrapper in wrappers if tied else ():
+            wrapper.__dict__.pop("weight", None)
+
+
 def base_reference(cfg: Any, resized: bool) -> tuple[str | None, str | None]:
     """What the adapter's ``base_model_name_or_path`` names: the model as ``model.*`` loads it
     (a hub name, or a local folder as an absolute path, so it loads from anywhere), or None where

@@ -207,7 +207,8 @@ class Session:
     def prepare(self, model: torch.nn.Module, *others: Any) -> tuple[Any, ...]:
         """``accelerator.prepare`` of the model and what goes with it (optimizer, loaders), in
         that order; a LoRA model's checkpoints then hold what trains."""
-        prepared = self.accelerator.prepare(model, *others)
+        with adapters.tie_seen_by_fsdp2(model):
+            prepared = self.accelerator.prepare(model, *others)
         if adapters.is_peft_model(self.accelerator.unwrap_model(prepared[0])):
             adapters.register_checkpoint_hooks(self.accelerator)
         return prepared

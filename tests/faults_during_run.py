@@ -9,7 +9,9 @@ machine, not the code, brings, struck at a chosen moment:
   (after the final evaluation, before ``final/``);
 * ``full-after-checkpoint``: the disk is full for the main process's own files (metrics.jsonl,
   train.log, results.json, best.json, ...) right after the first checkpoint;
-* ``full-after-final``: the same right after ``final/`` is saved (results.json cannot be written).
+* ``full-after-final``: the same right after ``final/`` is saved (results.json cannot be written);
+* ``gather-fails-on-main``: gathering the sharded model for ``final/`` fails on the main process
+  only, while the others are inside the gather's collectives (a host out of memory there).
 
 A full disk for files already open is the kernel's own: their descriptors are pointed at
 ``/dev/full``, where every write fails with ENOSPC; a file not yet written gets ENOSPC from a
@@ -84,6 +86,17 @@ def main() -> None:
             return path
 
         setattr(checkpoint, name, saved_then_full)
+    elif fault == "gather-fails-on-main":
+        from accelerate import Accelerator
+
+        gather = Accelerator.get_state_dict
+
+        def fails_on_main(self: Any, model: Any, unwrap: bool = True) -> Any:
+            if self.is_main_process:
+                raise RuntimeError("gathering the model failed on this process only")
+            return gather(self, model, unwrap)
+
+        Accelerator.get_state_dict = fails_on_main
     else:
         raise SystemExit(f"unknown fault {fault}")
     sys.argv[0] = str(ROOT / "train.py")

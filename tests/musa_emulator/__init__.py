@@ -415,48 +415,6 @@ def _patch_sharded_grad_scaler() -> None:
     sharded_grad_scaler.ShardedGradScaler = ShardedGradScaler
 
 
-def _patch_fsdp_placement() -> None:
-    """FSDP and FSDP2 move a module's parameters to the device with
-    ``tensor.data = tensor.to(device)`` (``_move_states_to_device`` in ``fsdp._init_utils`` and
-    ``fsdp._fully_shard._fsdp_init``): fine on torch_musa's torch, whose TensorImpl counts
-    PrivateUse1 as dense, refused on stock torch ("incompatible tensor type"). Swapping each
-    tensor for its moved copy first keeps the parameters, as the vendor's torch does."""
-    import importlib
-    import itertools
-
-    from torch.distributed.tensor import DTensor
-
-    def swapping(original):
-        def move_states_to_device(params, buffers, device):
-            params, buffers = list(params), list(buffers)
-            for tensor in itertools.chain(params, buffers):
-                if (
-                    device is not None
-                    and device.type == "musa"
-                    and tensor.device != device
-                    and tensor.device.type != "meta"
-                    and not isinstance(tensor, DTensor)
-                ):
-                    with torch.no_grad():
-                        moved = tensor.to(device)
-                    if isinstance(tensor, torch.nn.Parameter):
-                        moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
-                    torch.utils.swap_tensors(tensor, moved)
-            return original(params, buffers, device)
-
-        return move_states_to_device
-
-    for name in (
-        "torch.distributed.fsdp._init_utils",
-        "torch.distributed.fsdp._fully_shard._fsdp_init",
-    ):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # a torch without this FSDP
-            continue
-        module._move_states_to_device = swapping(module._move_states_to_device)
-
-
 def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleType | None = None):
     """Make ``musa`` a device of this process: ``cards`` emulated cards of kind ``card``
     (``CARDS``), of which ``MUSA_VISIBLE_DEVICES`` shows some, and ``torch.musa`` as torch_musa
@@ -501,6 +459,5 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
 
         dist.Backend.register_backend("mccl", _create_mccl, devices=["musa"])
     _patch_sharded_grad_scaler()
-    _patch_fsdp_placement()
     musa._emulator = ext
     return musa

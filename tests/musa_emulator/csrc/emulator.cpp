@@ -666,6 +666,19 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 void record_stream(at::Tensor&, c10::Stream) {}
 
+// `param.data = param.to("musa")` (how FSDP and FSDP2 place a module's parameters on the device,
+// and how much user code moves tensors) swaps the tensor's implementation for the card's. Stock
+// torch allows it only between its own dense backends and refuses PrivateUse1 ("incompatible
+// tensor type"); torch_musa's torch counts MUSA as dense, so there a host and a card tensor are
+// interchangeable. The check is an operator: with a card tensor on either side it lands here.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && (t.is_cpu() || t.is_privateuseone());
+  };
+  return (dense(self) && dense(from)) ||
+      self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 // ---------------------------------------------------------------------------------------------
 // The fallback: every other operator runs its CPU kernel on CPU views of the same memory
 // ---------------------------------------------------------------------------------------------
@@ -992,6 +1005,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", TORCH_FN(copy_from));
   m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
 }
 
 // Autocast on musa casts what autocast on CUDA casts (the same op lists).
