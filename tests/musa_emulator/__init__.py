@@ -366,26 +366,6 @@ def checked_ops() -> list[str]:
     ]
 
 
-def _keep_parameters_on_conversion() -> None:
-    """torch_musa's torch counts PrivateUse1 as a dense backend (torch_patches,
-    c10/core/TensorImpl.h: has_compatible_shallow_copy_type), so ``Module.to("musa")`` sets each
-    parameter's data in place and tied weights stay tied. Stock torch replaces each parameter
-    instead and unties them. Swapping tensors while a module converts its parameters (only then:
-    the flag also steers load_state_dict) keeps the parameters themselves, as the vendor's torch
-    does."""
-    convert = torch.nn.Module._apply
-
-    def _apply(self, fn, recurse=True):
-        before = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            return convert(self, fn, recurse)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(before)
-
-    torch.nn.Module._apply = _apply
-
-
 def _patch_sharded_grad_scaler() -> None:
     """torch_musa's ShardedGradScaler (FSDP with fp16): torch's defaults to device "cuda"; the
     vendor's replaces it with one on musa that takes no device."""
@@ -438,7 +418,6 @@ def install(release, card: str = "S4000", cards: int = 1, module: types.ModuleTy
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
-    _keep_parameters_on_conversion()
     ext.set_checked_ops(checked_ops())
     from fake_torch_musa import install_tf32_switches
 
