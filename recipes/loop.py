@@ -601,7 +601,7 @@ class Trainer:
             # Several processes do not poll in the last words: a stop asked for there is acted
             # on here, before final/.
             self.stop_poll.raise_if_asked()
-        found = memory.run_plan(self.settings, accelerator)
+        found = memory.run_plan(self.settings, accelerator, self.model)
         extra = {**(extra or {}), **memory.plan_and_peak(found, accelerator)}
         self.metrics.log(extra, state.step)
         if self.trainer_cfg.save_final_model:
@@ -672,7 +672,7 @@ def _out_of_memory_advice(trainer: Trainer) -> Iterator[None]:
         if not memory.out_of_memory(err):
             raise
         saved = checkpoint.finished_checkpoints(checkpoint.checkpoints_dir(trainer.output_dir))
-        found = memory.run_plan(trainer.settings, trainer.accelerator)
+        found = memory.run_plan(trainer.settings, trainer.accelerator, trainer.model)
         last = str(saved[-1]) if saved else None
         raise memory.out_of_memory_error(err, trainer.state.step, found, last) from err
 

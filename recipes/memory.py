@@ -17,6 +17,7 @@ from recipes import plan as planning
 from recipes.config import ConfigError, Settings
 from recipes.errors import TrainingError
 from recipes.log import get_logger
+from recipes.losses import linear_ce
 
 log = get_logger(__name__)
 
@@ -48,9 +49,12 @@ def card_bytes(accelerator: Accelerator) -> tuple[str | None, int | None]:
     return name, int(found.total_memory)
 
 
-def run_plan(settings: Settings, accelerator: Accelerator) -> planning.Plan | None:
+def run_plan(
+    settings: Settings, accelerator: Accelerator, model: torch.nn.Module | None = None
+) -> planning.Plan | None:
     """This run's plan on its own device; None for a task the plan does not size (encoders,
-    sequence to sequence, reward models) or a model whose shape is unknown offline."""
+    sequence to sequence, reward models) or a model whose shape is unknown offline. ``model``:
+    the loaded model, whose chat loss was decided fused or not (recipes.losses.linear_ce)."""
     if getattr(type(settings.task), "NAME", "") not in planning.PLANNED_TASKS:
         return None
     fsdp_offload = settings.trainer.fsdp_offload
@@ -64,6 +68,8 @@ def run_plan(settings: Settings, accelerator: Accelerator) -> planning.Plan | No
             card_bytes=memory,
             processes=accelerator.num_processes,
             shard=_shard_size(accelerator),
+            fsdp=accelerator.distributed_type == DistributedType.FSDP,
+            fused_loss=None if model is None else linear_ce.enabled(model),
             on_cpu=accelerator.device.type == "cpu",
             mixed_precision=accelerator.mixed_precision,
             labelled=labelled_fraction(settings),

@@ -67,9 +67,9 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "no": 
 LOSS_CHUNK_ELEMENTS = 2**24
 LOSS_CHUNKS = 5
 # Copies of the (positions x vocabulary) logits held at the loss: the model's and the loss'
-# own (then the loss' and their gradient), and half a copy more that the measured peaks show;
-# under LoRA one more (measured: the same on 1 and 2 layers, so the output layer's, not the
-# adapters').
+# own (then the loss' and their gradient), and half a copy more that the measured peaks show
+# (not under FSDP, where autocast makes no copies); under LoRA one more (measured: the same on
+# 1 and 2 layers, so the output layer's, not the adapters').
 LOGITS_COPIES = 2.5
 LORA_LOGITS_COPIES = 1.0
 # What a LoRA layer saves per element of its input, in bytes: the dropout's output (fp32) and
@@ -229,6 +229,7 @@ class RunShape:
     activation_offload: bool = False
     processes: int = 1  # data-parallel processes in all
     shard: int = 1  # processes one copy of the model is sharded over (FSDP / HSDP); 1: not
+    fsdp: bool = False  # FSDP wraps the model (on one process too); always with shard > 1
     fsdp_offload: bool = False
     labelled: float = 1.0  # share of positions whose logits the loss needs
     fused_loss: bool = False  # trainer.fused_linear_loss: logits a chunk at a time
@@ -249,6 +250,13 @@ class RunShape:
     @property
     def tokens(self) -> int:
         return self.rows * self.seq
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP / HSDP wraps the model: its units are gathered for their forward and backward
+        in the mixed-precision policy's dtype (accelerate's: the compute dtype), so autocast
+        makes no weight copies, and the optimizer runs foreach over sharded tensors."""
+        return self.fsdp or self.shard > 1
 
 
 @dataclass
@@ -311,29 +319,30 @@ def optimizer_state(m: ModelShape, r: RunShape) -> Part:
 
 
 def optimizer_temporaries(m: ModelShape, r: RunShape) -> Part:
-    # AdamW (foreach) builds the update of every parameter at once: about one fp32 copy.
+    # AdamW builds the update of every parameter at once: about one fp32 copy; under FSDP,
+    # foreach over sharded tensors (the fused kernels take none): two (measured on the emulated
+    # card, scripts/plan_check.py's FSDP2 points on one and two cards).
     n = trainable_params(m, r)
-    return Part("optimizer step's temporaries", _resident(r, n * 4))
+    copies = 2 if r.sharded else 1
+    return Part("optimizer step's temporaries", _resident(r, copies * n * 4))
 
 
 def weight_copies(m: ModelShape, r: RunShape) -> Part:
     """Autocast's low-precision copies of fp32 weights, cached for the step (and saved for the
     backward of each matmul); none when the weights are already in the compute dtype."""
-    if r.compute_bytes >= r.weight_bytes:
+    if r.compute_bytes >= r.weight_bytes or r.sharded:  # FSDP: the gathered units are those
         return Part("autocast weight copies", 0)
     n = m.params - m.embedding_params + (m.embedding_params if m.tied else 0)
-    layers = m.layers if r.shard == 1 else 2  # FSDP: the gathered layers only
-    if r.shard > 1:
-        n = layers * m.layer_params + m.embedding_params
     return Part("autocast weight copies", n * r.compute_bytes, "fp32 weights cast for matmuls")
 
 
 def fsdp_gathered(m: ModelShape, r: RunShape) -> Part:
     """FSDP: the whole weights of the layers being computed (this one and the prefetched
-    next), and the root's embedding and output layer, which stay gathered through the step."""
-    if r.shard == 1:
+    next), and the root's embedding and output layer, which stay gathered through the step;
+    in the mixed-precision policy's dtype (accelerate sets the compute dtype)."""
+    if not r.sharded:
         return Part("FSDP gathered layers", 0)
-    size = (2 * m.layer_params + m.embedding_params + m.head_params) * r.weight_bytes
+    size = (2 * m.layer_params + m.embedding_params + m.head_params) * r.compute_bytes
     return Part("FSDP gathered layers", size, "2 layers + embedding and output layer")
 
 
@@ -378,14 +387,26 @@ def attention_scores(
     m: ModelShape, r: RunShape, one_layer: bool = False, masked_only: bool = False
 ) -> Part:
     """The math path's attention probabilities, kept for backward in fp32 (autocast runs
-    softmax in fp32): every layer's, or with checkpointing the recomputed layer's only; and the
-    packed rows' mask."""
+    softmax in fp32): every layer's, or with checkpointing the recomputed layer's only, then
+    beside their gradient (the softmax's backward reads the probabilities and writes the
+    scores' gradient); and the packed rows' mask."""
     mask = r.rows * r.seq * r.seq if r.masked else 0
     if not r.math_attention or masked_only:
         return Part("attention mask", mask, "bool, packed rows")
     layers = 1 if one_layer else m.layers
     size = layers * r.rows * m.heads * r.seq * r.seq * SCORE_BYTES
-    return Part("attention scores", size + mask, f"{layers} layer(s), no fused kernel")
+    if one_layer:
+        return Part("attention scores", 2 * size + mask, "1 layer's and their gradient")
+    return Part("attention scores", size + mask, f"{layers} layers, no fused kernel")
+
+
+def recast_layer(m: ModelShape, r: RunShape) -> Part:
+    """Backward of a recomputed layer: autocast's copies of that layer's weights only (its
+    cache of the whole model's is emptied when the forward's autocast ends; measured on the
+    emulated card, scripts/plan_check.py); under FSDP the gathered layer is already cast."""
+    if r.compute_bytes >= r.weight_bytes or r.sharded:
+        return Part("autocast weight copies", 0)
+    return Part("autocast weight copies", m.layer_params * r.compute_bytes, "the layer's")
 
 
 def activations_without_checkpointing(m: ModelShape, r: RunShape) -> int:
@@ -407,6 +428,12 @@ def logits_and_loss(m: ModelShape, r: RunShape, eval_rows: int | None = None) ->
     copies = LOGITS_COPIES + (LORA_LOGITS_COPIES if r.lora_rank else 0)
     if eval_rows is not None:
         copies = 2
+    elif r.sharded:  # measured: the logits and their gradient in backward, no more
+        return Part(
+            "logits and loss",
+            max(int((copies - 0.5) * one), one + chunk),
+            f"{int(tokens)} positions x {m.vocab}",
+        )
     size = int(copies * one) + chunk
     return Part("logits and loss", size, f"{int(tokens)} positions x {m.vocab}")
 
@@ -463,10 +490,15 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
         fsdp_gathered(m, r),
     ]
     # Full fine-tuning: the output layer's gradient is made first in backward, in the compute
-    # dtype (autocast's weight copy), then cast to the weights' dtype and accumulated.
+    # dtype (autocast's weight copy), then cast to the weights' dtype and accumulated. Under
+    # FSDP it is the gathered root's, whole and in the reduce dtype (the compute dtype), until
+    # the root's reduce-scatter after the last layer's backward.
     head_grad = 0 if r.lora_rank else m.hidden * m.vocab * r.weight_bytes
     if head_grad and r.compute_bytes < r.weight_bytes:
         head_grad += m.hidden * m.vocab * r.compute_bytes
+    head = Part("output layer's gradient", _resident(r, head_grad))
+    if head_grad and r.sharded:
+        head = Part("output layer's gradient", m.hidden * m.vocab * r.compute_bytes, "whole")
     layers_saved = not (r.checkpointing or r.activation_offload)
     backward = Phase(
         "training step (loss and output layer)",
@@ -477,7 +509,7 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
             attention_scores(m, r) if layers_saved else attention_scores(m, r, masked_only=True),
             logits_and_loss(m, r),
             second_logits(r),
-            Part("output layer's gradient", _resident(r, head_grad)),
+            head,
         ],
     )
     step = Phase("optimizer step", [*state, gradients(m, r), optimizer_temporaries(m, r)])
@@ -488,7 +520,7 @@ def phases(m: ModelShape, r: RunShape) -> list[Phase]:
                 "training step (a layer's backward)",
                 [
                     *state,
-                    weight_copies(m, r),
+                    recast_layer(m, r),
                     activations(m, r),
                     recomputed_layer(m, r),
                     attention_scores(m, r, one_layer=True),
@@ -776,6 +808,8 @@ def run_shape(
     *,
     processes: int = 1,
     shard: int = 1,
+    fsdp: bool | None = None,
+    fused_loss: bool | None = None,
     on_cpu: bool = False,
     mixed_precision: str | None = None,
     labelled: float | None = None,
@@ -787,7 +821,11 @@ def run_shape(
     ``mixed_precision``: what ``trainer.mixed_precision=auto`` resolves to (bf16 on the cards
     in :data:`CARDS`). ``labelled``: the share of positions whose logits the loss needs; null:
     all of them (the bound for long replies; with ``task.train_on_prompt=false`` the prompt's
-    positions need none). ``moore_threads``: a Moore Threads card (its attention kernels)."""
+    positions need none). ``moore_threads``: a Moore Threads card (its attention kernels).
+    ``fsdp``: FSDP wraps the model, on one process too (null: where ``shard`` > 1).
+    ``fused_loss``: what the run decided for ``trainer.fused_linear_loss`` (null: what the
+    settings say; a LoRA run that adds a template's tokens to a tied model trains its output
+    layer, so its loss runs unfused, which only the loaded model shows)."""
     trainer, task = settings.trainer, settings.task
     precision = mixed_precision or str(trainer.mixed_precision)
     if precision == "auto":
@@ -807,6 +845,8 @@ def run_shape(
     # trainer.fused_linear_loss (null: on with LoRA), where this checkout has it.
     fused = getattr(trainer, "fused_linear_loss", False)
     fused = bool(rank) if fused is None else bool(fused)
+    if fused_loss is not None:
+        fused = fused_loss
     attention = str(settings.model.attn_implementation)
     if attention == "auto":
         attention = "sdpa"
@@ -829,6 +869,7 @@ def run_shape(
         activation_offload=trainer.activation_offload,
         processes=processes,
         shard=shard,
+        fsdp=shard > 1 if fsdp is None else fsdp,
         fsdp_offload=bool(trainer.fsdp_offload if fsdp_offload is None else fsdp_offload)
         and shard > 1,
         labelled=1.0 if labelled is None else labelled,

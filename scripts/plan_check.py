@@ -53,8 +53,15 @@ GRID["full-nockpt-2048-offload"] = [
 # Under accelerate's FSDP2 (conf/accelerate/fsdp2.yaml) on one and on two cards (the emulated
 # card only: accelerate refuses FSDP on CPU processes), each card's peak against the plan of its
 # share: the weights, gradients and optimizer state sharded, the activations whole.
-FSDP_POINTS = {"full-ckpt-2048-fsdp2x1": 1, "full-ckpt-2048-fsdp2x2": 2}  # name -> processes
-GRID["full-ckpt-2048-fsdp2x1"] = GRID["full-ckpt-2048-fsdp2x2"] = GRID["full-ckpt-2048"]
+FSDP_POINTS: dict[str, int] = {}  # name -> processes
+for _base, _cards in (
+    ("full-ckpt-512", (1, 2)),
+    ("full-ckpt-2048", (1, 2)),
+    ("lora-ckpt-2048", (2,)),
+):
+    for _n in _cards:
+        FSDP_POINTS[f"{_base}-fsdp2x{_n}"] = _n
+        GRID[f"{_base}-fsdp2x{_n}"] = GRID[_base]
 # Evaluation after training, 2 packed rows at once: its logits are the run's peak.
 GRID["lora-ckpt-2048-eval"] = [
     *GRID["lora-ckpt-2048"],
@@ -166,6 +173,7 @@ def planned(name: str, model: Path, out: Path, cpu: bool) -> tuple[float, str]:
         labelled=1.0,
         processes=processes,
         shard=processes if name in FSDP_POINTS else 1,
+        fsdp=name in FSDP_POINTS,
     )
     return found.peak_bytes / plan.GIB, found.peak.name
 

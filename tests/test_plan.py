@@ -79,6 +79,40 @@ def test_settings_shrink_the_parts_they_name() -> None:
     assert longer.peak_bytes > full.peak_bytes
 
 
+def _parts(found: plan.Plan, phase: str) -> dict[str, int]:
+    return {p.name: p.bytes for p in next(x for x in found.phases if x.name == phase).parts}
+
+
+def test_fsdp_gathers_in_the_compute_dtype_and_autocast_copies_nothing() -> None:
+    """Under FSDP (accelerate's mixed-precision policy: the compute dtype) the gathered units
+    are the low-precision weights the matmuls read: no autocast copies; the output layer's
+    gradient is the gathered root's, whole, in that dtype; AdamW runs foreach over the shards
+    (two fp32 temporaries a parameter). FSDP on one process is FSDP too."""
+    shape = plan.model_shape("Qwen/Qwen3-0.6B")
+    mixed = {"weight_bytes": 4, "compute_bytes": 2, "seq": 2048, "checkpointing": True}
+    plain = plan.plan(shape, _run(**mixed))
+    loss = "training step (loss and output layer)"
+    assert _parts(plain, loss)["autocast weight copies"] > 0
+    for run in (_run(**mixed, fsdp=True), _run(**mixed, shard=2, processes=2)):
+        sharded = plan.plan(shape, run)
+        parts = _parts(sharded, loss)
+        assert parts["autocast weight copies"] == 0
+        root = (shape.embedding_params + shape.head_params) * 2
+        assert parts["FSDP gathered layers"] == 2 * shape.layer_params * 2 + root
+        assert parts["output layer's gradient"] == shape.hidden * shape.vocab * 2
+        step = _parts(sharded, "optimizer step")
+        assert step["optimizer step's temporaries"] == 2 * shape.params * 4 // run.shard
+    assert _parts(plain, "optimizer step")["optimizer step's temporaries"] == shape.params * 4
+
+
+def test_the_runs_own_fused_loss_decision_is_the_plans() -> None:
+    """A LoRA run that adds a template's tokens to a tied model trains its output layer, so its
+    loss runs unfused: the plan logged beside its peak takes the loaded model's decision."""
+    settings = plan.compose(["recipe=llama_sft", "peft=lora", f"model.name_or_path={QWEN3_8B}"])
+    assert plan.run_shape(settings).fused_loss
+    assert not plan.run_shape(settings, fused_loss=False).fused_loss
+
+
 def test_reference_and_teacher_are_sharded_like_the_policy() -> None:
     """DPO's frozen reference under full fine-tuning (none with LoRA: the adapter disabled)
     and GKD's teacher count once per card, divided among the FSDP / HSDP shard group."""
@@ -263,3 +297,13 @@ def test_accelerate_configs_give_processes_and_shards() -> None:
     assert plan.processes_from_accelerate(str(conf / "hsdp_musa.yaml")) == (16, 8, False)
     processes, shard, _ = plan.processes_from_accelerate(str(conf / "multi_musa.yaml"))
     assert processes > 1 and shard == 1
+
+
+@pytest.mark.slow  # every plan docs/large-models.md quotes, composed here: about 3 s
+def test_the_large_models_page_quotes_the_plans_of_this_checkout(capsys) -> None:
+    """Its plan blocks and table figures are what the commands beside them print now
+    (``python scripts/docs_plans.py`` rewrites them after a change to the plan)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts import docs_plans
+
+    assert docs_plans.main(["--check"]) == 0, capsys.readouterr().out
