@@ -803,6 +803,17 @@ def processes_from_accelerate(path: str | None) -> tuple[int, int, bool]:
     return processes, int(shard or processes), offload
 
 
+def _attention_shape(settings: Any, moore_threads: bool) -> tuple[bool, bool]:
+    """(math attention, packed rows' mask) of a run: eager, or SDPA with packed rows' mask on a
+    Moore Threads card, whose flash kernels take no arbitrary mask (MUSA.md), so its SDPA runs
+    the math path; CUDA's memory-efficient kernel and the CPU's flash kernel take the mask."""
+    attention = str(settings.model.attn_implementation)
+    if attention == "auto":
+        attention = "sdpa"
+    masked = bool(getattr(settings.task, "packing", False)) and attention in ("eager", "sdpa")
+    return attention == "eager" or (masked and moore_threads), masked
+
+
 def run_shape(
     settings: Any,
     *,
@@ -842,18 +853,10 @@ def run_shape(
     second, second_bytes = _second(settings, task, rank)
     num_generations = getattr(task, "num_generations", 0) if name in ("sft", "gkd") else 0
     rows = trainer.per_device_train_batch_size * pairs
-    # trainer.fused_linear_loss (null: on with LoRA), where this checkout has it.
-    fused = getattr(trainer, "fused_linear_loss", False)
-    fused = bool(rank) if fused is None else bool(fused)
-    if fused_loss is not None:
-        fused = fused_loss
-    attention = str(settings.model.attn_implementation)
-    if attention == "auto":
-        attention = "sdpa"
-    masked = bool(getattr(task, "packing", False)) and attention in ("eager", "sdpa")
-    # torch_musa's flash kernels take no arbitrary mask (MUSA.md): its SDPA then runs the math
-    # path; CUDA's memory-efficient kernel and the CPU's flash kernel take the mask.
-    math_attention = attention == "eager" or (masked and moore_threads)
+    if fused_loss is None:  # trainer.fused_linear_loss (null: on with LoRA), where it exists
+        setting = getattr(trainer, "fused_linear_loss", False)
+        fused_loss = bool(rank) if setting is None else bool(setting)
+    math_attention, masked = _attention_shape(settings, moore_threads)
     if name == "grpo":
         num_generations = rows * task.num_generations
     return RunShape(
@@ -875,7 +878,7 @@ def run_shape(
         labelled=1.0 if labelled is None else labelled,
         math_attention=math_attention,
         masked=masked,
-        fused_loss=fused and name in ("sft", "dpo", "kto", "grpo", "gkd"),
+        fused_loss=fused_loss and name in ("sft", "dpo", "kto", "grpo", "gkd"),
         optimizer_states=states,
         second=second,
         second_bytes=second_bytes,

@@ -67,8 +67,7 @@ def table(lines: list[str]) -> list[str]:
         if found:
             text = run(found.group(4))
             peak = re.findall(r"^peak: ([\d.]+ GiB)", text, flags=re.MULTILINE)[-1]
-            verdict = "fits" if "\nfits on" in text or text.startswith("fits on") else None
-            verdict = verdict or ("does not fit" if "does not fit" in text else "fits")
+            verdict = "does not fit" if "does not fit on" in text else "fits"
             line = f"{found.group(1)}{peak} ({verdict}){found.group(3)}"
         out.append(line)
     return out
